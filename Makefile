@@ -1,0 +1,30 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+export AIRFLOW_HOME := $(CURDIR)/.airflow
+
+.PHONY: demo test bench install clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[spark,test]'
+	@# The Spark provider's pyspark-client writes into pyspark/; reinstall pyspark last so it is whole.
+	$(BIN)/pip install --quiet --no-deps --force-reinstall -c constraints.txt pyspark
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python scripts/demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python bench/bench_store.py
+
+clean:
+	rm -rf $(VENV) .airflow

@@ -1,0 +1,3 @@
+"""Durable, exact delayed delivery of messages for Apache Airflow."""
+
+__version__ = "0.1.0"

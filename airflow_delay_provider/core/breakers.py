@@ -1,0 +1,91 @@
+"""Circuit breakers of seed 001: keep going through short outages, stop loudly when they last."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Callable, TypeVar
+
+from airflow_delay_provider.core.errors import CriticalError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class CircuitBreaker:
+    """The first failure arms a timer, a success disarms it, each failure waits; past the timer: CriticalError."""
+
+    def __init__(
+        self,
+        name: str,
+        time_to_trigger: float = 30.0,
+        wait_after_failure: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.name = name
+        self.time_to_trigger = time_to_trigger
+        self.wait_after_failure = wait_after_failure
+        self._clock = clock
+        self._sleep = sleep
+        self.armed_at: float | None = None
+
+    def success(self) -> None:
+        if self.armed_at is not None:
+            log.info("%s circuit breaker disarmed", self.name)
+        self.armed_at = None
+
+    def failure(self, error: BaseException) -> None:
+        now = self._clock()
+        if self.armed_at is None:
+            self.armed_at = now
+            log.warning("%s circuit breaker armed (trips after %.0f s of failures): %s", self.name, self.time_to_trigger, error)
+        elif now - self.armed_at >= self.time_to_trigger:
+            raise CriticalError(
+                f"{self.name} kept failing for {now - self.armed_at:.0f} s (allowed: {self.time_to_trigger:.0f} s); "
+                f"last error: {type(error).__name__}: {error}"
+            ) from error
+        self._sleep(self.wait_after_failure)
+
+
+class RateBreaker:
+    """Trips when more than `max_per_second * window` failures happen within `window` seconds."""
+
+    def __init__(
+        self,
+        name: str,
+        max_per_second: float = 1.0,
+        window: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_per_second <= 0:
+            raise ValueError(f"maximum failures per second must be > 0, got {max_per_second}")
+        self.name = name
+        self.limit = max_per_second * window
+        self.window = window
+        self._clock = clock
+        self._failures: deque[float] = deque()
+
+    def failure(self, error: BaseException | str) -> None:
+        now = self._clock()
+        self._failures.append(now)
+        while self._failures and self._failures[0] <= now - self.window:
+            self._failures.popleft()
+        if len(self._failures) > self.limit:
+            raise CriticalError(
+                f"{self.name}: {len(self._failures)} failures within {self.window:.0f} s "
+                f"(allowed: {self.limit:.0f}); last error: {error}"
+            )
+
+
+def call_with_breaker(breaker: CircuitBreaker, fn: Callable[[], T], retry_on: tuple[type[BaseException], ...]) -> T:
+    """Call `fn`, retrying the errors in `retry_on` under the breaker until it succeeds or the breaker trips."""
+    while True:
+        try:
+            result = fn()
+        except retry_on as exc:
+            breaker.failure(exc)
+            continue
+        breaker.success()
+        return result

@@ -1,0 +1,35 @@
+"""The provider's exceptions: one small hierarchy, each message says what was wrong and what is allowed."""
+
+from __future__ import annotations
+
+
+class DelayProviderError(Exception):
+    """Base of every error this package raises on purpose."""
+
+
+class InvalidInputError(DelayProviderError, ValueError):
+    """A value given by the caller is outside what is allowed; nothing was stored or sent."""
+
+
+class DelayError(InvalidInputError):
+    """A delay is not an int in the allowed range."""
+
+
+class InvalidNameError(InvalidInputError):
+    """A table, schema, queue or destination name is not allowed."""
+
+
+class InvalidMessageError(InvalidInputError):
+    """A message id, body or header is not allowed."""
+
+
+class DestinationNotFoundError(DelayProviderError):
+    """The destination queue does not exist; the message cannot be delivered until it is provisioned."""
+
+
+class UnavailableError(DelayProviderError, ConnectionError):
+    """A store or broker could not be reached."""
+
+
+class CriticalError(DelayProviderError):
+    """A circuit breaker tripped: failures went on for longer than allowed, so the work stops loudly."""

@@ -1,0 +1,101 @@
+"""The two interfaces the pump works against: a delayed-message store and a transport.
+
+Stores and transports live in their own packages (SQL today; RabbitMQ and SQS slot in behind
+`Transport`). Nothing here imports a database or broker client.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Iterable, Mapping, Sequence
+
+from airflow_delay_provider.core.message import DelayedMessage
+
+
+class Claim(ABC):
+    """A batch of due messages held exclusively until the claim ends (commit on success, release on error)."""
+
+    messages: list[DelayedMessage]
+    #: The open database transaction, for a transport that can join it (exactly-once dispatch).
+    connection: Any = None
+
+    @abstractmethod
+    def remove(self, message_ids: Iterable[str]) -> int:
+        """Delete delivered or dead-lettered messages; returns how many rows went."""
+
+    @abstractmethod
+    def retry(self, next_due: Mapping[str, datetime]) -> None:
+        """Count one more failure for each message and make it due again at the given time."""
+
+
+class DelayedMessageStore(ABC):
+    """Durable home of messages until they are due."""
+
+    @abstractmethod
+    def store(self, messages: Sequence[DelayedMessage]) -> int:
+        """Store messages atomically (all or none); ids already stored are skipped. Returns how many were new."""
+
+    @abstractmethod
+    def claim_due(self, now: datetime, limit: int, due_before: datetime | None = None) -> AbstractContextManager[Claim]:
+        """Claim up to `limit` messages due at `now` (and before `due_before`), oldest first."""
+
+    @abstractmethod
+    def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:
+        """Due time of the earliest stored message, or None when nothing is stored."""
+
+    @abstractmethod
+    def count_scheduled(self, due_before: datetime | None = None) -> dict[str, int]:
+        """Messages still stored per destination (seed 004's NumberOfMessagesDelayed)."""
+
+    @abstractmethod
+    def wait(self, until: datetime) -> None:
+        """Sleep until `until`, returning earlier when a message due sooner is stored."""
+
+
+@dataclass(frozen=True)
+class ReceivedMessage:
+    message_id: str
+    destination: str
+    body: bytes
+    headers: dict[str, str]
+    receipt: Any
+    enqueued_at: datetime
+    due_at: datetime | None = None
+    receive_count: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Transport(ABC):
+    """Where due messages go. One module per broker implements this."""
+
+    name: str = "transport"
+
+    @abstractmethod
+    def provision(self, endpoint: str) -> dict:
+        """Create what `endpoint` needs to receive messages (idempotent); returns what was declared or found."""
+
+    @abstractmethod
+    def send(self, messages: Sequence[DelayedMessage], connection: Any = None) -> dict[str, Exception]:
+        """Send a batch; returns the failures by message id (empty: all sent).
+
+        Raises when the whole batch could not be sent (broker unreachable). `connection` is the
+        store's open transaction, given only when `joins(store)` said so.
+        """
+
+    @abstractmethod
+    def receive(self, endpoint: str, max_messages: int = 10, visibility_timeout: float = 30.0) -> list[ReceivedMessage]:
+        """Take up to `max_messages` visible messages; they stay hidden for `visibility_timeout` until acked."""
+
+    @abstractmethod
+    def ack(self, endpoint: str, receipts: Iterable[Any]) -> int:
+        """Delete received messages; returns how many were deleted."""
+
+    def joins(self, store: DelayedMessageStore) -> bool:
+        """True when sends can run inside the store's transaction, making dispatch exactly once."""
+        return False
+
+    def close(self) -> None:
+        """Release connections."""

@@ -1,0 +1,226 @@
+"""The dispatch pump (seed 001's poller, in batches): claim due messages, send them, remove them.
+
+A batch is claimed inside one store transaction. Delivered messages are removed in that same
+transaction, so a crash anywhere releases the claim and the batch is dispatched again (at least
+once); when the transport writes into the store's own database it joins the transaction and the
+dispatch is exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
+from typing import Callable
+
+from airflow_delay_provider.core.breakers import CircuitBreaker, RateBreaker
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.errors import CriticalError, DestinationNotFoundError, InvalidInputError
+from airflow_delay_provider.core.message import DelayedMessage, check_destination
+from airflow_delay_provider.core.ports import DelayedMessageStore, Transport
+from airflow_delay_provider.core.stats import PumpStats
+
+log = logging.getLogger(__name__)
+
+#: Seconds to wait before the n-th retry (n starts at 1). Seed 001 retries at once.
+RetryDelay = Callable[[int], float]
+
+
+def immediate(_attempt: int) -> float:
+    return 0.0
+
+
+@dataclass
+class PumpConfig:
+    batch_size: int = 1000
+    number_of_retries: int = 0
+    error_queue: str = "error"
+    #: Longest sleep while idle; a sooner message wakes the pump earlier where the store can tell.
+    max_idle_seconds: float = 60.0
+    time_to_trigger_fetch_circuit_breaker: float = 30.0
+    time_to_trigger_dispatch_circuit_breaker: float = 30.0
+    maximum_recovery_failures_per_second: float = 1.0
+    progress_interval_seconds: float = 10.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or not 1 <= self.batch_size <= 10_000:
+            raise InvalidInputError(f"batch_size must be an int in 1..10000, got {self.batch_size!r}")
+        if isinstance(self.number_of_retries, bool) or not isinstance(self.number_of_retries, int) or not 0 <= self.number_of_retries <= 100:
+            raise InvalidInputError(f"number_of_retries must be an int in 0..100, got {self.number_of_retries!r}")
+        check_destination(self.error_queue)
+        for name in ("max_idle_seconds", "time_to_trigger_fetch_circuit_breaker",
+                     "time_to_trigger_dispatch_circuit_breaker", "maximum_recovery_failures_per_second"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise InvalidInputError(f"{name} must be a number > 0, got {value!r}")
+
+
+@dataclass
+class PumpResult:
+    """Why a run stopped: `deadline`, `max_messages`, `drained` (nothing left in the window) or `idle`."""
+
+    stats: PumpStats
+    reason: str
+    next_due: datetime | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class Pump:
+    def __init__(
+        self,
+        store: DelayedMessageStore,
+        transport: Transport,
+        config: PumpConfig | None = None,
+        retry_delay: RetryDelay = immediate,
+        clock: Callable[[], datetime] = utcnow,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.store = store
+        self.transport = transport
+        self.config = config or PumpConfig()
+        self.retry_delay = retry_delay
+        self._clock = clock
+        self.exactly_once = transport.joins(store)
+        c = self.config
+        self.fetch_breaker = CircuitBreaker("fetching due messages", c.time_to_trigger_fetch_circuit_breaker, sleep=sleep)
+        self.dispatch_breaker = CircuitBreaker("dispatching", c.time_to_trigger_dispatch_circuit_breaker, sleep=sleep)
+        self.recovery_breaker = RateBreaker("handling failed dispatches", c.maximum_recovery_failures_per_second)
+
+    # -- one batch -------------------------------------------------------------------------
+    def dispatch_batch(self, limit: int | None = None, due_before: datetime | None = None) -> PumpStats:
+        """Claim, send and settle one batch. Returns its counts (batches == 0 when nothing was due)."""
+        stats = PumpStats()
+        transient: Exception | None = None
+        try:
+            with self.store.claim_due(self._clock(), limit or self.config.batch_size, due_before) as claim:
+                if not claim.messages:
+                    self.fetch_breaker.success()
+                    return stats
+                stats.batches = 1
+                transient = self._settle(claim, stats)
+        except CriticalError:
+            raise
+        except Exception as exc:  # the claim was released: every message in it stays stored
+            log.warning("batch released, its messages stay stored and are claimed again: %s", exc)
+            self.fetch_breaker.failure(exc)
+            return PumpStats()
+        self.fetch_breaker.success()
+        if transient is not None:
+            self.dispatch_breaker.failure(transient)
+        else:
+            self.dispatch_breaker.success()
+        return stats
+
+    def _send(self, messages: list[DelayedMessage], connection) -> dict[str, Exception]:
+        try:
+            return self.transport.send(messages, connection=connection)
+        except CriticalError:
+            raise
+        except Exception as exc:  # the whole batch failed (broker down): each message counts a failure
+            return {m.message_id: exc for m in messages}
+
+    def _settle(self, claim, stats: PumpStats) -> Exception | None:
+        conn = claim.connection if self.exactly_once else None
+        messages = claim.messages
+        failures = self._send(messages, conn)
+        sent_at = self._clock()
+        delivered = [m.message_id for m in messages if m.message_id not in failures]
+        for m in messages:
+            if m.message_id not in failures:
+                stats.lateness.add((sent_at - m.due_at).total_seconds())
+        transient: Exception | None = None
+        retries: dict[str, datetime] = {}
+        dead: list[DelayedMessage] = []
+        for m in messages:
+            exc = failures.get(m.message_id)
+            if exc is None:
+                continue
+            failed = replace(m, failures=m.failures + 1)
+            if isinstance(exc, DestinationNotFoundError):
+                dead.append(failed.dead_lettered(self.config.error_queue, f"destination not found: {exc}", sent_at))
+                continue
+            transient = exc
+            if failed.failures > self.config.number_of_retries:
+                reason = f"{type(exc).__name__}: {exc} (after {failed.failures} attempt(s))"
+                dead.append(failed.dead_lettered(self.config.error_queue, reason, sent_at))
+            else:
+                retries[m.message_id] = sent_at + timedelta(seconds=self.retry_delay(failed.failures))
+        if dead:
+            dead_failures = self._send(dead, conn)
+            for d in dead:
+                error = dead_failures.get(d.message_id)
+                if error is None:
+                    delivered.append(d.message_id)
+                    stats.dead_lettered += 1
+                    log.warning("message %s for %s dead-lettered to %s: %s", d.message_id,
+                                d.headers.get("x-delay-failed-destination"), d.destination,
+                                d.headers.get("x-delay-failure-reason"))
+                else:
+                    # Keep it stored and due again: losing it is worse than retrying the dead-letter.
+                    retries[d.message_id] = sent_at
+                    self.recovery_breaker.failure(f"could not dead-letter {d.message_id} to {d.destination}: {error}")
+        claim.remove(delivered)
+        if retries:
+            claim.retry(retries)
+        stats.dispatched += len(delivered) - stats.dead_lettered
+        stats.retried += len(retries)
+        return transient
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(
+        self,
+        deadline: datetime | None = None,
+        max_messages: int | None = None,
+        due_before: datetime | None = None,
+        max_wait: float | None = None,
+        stop_when_idle: bool = False,
+    ) -> PumpResult:
+        """Dispatch until the deadline, `max_messages`, or nothing is left before `due_before`.
+
+        While nothing is due it sleeps until the next due time, but only when that is at most
+        `max_wait` seconds away (None: any wait up to the deadline); otherwise it returns `idle`
+        with the next due time, so a caller can defer instead of holding a worker.
+        """
+        stats = PumpStats()
+        started = time.monotonic()
+        last_report = started
+        while True:
+            now = self._clock()
+            if deadline is not None and now >= deadline:
+                return PumpResult(stats, "deadline", self.store.next_due(due_before=due_before))
+            handled = stats.dispatched + stats.dead_lettered
+            if max_messages is not None and handled >= max_messages:
+                return PumpResult(stats, "max_messages", self.store.next_due(due_before=due_before))
+            limit = self.config.batch_size if max_messages is None else min(self.config.batch_size, max_messages - handled)
+            batch = self.dispatch_batch(limit, due_before)
+            stats.merge(batch)
+            if time.monotonic() - last_report >= self.config.progress_interval_seconds:
+                last_report = time.monotonic()
+                self._report(stats, started, due_before)
+            if batch.batches:
+                continue
+            next_due = self.store.next_due(due_before=due_before)
+            if next_due is None and (due_before is not None or stop_when_idle):
+                return PumpResult(stats, "drained")
+            if stop_when_idle:
+                return PumpResult(stats, "idle", next_due)
+            now = self._clock()
+            target = now + timedelta(seconds=self.config.max_idle_seconds)
+            if next_due is not None:
+                if max_wait is not None and (next_due - now).total_seconds() > max_wait:
+                    return PumpResult(stats, "idle", next_due)
+                target = min(target, next_due)
+            elif max_wait is not None:
+                return PumpResult(stats, "idle", None)
+            if deadline is not None:
+                target = min(target, deadline)
+            self.store.wait(target)
+
+    def _report(self, stats: PumpStats, started: float, due_before: datetime | None) -> None:
+        elapsed = max(time.monotonic() - started, 1e-9)
+        rate = stats.dispatched / elapsed
+        backlog = sum(self.store.count_scheduled(due_before=min(self._clock(), due_before or self._clock())).values())
+        eta = f"{backlog / rate:.0f} s" if rate > 0 else "unknown"
+        log.info("dispatched %d (%.0f msg/s), retrying %d, dead-lettered %d; %d due now, ETA %s",
+                 stats.dispatched, rate, stats.retried, stats.dead_lettered, backlog, eta)

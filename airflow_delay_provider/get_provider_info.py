@@ -1,0 +1,59 @@
+"""Provider metadata read by Airflow through the `apache_airflow_provider` entry point."""
+
+from __future__ import annotations
+
+from airflow_delay_provider import __version__
+
+INTEGRATION = "Delayed Delivery"
+
+
+def get_provider_info() -> dict:
+    return {
+        "package-name": "airflow-delay-provider",
+        "name": "Delayed Delivery",
+        "description": "Durable, exact delayed delivery of messages: a SQL store of delayed messages with a "
+        "batched dispatch pump, and native delays on RabbitMQ and Amazon SQS.",
+        "versions": [__version__],
+        "integrations": [{"integration-name": INTEGRATION, "tags": ["service"]}],
+        "hooks": [{"integration-name": INTEGRATION, "python-modules": ["airflow_delay_provider.hooks.delay_store"]}],
+        "operators": [{"integration-name": INTEGRATION, "python-modules": ["airflow_delay_provider.operators.delay"]}],
+        "sensors": [{"integration-name": INTEGRATION, "python-modules": ["airflow_delay_provider.sensors.delay_store"]}],
+        "triggers": [{"integration-name": INTEGRATION, "python-modules": ["airflow_delay_provider.triggers.delay_store"]}],
+        "connection-types": [
+            {
+                "hook-class-name": "airflow_delay_provider.hooks.delay_store.DelayStoreHook",
+                "hook-name": "Delay Store (SQL)",
+                "connection-type": "delay_store",
+                "conn-fields": {
+                    "driver": {
+                        "label": "SQLAlchemy driver",
+                        "schema": {
+                            "type": ["string", "null"],
+                            "default": "postgresql+psycopg",
+                            "enum": ["postgresql+psycopg", "sqlite"],
+                        },
+                        "description": "postgresql+psycopg, or sqlite (then Database is the file path)",
+                    },
+                    "url": {
+                        "label": "SQLAlchemy URL (instead of the fields)",
+                        "schema": {"type": ["string", "null"]},
+                        "description": "Put the password in the Password field, not in the URL",
+                    },
+                    "table": {
+                        "label": "Store table",
+                        "schema": {"type": ["string", "null"], "default": "delayed_messages",
+                                   "pattern": "^[A-Za-z_][A-Za-z0-9_]{0,62}$"},
+                    },
+                    "db_schema": {
+                        "label": "Database schema (PostgreSQL)",
+                        "schema": {"type": ["string", "null"], "pattern": "^[A-Za-z_][A-Za-z0-9_]{0,62}$"},
+                    },
+                },
+                "ui-field-behaviour": {
+                    "hidden-fields": ["extra"],
+                    "relabeling": {"schema": "Database"},
+                    "placeholders": {"host": "127.0.0.1", "port": "5432", "schema": "airflow_delays"},
+                },
+            }
+        ],
+    }

@@ -1,0 +1,132 @@
+"""DelayStoreHook: the SQL delayed-message store (and its SQL-table transport) behind an Airflow connection."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from airflow.sdk import BaseHook
+from sqlalchemy.engine import URL, make_url
+
+from airflow_delay_provider.core.errors import InvalidInputError
+from airflow_delay_provider.stores.engine import check_identifier, safe_url
+from airflow_delay_provider.stores.sql import DEFAULT_TABLE, SqlDelayedMessageStore
+from airflow_delay_provider.transports.sql import SqlTableTransport
+
+EMBEDDED_DB_NAME = "delay_store.db"
+
+
+def embedded_url() -> URL:
+    """With no connection: a SQLite file under AIRFLOW_HOME, so the provider works with no service at all."""
+    home = Path(os.environ.get("AIRFLOW_HOME") or Path.home() / "airflow").resolve()
+    return make_url(f"sqlite:///{home / EMBEDDED_DB_NAME}")
+
+
+def url_from_connection(conn: Any) -> URL:
+    """An SQLAlchemy URL from a `delay_store` connection: extra `url`, or host/port/login/password/schema."""
+    extra = conn.extra_dejson or {}
+    if extra.get("url"):
+        url = make_url(extra["url"])
+        if conn.password:
+            url = url.set(password=conn.password)
+        return url
+    driver = extra.get("driver") or "postgresql+psycopg"
+    if driver.startswith("sqlite"):
+        return make_url(f"{driver}:///{conn.schema or conn.host}")
+    return URL.create(
+        driver,
+        username=conn.login or None,
+        password=conn.password or None,
+        host=conn.host or None,
+        port=int(conn.port) if conn.port else None,
+        database=conn.schema or None,
+    )
+
+
+class DelayStoreHook(BaseHook):
+    """Opens the delayed-message store named by a `delay_store` connection (None: embedded SQLite).
+
+    Connection extras: `driver` (default postgresql+psycopg), `url` (a full SQLAlchemy URL instead of
+    the fields), `table` (default delayed_messages), `db_schema` (PostgreSQL schema for the tables).
+    """
+
+    conn_name_attr = "delay_store_conn_id"
+    default_conn_name = "delay_store_default"
+    conn_type = "delay_store"
+    hook_name = "Delay Store (SQL)"
+
+    def __init__(
+        self,
+        delay_store_conn_id: str | None = None,
+        table: str | None = None,
+        db_schema: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.delay_store_conn_id = delay_store_conn_id
+        self._table = table
+        self._db_schema = db_schema
+        self._resolved: tuple[URL, str, str | None] | None = None
+
+    def _resolve(self) -> tuple[URL, str, str | None]:
+        if self._resolved is None:
+            if self.delay_store_conn_id is None:
+                url, extra = embedded_url(), {}
+            else:
+                conn = self.get_connection(self.delay_store_conn_id)
+                url, extra = url_from_connection(conn), conn.extra_dejson or {}
+            self._resolved = resolve_location(url, extra, self._table, self._db_schema)
+        return self._resolved
+
+    async def aget_store(self) -> SqlDelayedMessageStore:
+        """The store, resolving the connection the async way (for triggers)."""
+        if self._resolved is None and self.delay_store_conn_id is not None:
+            conn = await self.aget_connection(self.delay_store_conn_id)
+            self._resolved = resolve_location(
+                url_from_connection(conn), conn.extra_dejson or {}, self._table, self._db_schema
+            )
+        return self.get_store()
+
+    @property
+    def url(self) -> URL:
+        return self._resolve()[0]
+
+    def get_store(self) -> SqlDelayedMessageStore:
+        url, table, schema = self._resolve()
+        return SqlDelayedMessageStore(url, table=table, schema=schema)
+
+    def get_transport(self) -> SqlTableTransport:
+        """Queues as tables in the same database: dispatch from this store to them is exactly once."""
+        url, _, schema = self._resolve()
+        return SqlTableTransport(url, schema=schema)
+
+    def get_conn(self) -> SqlDelayedMessageStore:
+        return self.get_store()
+
+    def test_connection(self) -> tuple[bool, str]:
+        try:
+            store = self.get_store()
+            scheduled = sum(store.count_scheduled().values()) if _table_exists(store) else None
+        except Exception as exc:  # shown in the UI; the store's errors never carry the password
+            return False, f"{type(exc).__name__}: {exc}"
+        where = safe_url(store.url)
+        if scheduled is None:
+            return True, f"Reached {where}; table {store.table_name} not created yet (provision creates it)"
+        return True, f"Reached {where}; {scheduled} message(s) scheduled in {store.table_name}"
+
+
+def resolve_location(url: URL, extra: dict, table: str | None, db_schema: str | None) -> tuple[URL, str, str | None]:
+    table = check_identifier("table name", table or extra.get("table") or DEFAULT_TABLE)
+    schema = db_schema or extra.get("db_schema") or None
+    if schema is not None:
+        check_identifier("schema name", schema)
+        if url.get_backend_name() != "postgresql":
+            raise InvalidInputError(f"db_schema is only supported on PostgreSQL, not {url.get_backend_name()}")
+    return url, table, schema
+
+
+def _table_exists(store: SqlDelayedMessageStore) -> bool:
+    from sqlalchemy import inspect
+
+    return inspect(store.engine).has_table(store.table_name, schema=store.schema)

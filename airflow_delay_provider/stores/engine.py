@@ -1,0 +1,88 @@
+"""SQLAlchemy engines shared by the SQL store and the SQL transport, and checks on SQL identifiers."""
+
+from __future__ import annotations
+
+import re
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import OperationalError
+
+from airflow_delay_provider.core.errors import InvalidNameError, UnavailableError
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+_engines: dict[str, Engine] = {}
+_lock = threading.Lock()
+
+
+def check_identifier(kind: str, name: object) -> str:
+    """Table and schema names go into SQL text, so only plain identifiers are allowed."""
+    if not isinstance(name, str) or not _IDENTIFIER.match(name):
+        raise InvalidNameError(
+            f"{kind} {name!r} is not allowed: use 1-63 ASCII letters, digits and underscores, "
+            "starting with a letter or underscore"
+        )
+    return name
+
+
+def safe_url(url: URL | str) -> str:
+    """The URL as it may appear in logs and errors: never with its password."""
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def get_engine(url: URL | str) -> Engine:
+    """One engine (and pool) per database URL in a process, so a store and a transport can share it."""
+    url = make_url(url)
+    key = url.render_as_string(hide_password=False)
+    with _lock:
+        engine = _engines.get(key)
+        if engine is None:
+            engine = _engines[key] = _create(url)
+        return engine
+
+
+def dispose_engines() -> None:
+    with _lock:
+        for engine in _engines.values():
+            engine.dispose()
+        _engines.clear()
+
+
+def _create(url: URL) -> Engine:
+    if url.get_backend_name() == "sqlite":
+        engine = create_engine(url, connect_args={"timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_connection, _record):  # pragma: no branch
+            # Take over transaction control from pysqlite so BEGIN IMMEDIATE can be issued:
+            # a claim then holds the write lock from its first read, which SQLite needs in place
+            # of SKIP LOCKED to keep two pumps from taking the same rows.
+            dbapi_connection.isolation_level = None
+            dbapi_connection.execute("PRAGMA journal_mode=WAL")
+            dbapi_connection.execute("PRAGMA synchronous=NORMAL")
+
+        @event.listens_for(engine, "begin")
+        def _on_begin(conn):
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+
+
+@contextmanager
+def translate_errors(url: URL | str, action: str) -> Iterator[None]:
+    """Turn driver connection errors into UnavailableError that names the database but not its password."""
+    try:
+        yield
+    except OperationalError as exc:
+        message = str(exc.orig) if exc.orig is not None else str(exc)
+        password = make_url(url).password
+        if password:
+            message = message.replace(str(password), "***")
+        raise UnavailableError(
+            f"could not {action}: the database at {safe_url(url)} is not reachable or refused the operation "
+            f"({message.strip().splitlines()[0] if message.strip() else type(exc).__name__})"
+        ) from None  # the driver's exception may carry the connection string

@@ -1,0 +1,253 @@
+"""The SQL delayed-message store (seed 001's external store, in batches): SQLite and PostgreSQL.
+
+All SQL of the store is in this module. Times are integer microseconds since the epoch (UTC),
+which compare and index the same way on every database.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from typing import Iterable, Iterator, Mapping, Sequence
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+    bindparam,
+    delete,
+    func,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import URL, Connection, make_url
+from sqlalchemy.schema import CreateSchema
+
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
+from airflow_delay_provider.stores.engine import check_identifier, get_engine, safe_url, translate_errors
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TABLE = "delayed_messages"
+#: Without LISTEN/NOTIFY (SQLite) an idle pump re-reads the next due time this often.
+SQLITE_POLL_SECONDS = 0.5
+
+
+def to_us(moment: datetime) -> int:
+    return int(moment.timestamp() * 1_000_000)
+
+
+def from_us(us: int) -> datetime:
+    return datetime.fromtimestamp(us / 1_000_000, tz=timezone.utc)
+
+
+# One BIGINT primary key that autoincrements on both SQLite (as the rowid) and PostgreSQL.
+_Id = BigInteger().with_variant(Integer, "sqlite")
+
+
+def store_table(metadata: MetaData, name: str, schema: str | None) -> Table:
+    return Table(
+        name,
+        metadata,
+        Column("id", _Id, primary_key=True, autoincrement=True),
+        Column("message_id", String(200), nullable=False, unique=True),
+        Column("destination", String(255), nullable=False),
+        Column("body", LargeBinary, nullable=False),
+        Column("headers", Text, nullable=False),
+        Column("due_at_us", BigInteger, nullable=False),
+        Column("stored_at_us", BigInteger, nullable=False),
+        Column("failures", Integer, nullable=False, server_default="0"),
+        Index(f"ix_{name}_due", "due_at_us", "id"),
+        schema=schema,
+    )
+
+
+class _SqlClaim(Claim):
+    def __init__(self, conn: Connection, table: Table, rows) -> None:
+        self.connection = conn
+        self._table = table
+        self._ids: dict[str, int] = {}
+        self.messages = []
+        for row in rows:
+            self._ids[row.message_id] = row.id
+            self.messages.append(
+                DelayedMessage(
+                    destination=row.destination,
+                    body=row.body,
+                    due_at=from_us(row.due_at_us),
+                    headers=json.loads(row.headers),
+                    message_id=row.message_id,
+                    failures=row.failures,
+                )
+            )
+
+    def remove(self, message_ids: Iterable[str]) -> int:
+        ids = [self._ids[m] for m in message_ids]
+        if not ids:
+            return 0
+        removed = self.connection.execute(delete(self._table).where(self._table.c.id.in_(ids))).rowcount
+        if removed != len(ids):  # rows are locked by this claim, so this means someone bypassed the lock
+            log.warning("removed %d of %d dispatched messages: potential more-than-once dispatch", removed, len(ids))
+        return removed
+
+    def retry(self, next_due: Mapping[str, datetime]) -> None:
+        t = self._table
+        stmt = (
+            update(t)
+            .where(t.c.id == bindparam("rid"))
+            .values(failures=t.c.failures + 1, due_at_us=bindparam("due"))
+        )
+        self.connection.execute(stmt, [{"rid": self._ids[m], "due": to_us(due)} for m, due in next_due.items()])
+
+
+class SqlDelayedMessageStore(DelayedMessageStore):
+    """Delayed messages in one table; claims lock rows (`FOR UPDATE SKIP LOCKED` on PostgreSQL)."""
+
+    def __init__(self, url: URL | str, table: str = DEFAULT_TABLE, schema: str | None = None) -> None:
+        self.url = make_url(url)
+        self.table_name = check_identifier("table name", table)
+        self.schema = None if schema is None else check_identifier("schema name", schema)
+        self.engine = get_engine(self.url)
+        self.is_postgres = self.engine.dialect.name == "postgresql"
+        self.table = store_table(MetaData(), self.table_name, self.schema)
+        qualified = f"{self.schema}.{self.table_name}" if self.schema else self.table_name
+        # LISTEN takes an identifier of at most 63 bytes; a hash keeps any schema.table pair within it.
+        self.channel = "delay_" + hashlib.sha1(qualified.encode()).hexdigest()[:24]
+        self._listener = None
+
+    def __repr__(self) -> str:
+        return f"SqlDelayedMessageStore({safe_url(self.url)!r}, table={self.table_name!r}, schema={self.schema!r})"
+
+    def _errors(self, action: str):
+        return translate_errors(self.url, action)
+
+    # -- schema --------------------------------------------------------------------------------
+    def create_schema(self) -> None:
+        """Create the schema, table and index if missing (idempotent, safe to run concurrently)."""
+        with self._errors("create the delay store schema"), self.engine.begin() as conn:
+            if self.schema and self.is_postgres:
+                conn.execute(CreateSchema(self.schema, if_not_exists=True))
+            self.table.metadata.create_all(conn, checkfirst=True)
+
+    def drop_schema(self) -> None:
+        with self._errors("drop the delay store table"), self.engine.begin() as conn:
+            self.table.drop(conn, checkfirst=True)
+
+    # -- writes -----------------------------------------------------------------------------------
+    def store(self, messages: Sequence[DelayedMessage]) -> int:
+        if not messages:
+            return 0
+        now = to_us(utcnow())
+        rows = [
+            {
+                "message_id": m.message_id,
+                "destination": m.destination,
+                "body": m.body,
+                "headers": json.dumps(m.headers, separators=(",", ":")),
+                "due_at_us": to_us(m.due_at),
+                "stored_at_us": now,
+                "failures": m.failures,
+            }
+            for m in messages
+        ]
+        insert = (postgresql.insert if self.is_postgres else sqlite.insert)(self.table)
+        # Idempotent by message id: a retried task stores nothing twice.
+        stmt = insert.on_conflict_do_nothing(index_elements=["message_id"]).returning(self.table.c.id)
+        with self._errors("store delayed messages"), self.engine.begin() as conn:
+            stored = len(conn.execute(stmt, rows).all())
+            if self.is_postgres and stored:
+                # Delivered at commit; wakes idle pumps that sleep past this due time.
+                soonest = min(r["due_at_us"] for r in rows)
+                conn.execute(select(func.pg_notify(self.channel, str(soonest))))
+        return stored
+
+    @contextmanager
+    def claim_due(self, now: datetime, limit: int, due_before: datetime | None = None) -> Iterator[Claim]:
+        t = self.table
+        query = select(t).where(t.c.due_at_us <= to_us(now))
+        if due_before is not None:
+            query = query.where(t.c.due_at_us < to_us(due_before))
+        query = query.order_by(t.c.due_at_us, t.c.id).limit(limit).with_for_update(skip_locked=True)
+        with self._errors("claim due messages"), self.engine.begin() as conn:
+            yield _SqlClaim(conn, t, conn.execute(query).all())
+
+    # -- reads -----------------------------------------------------------------------------------
+    def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:
+        t = self.table
+        query = select(func.min(t.c.due_at_us))
+        if destination is not None:
+            query = query.where(t.c.destination == destination)
+        if due_before is not None:
+            query = query.where(t.c.due_at_us < to_us(due_before))
+        with self._errors("read the next due time"), self.engine.connect() as conn:
+            value = conn.execute(query).scalar()
+        return None if value is None else from_us(value)
+
+    def count_scheduled(self, due_before: datetime | None = None, destination: str | None = None) -> dict[str, int]:
+        t = self.table
+        query = select(t.c.destination, func.count()).group_by(t.c.destination)
+        if due_before is not None:
+            query = query.where(t.c.due_at_us < to_us(due_before))
+        if destination is not None:
+            query = query.where(t.c.destination == destination)
+        with self._errors("count scheduled messages"), self.engine.connect() as conn:
+            return {dest: n for dest, n in conn.execute(query).all()}
+
+    def get(self, message_id: str) -> DelayedMessage | None:
+        """A stored message by id (for inspection and tests)."""
+        t = self.table
+        with self._errors("read a stored message"), self.engine.connect() as conn:
+            row = conn.execute(select(t).where(t.c.message_id == message_id)).first()
+        return None if row is None else _SqlClaim(conn, t, [row]).messages[0]
+
+    # -- waiting ---------------------------------------------------------------------------------
+    def wait(self, until: datetime) -> None:
+        remaining = (until - utcnow()).total_seconds()
+        if remaining <= 0:
+            return
+        if not self.is_postgres:
+            time.sleep(min(remaining, SQLITE_POLL_SECONDS))
+            return
+        if self._listener is None or self._listener.closed:
+            try:
+                self._listener = self._listen()
+            except Exception as exc:  # fall back to polling; the pump re-checks after each wake-up
+                log.warning("LISTEN failed (%s); polling instead", exc)
+                time.sleep(min(remaining, 1.0))
+            # A message stored before LISTEN took effect sent no notification we could see:
+            # return so the caller reads the next due time again, now with the listener in place.
+            return
+        listener = self._listener
+        until_us = to_us(until)
+        deadline = time.monotonic() + remaining
+        while (left := deadline - time.monotonic()) > 0:
+            for note in listener.notifies(timeout=left, stop_after=1):
+                if note.payload.isdigit() and int(note.payload) < until_us:
+                    return
+                break
+
+    def _listen(self):
+        import psycopg  # only PostgreSQL stores get here
+
+        url = self.url.set(drivername="postgresql")
+        conn = psycopg.connect(url.render_as_string(hide_password=False), autocommit=True)
+        conn.execute(f'LISTEN "{self.channel}"')  # channel is a hex digest with a fixed prefix
+        return conn
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None

@@ -1,0 +1,198 @@
+"""Queues as SQL tables: the embedded default transport (SQLite or PostgreSQL).
+
+Every queue's messages live in one table, keyed by queue name, beside a registry of provisioned
+queues. A message is visible, in flight (received, hidden until its visibility timeout) or
+deleted (acked): seed 004's lifecycle. When the delayed-message store is in the same database
+the pump inserts here inside its claim transaction, so dispatch is exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any, Iterable, Sequence
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+    case,
+    delete,
+    func,
+    insert,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import URL, Connection, make_url
+from sqlalchemy.schema import CreateSchema
+
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.errors import DestinationNotFoundError
+from airflow_delay_provider.core.message import DelayedMessage, check_destination
+from airflow_delay_provider.core.ports import DelayedMessageStore, ReceivedMessage, Transport
+from airflow_delay_provider.stores.engine import check_identifier, get_engine, safe_url, translate_errors
+from airflow_delay_provider.stores.sql import SqlDelayedMessageStore, from_us, to_us
+
+_Id = BigInteger().with_variant(Integer, "sqlite")
+
+
+class SqlTableTransport(Transport):
+    name = "sql"
+
+    def __init__(self, url: URL | str, schema: str | None = None, table_prefix: str = "delay_") -> None:
+        self.url = make_url(url)
+        self.schema = None if schema is None else check_identifier("schema name", schema)
+        check_identifier("table prefix", table_prefix + "queues")
+        self.engine = get_engine(self.url)
+        self.is_postgres = self.engine.dialect.name == "postgresql"
+        md = MetaData()
+        self.queues = Table(
+            f"{table_prefix}queues",
+            md,
+            Column("name", String(255), primary_key=True),
+            Column("created_at_us", BigInteger, nullable=False),
+            schema=self.schema,
+        )
+        self.messages = Table(
+            f"{table_prefix}queue_messages",
+            md,
+            Column("seq", _Id, primary_key=True, autoincrement=True),
+            Column("queue", String(255), nullable=False),
+            Column("message_id", String(200), nullable=False),
+            Column("body", LargeBinary, nullable=False),
+            Column("headers", Text, nullable=False),
+            Column("due_at_us", BigInteger),
+            Column("enqueued_at_us", BigInteger, nullable=False),
+            Column("visible_at_us", BigInteger, nullable=False),
+            Column("receive_count", Integer, nullable=False, server_default="0"),
+            Index(f"ix_{table_prefix}queue_messages_visible", "queue", "visible_at_us", "seq"),
+            schema=self.schema,
+        )
+
+    def __repr__(self) -> str:
+        return f"SqlTableTransport({safe_url(self.url)!r}, schema={self.schema!r})"
+
+    def _errors(self, action: str):
+        return translate_errors(self.url, action)
+
+    def create_schema(self) -> None:
+        with self._errors("create the queue tables"), self.engine.begin() as conn:
+            if self.schema and self.is_postgres:
+                conn.execute(CreateSchema(self.schema, if_not_exists=True))
+            self.queues.metadata.create_all(conn, checkfirst=True)
+
+    def provision(self, endpoint: str) -> dict:
+        check_destination(endpoint)
+        self.create_schema()
+        stmt = (postgresql.insert if self.is_postgres else sqlite.insert)(self.queues)
+        stmt = stmt.on_conflict_do_nothing(index_elements=["name"])
+        with self._errors(f"provision queue {endpoint!r}"), self.engine.begin() as conn:
+            created = conn.execute(stmt, {"name": endpoint, "created_at_us": to_us(utcnow())}).rowcount == 1
+        return {"transport": self.name, "endpoint": endpoint, "created": created}
+
+    def teardown(self, endpoint: str) -> int:
+        """Remove a queue and the messages in it; later sends to it are dead-lettered as not found."""
+        with self._errors(f"tear down queue {endpoint!r}"), self.engine.begin() as conn:
+            conn.execute(delete(self.queues).where(self.queues.c.name == endpoint))
+            return conn.execute(delete(self.messages).where(self.messages.c.queue == endpoint)).rowcount
+
+    def joins(self, store: DelayedMessageStore) -> bool:
+        return isinstance(store, SqlDelayedMessageStore) and store.engine is self.engine
+
+    def send(self, messages: Sequence[DelayedMessage], connection: Any = None) -> dict[str, Exception]:
+        if not messages:
+            return {}
+        if connection is not None:
+            # A savepoint keeps a failed insert from aborting the store's claim transaction.
+            with connection.begin_nested():
+                return self._insert(connection, messages)
+        with self._errors("send to SQL queues"), self.engine.begin() as conn:
+            return self._insert(conn, messages)
+
+    def _insert(self, conn: Connection, messages: Sequence[DelayedMessage]) -> dict[str, Exception]:
+        wanted = {m.destination for m in messages}
+        known = set(conn.execute(select(self.queues.c.name).where(self.queues.c.name.in_(wanted))).scalars())
+        failures: dict[str, Exception] = {}
+        now = to_us(utcnow())
+        rows = []
+        for m in messages:
+            if m.destination not in known:
+                failures[m.message_id] = DestinationNotFoundError(
+                    f"queue {m.destination!r} does not exist; provision it first (ProvisionDelayInfrastructureOperator "
+                    "or SqlTableTransport.provision)"
+                )
+                continue
+            rows.append(
+                {
+                    "queue": m.destination,
+                    "message_id": m.message_id,
+                    "body": m.body,
+                    "headers": json.dumps(m.headers, separators=(",", ":")),
+                    "due_at_us": to_us(m.due_at),
+                    "enqueued_at_us": now,
+                    "visible_at_us": now,
+                }
+            )
+        if rows:
+            conn.execute(insert(self.messages), rows)
+        return failures
+
+    def receive(self, endpoint: str, max_messages: int = 10, visibility_timeout: float = 30.0) -> list[ReceivedMessage]:
+        t = self.messages
+        now = utcnow()
+        query = (
+            select(t)
+            .where(t.c.queue == endpoint, t.c.visible_at_us <= to_us(now))
+            .order_by(t.c.seq)
+            .limit(max_messages)
+            .with_for_update(skip_locked=True)
+        )
+        hidden_until = to_us(now + timedelta(seconds=visibility_timeout))
+        with self._errors(f"receive from queue {endpoint!r}"), self.engine.begin() as conn:
+            rows = conn.execute(query).all()
+            if rows:
+                conn.execute(
+                    update(t)
+                    .where(t.c.seq.in_([r.seq for r in rows]))
+                    .values(visible_at_us=hidden_until, receive_count=t.c.receive_count + 1)
+                )
+        return [
+            ReceivedMessage(
+                message_id=r.message_id,
+                destination=r.queue,
+                body=r.body,
+                headers=json.loads(r.headers),
+                receipt=r.seq,
+                enqueued_at=from_us(r.enqueued_at_us),
+                due_at=None if r.due_at_us is None else from_us(r.due_at_us),
+                receive_count=r.receive_count + 1,
+            )
+            for r in rows
+        ]
+
+    def ack(self, endpoint: str, receipts: Iterable[Any]) -> int:
+        seqs = [int(r) for r in receipts]
+        if not seqs:
+            return 0
+        t = self.messages
+        with self._errors(f"ack messages of queue {endpoint!r}"), self.engine.begin() as conn:
+            return conn.execute(delete(t).where(t.c.queue == endpoint, t.c.seq.in_(seqs))).rowcount
+
+    def depth(self, endpoint: str) -> dict[str, int]:
+        """Messages in the queue by lifecycle state: visible, and in flight (received, not yet acked)."""
+        t = self.messages
+        now = to_us(utcnow())
+        query = select(
+            func.count(case((t.c.visible_at_us <= now, 1))),
+            func.count(case((t.c.visible_at_us > now, 1))),
+        ).where(t.c.queue == endpoint)
+        with self._errors(f"read the depth of queue {endpoint!r}"), self.engine.connect() as conn:
+            visible, in_flight = conn.execute(query).one()
+        return {"visible": visible, "in_flight": in_flight}

@@ -1,0 +1,114 @@
+"""Triggers that wait on the delayed-message store in the triggerer, so no worker slot is held."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime
+from typing import Any, AsyncIterator
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from airflow_delay_provider.core.delays import utcnow
+
+
+def _parse(moment: str | None) -> datetime | None:
+    return None if moment is None else datetime.fromisoformat(moment)
+
+
+class _StoreTrigger(BaseTrigger):
+    def __init__(
+        self,
+        delay_store_conn_id: str | None = None,
+        table: str | None = None,
+        db_schema: str | None = None,
+        due_before: str | None = None,
+        deadline: str | None = None,
+        poll_interval: float = 5.0,
+        destination: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.delay_store_conn_id = delay_store_conn_id
+        self.table = table
+        self.db_schema = db_schema
+        self.due_before = due_before
+        self.deadline = deadline
+        self.poll_interval = float(poll_interval)
+        self.destination = destination
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                "delay_store_conn_id": self.delay_store_conn_id,
+                "table": self.table,
+                "db_schema": self.db_schema,
+                "due_before": self.due_before,
+                "deadline": self.deadline,
+                "poll_interval": self.poll_interval,
+                "destination": self.destination,
+            },
+        )
+
+    async def _store(self):
+        from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+
+        hook = DelayStoreHook(self.delay_store_conn_id, table=self.table, db_schema=self.db_schema)
+        return await hook.aget_store()
+
+    def _sleep_for(self, wake_at: datetime | None) -> float:
+        now = utcnow()
+        limits = [self.poll_interval]
+        if wake_at is not None:
+            limits.append((wake_at - now).total_seconds())
+        deadline = _parse(self.deadline)
+        if deadline is not None:
+            limits.append((deadline - now).total_seconds())
+        return max(0.0, min(limits))
+
+
+class DueTimeoutTrigger(_StoreTrigger):
+    """Fires `due` when a stored message (before `due_before`, if given) is due; `drained` when the
+    window holds nothing more; `timeout` at `deadline`. Re-reads the store every `poll_interval`
+    seconds, so a sooner message stored meanwhile is noticed."""
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        try:
+            store = await self._store()
+            due_before = _parse(self.due_before)
+            deadline = _parse(self.deadline)
+            while True:
+                next_due = await asyncio.to_thread(store.next_due, self.destination, due_before)
+                now = utcnow()
+                if next_due is not None and next_due <= now:
+                    yield TriggerEvent({"status": "due", "next_due": next_due.isoformat()})
+                    return
+                if next_due is None and due_before is not None:
+                    yield TriggerEvent({"status": "drained"})
+                    return
+                if deadline is not None and now >= deadline:
+                    yield TriggerEvent({"status": "timeout"})
+                    return
+                await asyncio.sleep(self._sleep_for(next_due))
+        except Exception as exc:  # reported to execute_complete, which fails the task with it
+            yield TriggerEvent({"status": "error", "message": f"{type(exc).__name__}: {exc}"})
+
+
+class ScheduledMessagesTrigger(_StoreTrigger):
+    """Fires `drained` once nothing (for `destination`, if given) is scheduled before `due_before`."""
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        try:
+            store = await self._store()
+            due_before = _parse(self.due_before)
+            deadline = _parse(self.deadline)
+            while True:
+                counts = await asyncio.to_thread(store.count_scheduled, due_before, self.destination)
+                if not sum(counts.values()):
+                    yield TriggerEvent({"status": "drained"})
+                    return
+                if deadline is not None and utcnow() >= deadline:
+                    yield TriggerEvent({"status": "timeout", "scheduled": counts})
+                    return
+                await asyncio.sleep(self._sleep_for(None))
+        except Exception as exc:
+            yield TriggerEvent({"status": "error", "message": f"{type(exc).__name__}: {exc}"})
