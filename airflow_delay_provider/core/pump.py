@@ -88,8 +88,9 @@ class Pump:
         self.recovery_breaker = RateBreaker("handling failed dispatches", c.maximum_recovery_failures_per_second)
 
     # -- one batch -------------------------------------------------------------------------
-    def dispatch_batch(self, limit: int | None = None, due_before: datetime | None = None) -> PumpStats:
-        """Claim, send and settle one batch. Returns its counts (batches == 0 when nothing was due)."""
+    def dispatch_batch(self, limit: int | None = None, due_before: datetime | None = None) -> PumpStats | None:
+        """Claim, send and settle one batch. Returns its counts (batches == 0 when nothing was due),
+        or None when the store failed and the batch was released (the fetch breaker counts it)."""
         stats = PumpStats()
         transient: Exception | None = None
         try:
@@ -104,7 +105,7 @@ class Pump:
         except Exception as exc:  # the claim was released: every message in it stays stored
             log.warning("batch released, its messages stay stored and are claimed again: %s", exc)
             self.fetch_breaker.failure(exc)
-            return PumpStats()
+            return None
         self.fetch_breaker.success()
         if transient is not None:
             self.dispatch_breaker.failure(transient)
@@ -188,24 +189,36 @@ class Pump:
         while True:
             now = self._clock()
             if deadline is not None and now >= deadline:
-                return PumpResult(stats, "deadline", self.store.next_due(due_before=due_before))
+                return PumpResult(stats, "deadline", self._next_due(due_before))
             handled = stats.dispatched + stats.dead_lettered
             if max_messages is not None and handled >= max_messages:
-                return PumpResult(stats, "max_messages", self.store.next_due(due_before=due_before))
+                return PumpResult(stats, "max_messages", self._next_due(due_before))
             limit = self.config.batch_size if max_messages is None else min(self.config.batch_size, max_messages - handled)
             batch = self.dispatch_batch(limit, due_before)
+            if batch is None:
+                continue
             stats.merge(batch)
             if time.monotonic() - last_report >= self.config.progress_interval_seconds:
                 last_report = time.monotonic()
                 self._report(stats, started, due_before)
             if batch.batches:
                 continue
-            next_due = self.store.next_due(due_before=due_before)
+            try:
+                next_due = self.store.next_due(due_before=due_before)
+            except CriticalError:
+                raise
+            except Exception as exc:
+                self.fetch_breaker.failure(exc)
+                continue
             if next_due is None and (due_before is not None or stop_when_idle):
                 return PumpResult(stats, "drained")
             if stop_when_idle:
                 return PumpResult(stats, "idle", next_due)
             now = self._clock()
+            if next_due is not None and next_due <= now:
+                # Due rows exist but another pump holds them: look again shortly, do not spin.
+                self.store.wait(now + timedelta(seconds=0.05))
+                continue
             target = now + timedelta(seconds=self.config.max_idle_seconds)
             if next_due is not None:
                 if max_wait is not None and (next_due - now).total_seconds() > max_wait:
@@ -216,6 +229,14 @@ class Pump:
             if deadline is not None:
                 target = min(target, deadline)
             self.store.wait(target)
+
+    def _next_due(self, due_before: datetime | None) -> datetime | None:
+        """The next due time for a result, where a store failure only means it is unknown."""
+        try:
+            return self.store.next_due(due_before=due_before)
+        except Exception as exc:
+            log.warning("could not read the next due time: %s", exc)
+            return None
 
     def _report(self, stats: PumpStats, started: float, due_before: datetime | None) -> None:
         elapsed = max(time.monotonic() - started, 1e-9)

@@ -211,14 +211,15 @@ class DispatchDueMessagesOperator(_StoreOperator):
 
     def execute(self, context: Context) -> dict:
         deadline = utcnow() + self.max_runtime
-        return self._run(PumpStats(), deadline)
+        return self._run(PumpStats(), deadline, deferrals=0)
 
-    def execute_complete(self, context: Context, event: dict, stats: dict, deadline: str) -> dict:
+    def execute_complete(self, context: Context, event: dict, stats: dict, deadline: str, deferrals: int) -> dict:
         if event.get("status") == "error":
             raise UnavailableError(f"waiting for due messages failed: {event.get('message')}")
-        return self._run(PumpStats.from_dict(stats), datetime.fromisoformat(deadline))
+        self.log.info("Resumed after deferral: %s", event)
+        return self._run(PumpStats.from_dict(stats), datetime.fromisoformat(deadline), deferrals)
 
-    def _run(self, stats: PumpStats, deadline: datetime) -> dict:
+    def _run(self, stats: PumpStats, deadline: datetime, deferrals: int) -> dict:
         due_before = parse_moment(self.due_before, "due_before")
         max_messages = None if self.max_messages in (None, "") else int(self.max_messages)
         if max_messages is not None:
@@ -251,13 +252,14 @@ class DispatchDueMessagesOperator(_StoreOperator):
                     poll_interval=self.poll_interval,
                 ),
                 method_name="execute_complete",
-                kwargs={"stats": stats.to_dict(), "deadline": deadline.isoformat()},
+                kwargs={"stats": stats.to_dict(), "deadline": deadline.isoformat(), "deferrals": deferrals + 1},
             )
         summary = {
             **stats.summary(),
             "stopped_because": result.reason,
             "next_due": None if result.next_due is None else result.next_due.isoformat(),
             "exactly_once": pump.exactly_once,
+            "deferrals": deferrals,
         }
         self.log.info("Dispatch finished: %s", json.dumps(summary))
         return summary

@@ -11,7 +11,7 @@ import json
 import logging
 import time
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Iterable, Iterator, Mapping, Sequence
 
 from sqlalchemy import (
@@ -46,12 +46,16 @@ DEFAULT_TABLE = "delayed_messages"
 SQLITE_POLL_SECONDS = 0.5
 
 
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_US = timedelta(microseconds=1)
+
+
 def to_us(moment: datetime) -> int:
-    return int(moment.timestamp() * 1_000_000)
+    return (moment - EPOCH) // _US  # integer arithmetic: exact, unlike timestamp() floats
 
 
 def from_us(us: int) -> datetime:
-    return datetime.fromtimestamp(us / 1_000_000, tz=timezone.utc)
+    return EPOCH + us * _US
 
 
 # One BIGINT primary key that autoincrements on both SQLite (as the rowid) and PostgreSQL.

@@ -1,0 +1,240 @@
+"""The dispatch pump against real databases: exactly once, retries, error queue, breakers, crashes, wake-ups."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.errors import CriticalError, UnavailableError
+from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.core.pump import Pump, PumpConfig
+from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
+from airflow_delay_provider.transports.sql import SqlTableTransport
+from tests.helpers import drain, make_store, make_transport, messages
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("pump_worker.py")
+
+
+class FlakyTransport(SqlTableTransport):
+    """A real SQL transport whose sends to some destinations fail a given number of times (or always)."""
+
+    def __init__(self, inner: SqlTableTransport, fail: dict[str, int], down: bool = False):
+        self.__dict__.update(inner.__dict__)
+        self.fail = dict(fail)
+        self.down = down
+        self.attempts = Counter()
+
+    def send(self, batch, connection=None):
+        if self.down:
+            raise UnavailableError("broker unreachable")
+        failures, ok = {}, []
+        for m in batch:
+            self.attempts[m.message_id, m.destination] += 1
+            if self.fail.get(m.destination, 0) != 0:
+                self.fail[m.destination] -= 1
+                failures[m.message_id] = ConnectionError(f"{m.destination} refused")
+            else:
+                ok.append(m)
+        failures.update(super().send(ok, connection))
+        return failures
+
+
+def test_dispatch_same_database_is_exactly_once(db):
+    url, schema, table = db
+    store = make_store(url, schema, table)
+    transport = make_transport(url, schema, table, "orders", "error")
+    store.store(messages(2500))
+    pump = Pump(store, transport, PumpConfig(batch_size=400))
+    assert pump.exactly_once
+    result = pump.run(stop_when_idle=True)
+    assert result.reason == "drained"
+    assert result.stats.dispatched == 2500 and result.stats.batches == 7
+    got = drain(transport, "orders")
+    assert sorted(m.message_id for m in got) == sorted(f"m-{i}" for i in range(2500))
+    assert store.count_scheduled() == {}
+    sample = next(m for m in got if m.message_id == "m-7")
+    assert sample.body == b"body-7" and sample.headers == {"n": "7"} and sample.due_at <= sample.enqueued_at
+
+
+def test_dispatch_to_another_database_is_at_least_once_with_ids(pg, tmp_path):
+    store = make_store(*pg)
+    transport = make_transport(f"sqlite:///{tmp_path / 'q.db'}", None, "x", "orders", "error")
+    store.store(messages(300))
+    pump = Pump(store, transport)
+    assert not pump.exactly_once
+    assert pump.run(stop_when_idle=True).stats.dispatched == 300
+    assert {m.message_id for m in drain(transport, "orders")} == {f"m-{i}" for i in range(300)}
+
+
+def test_not_yet_due_messages_wait_and_due_before_bounds_the_run(db):
+    url, schema, table = db
+    store = make_store(url, schema, table)
+    transport = make_transport(url, schema, table, "orders", "error")
+    store.store(messages(3, delay=-1) + messages(2, delay=3600, start=3))
+    result = Pump(store, transport).run(due_before=utcnow())
+    assert result.reason == "drained" and result.stats.dispatched == 3
+    assert store.count_scheduled() == {"orders": 2}
+
+
+def test_retries_then_delivery(db):
+    url, schema, table = db
+    store = make_store(url, schema, table)
+    transport = FlakyTransport(make_transport(url, schema, table, "orders", "error"), {"orders": 2})
+    store.store(messages(1))
+    result = Pump(store, transport, PumpConfig(number_of_retries=2), sleep=lambda s: None).run(stop_when_idle=True)
+    assert result.stats.dispatched == 1 and result.stats.retried == 2 and result.stats.dead_lettered == 0
+    assert transport.attempts["m-0", "orders"] == 3
+    assert [m.message_id for m in drain(transport, "orders")] == ["m-0"]
+
+
+def test_exhausted_retries_go_to_error_queue_with_headers(db):
+    url, schema, table = db
+    store = make_store(url, schema, table)
+    transport = FlakyTransport(make_transport(url, schema, table, "orders", "error"), {"orders": -1})
+    store.store(messages(2))
+    result = Pump(store, transport, PumpConfig(number_of_retries=1), sleep=lambda s: None).run(stop_when_idle=True)
+    assert result.stats.dead_lettered == 2 and result.stats.dispatched == 0
+    assert transport.attempts["m-0", "orders"] == 2  # 1 try + 1 retry
+    dead = {m.message_id: m for m in drain(transport, "error")}
+    assert set(dead) == {"m-0", "m-1"}
+    h = dead["m-0"].headers
+    assert h["x-delay-failed-destination"] == "orders"
+    assert h["x-delay-failures"] == "2"
+    assert "orders refused" in h["x-delay-failure-reason"]
+    assert h["n"] == "0" and dead["m-0"].body == b"body-0"
+    assert store.count_scheduled() == {} and drain(transport, "orders") == []
+
+
+def test_unknown_destination_goes_to_error_queue_at_once(db):
+    url, schema, table = db
+    store = make_store(url, schema, table)
+    transport = make_transport(url, schema, table, "orders", "error")
+    store.store(messages(1, destination="nowhere") + messages(2, start=1))
+    result = Pump(store, transport, PumpConfig(number_of_retries=5)).run(stop_when_idle=True)
+    assert (result.stats.dispatched, result.stats.dead_lettered, result.stats.retried) == (2, 1, 0)
+    [dead] = drain(transport, "error")
+    assert dead.message_id == "m-0" and dead.headers["x-delay-failed-destination"] == "nowhere"
+    assert "does not exist" in dead.headers["x-delay-failure-reason"]
+
+
+def test_failing_dead_letter_keeps_message_and_trips_recovery_breaker(db):
+    url, schema, table = db
+    store = make_store(url, schema, table)
+    transport = make_transport(url, schema, table, "orders")  # no error queue provisioned
+    store.store(messages(1, destination="nowhere"))
+    pump = Pump(store, transport, PumpConfig(maximum_recovery_failures_per_second=0.1))
+    with pytest.raises(CriticalError, match="handling failed dispatches: 4 failures within 30 s"):
+        pump.run(stop_when_idle=True)
+    kept = store.get("m-0")
+    assert kept is not None and kept.failures >= 3  # nothing lost
+
+
+def test_broker_down_trips_dispatch_breaker_and_loses_nothing(db):
+    url, schema, table = db
+    store = make_store(url, schema, table)
+    transport = FlakyTransport(make_transport(url, schema, table, "orders", "error"), {}, down=True)
+    store.store(messages(5))
+    config = PumpConfig(time_to_trigger_dispatch_circuit_breaker=2, number_of_retries=100)
+    started = time.monotonic()
+    with pytest.raises(CriticalError, match="dispatching kept failing.*broker unreachable"):
+        Pump(store, transport, config).run(stop_when_idle=True)
+    assert 2 <= time.monotonic() - started < 10
+    assert store.count_scheduled() == {"orders": 5}
+    assert store.get("m-0").failures >= 2
+
+
+def test_unreachable_store_trips_fetch_breaker_without_leaking_password(tmp_path):
+    store = SqlDelayedMessageStore("postgresql+psycopg://bob:hunter2pw@127.0.0.1:1/x", table="t")
+    transport = make_transport(f"sqlite:///{tmp_path / 'q.db'}", None, "x", "orders")
+    pump = Pump(store, transport, PumpConfig(time_to_trigger_fetch_circuit_breaker=1))
+    with pytest.raises(CriticalError) as err:
+        pump.run(stop_when_idle=True)
+    assert "fetching due messages kept failing" in str(err.value) and "not reachable" in str(err.value)
+    assert "hunter2pw" not in str(err.value)
+
+
+def _worker(store_url, schema, table, transport_url, batch=500):
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), store_url, schema or "", table, transport_url, str(batch)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+def test_two_pumps_in_parallel_dispatch_each_message_exactly_once(pg):
+    url, schema, table = pg
+    store = make_store(url, schema, table)
+    transport = make_transport(url, schema, table, "orders", "error")
+    store.store(messages(10_000))
+    procs = [_worker(url, schema, table, url, batch=250) for _ in range(2)]
+    results = [json.loads(p.communicate(timeout=120)[0].splitlines()[-1]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert sum(r["dispatched"] for r in results) == 10_000
+    assert all(r["dispatched"] > 0 for r in results), results  # both really worked
+    ids = Counter(m.message_id for m in drain(transport, "orders"))
+    assert len(ids) == 10_000 and max(ids.values()) == 1
+    assert store.count_scheduled() == {}
+
+
+@pytest.mark.parametrize("same_database", [True, False], ids=["same-db", "other-db"])
+def test_pump_killed_mid_batch_loses_nothing(pg, tmp_path, same_database):
+    url, schema, table = pg
+    store = make_store(url, schema, table)
+    transport_url = url if same_database else f"sqlite:///{tmp_path / 'q.db'}"
+    transport = make_transport(transport_url, schema if same_database else None, table, "orders", "error")
+    total = 40_000
+    store.store(messages(total))
+    proc = _worker(url, schema, table, transport_url, batch=500)
+    deadline = time.monotonic() + 60
+    while transport.depth("orders")["visible"] < 2000 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    delivered_before = transport.depth("orders")["visible"]
+    assert 0 < delivered_before < total, "the kill should land mid-run"
+    rerun = _worker(url, schema, table, transport_url)
+    assert json.loads(rerun.communicate(timeout=120)[0].splitlines()[-1])["reason"] == "drained"
+    ids = Counter(m.message_id for m in drain(transport, "orders"))
+    assert set(ids) == {f"m-{i}" for i in range(total)}  # at least once: none lost
+    duplicates = sum(n - 1 for n in ids.values())
+    if same_database:
+        assert duplicates == 0  # dispatch joined the claim transaction: exactly once
+    else:
+        assert duplicates <= 500  # at most the batch in flight at the kill
+    assert store.count_scheduled() == {}
+
+
+def test_sooner_message_wakes_a_sleeping_pump(db):
+    url, schema, table = db
+    store = make_store(url, schema, table)
+    transport = make_transport(url, schema, table, "orders", "error")
+    store.store([DelayedMessage("orders", b"late", utcnow() + timedelta(seconds=120), message_id="late")])
+    pump = Pump(store, SqlTableTransport(url, schema=schema, table_prefix=f"{table}_"))
+    stop = utcnow() + timedelta(seconds=30)
+    runner = threading.Thread(target=pump.run, kwargs={"deadline": stop, "max_messages": 1})
+    runner.start()
+    time.sleep(1.0)  # the pump is now asleep until the 120 s message
+    due = utcnow() + timedelta(seconds=5)
+    store.store([DelayedMessage("orders", b"soon", due, message_id="soon")])
+    runner.join(timeout=20)
+    assert not runner.is_alive()
+    [got] = drain(transport, "orders")
+    assert got.message_id == "soon"
+    lateness = (got.enqueued_at - due).total_seconds()
+    assert 0 <= lateness < 1.0, lateness
+    assert store.count_scheduled() == {"orders": 1}
+    store.close()

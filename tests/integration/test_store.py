@@ -1,0 +1,116 @@
+"""The SQL store on SQLite and on the real PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import inspect
+
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.errors import InvalidNameError, UnavailableError
+from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
+from tests.helpers import make_store, messages
+
+
+def test_schema_is_idempotent_with_due_index(db):
+    url, schema, table = db
+    store = make_store(url, schema, table)
+    store.create_schema()  # twice: no error, nothing lost
+    store.store(messages(3))
+    store.create_schema()
+    indexes = inspect(store.engine).get_indexes(table, schema=schema)
+    assert any(ix["column_names"][0] == "due_at_us" for ix in indexes)
+    assert sum(store.count_scheduled().values()) == 3
+
+
+def test_fetch_due_oldest_first_within_window(db):
+    store = make_store(*db)
+    now = utcnow()
+    dues = [now - timedelta(seconds=s) for s in (5, 30, 10, 1)] + [now + timedelta(hours=1)]
+    store.store([DelayedMessage("q", b"", d, message_id=f"id{i}") for i, d in enumerate(dues)])
+    with store.claim_due(now, 10) as claim:
+        assert [m.message_id for m in claim.messages] == ["id1", "id2", "id0", "id3"]
+    with store.claim_due(now, 2) as claim:
+        assert [m.message_id for m in claim.messages] == ["id1", "id2"]
+    # due_before is exclusive: a data interval [start, end) owns what is due before its end.
+    with store.claim_due(now, 10, due_before=dues[2]) as claim:
+        assert [m.message_id for m in claim.messages] == ["id1"]
+    assert store.next_due() == min(dues)
+    assert store.next_due(due_before=dues[1]) is None
+    assert store.count_scheduled() == {"q": 5}
+    assert store.count_scheduled(due_before=now) == {"q": 4}
+
+
+def test_claim_settles_in_one_transaction(db):
+    store = make_store(*db)
+    store.store(messages(4))
+    with pytest.raises(RuntimeError):
+        with store.claim_due(utcnow(), 10) as claim:
+            claim.remove(["m-0", "m-1"])
+            raise RuntimeError("crash after remove")
+    assert store.count_scheduled() == {"orders": 4}  # the removal was rolled back
+    later = utcnow() + timedelta(minutes=5)
+    with store.claim_due(utcnow(), 10) as claim:
+        claim.remove(["m-0"])
+        claim.retry({"m-1": later})
+    assert store.count_scheduled() == {"orders": 3}
+    retried = store.get("m-1")
+    assert retried.failures == 1 and abs((retried.due_at - later).total_seconds()) < 1e-3
+    assert store.get("m-0") is None
+
+
+def test_store_is_idempotent_by_message_id_and_keeps_fields(db):
+    store = make_store(*db)
+    batch = messages(5)
+    assert store.store(batch) == 5
+    assert store.store(batch + messages(2, start=5)) == 2
+    assert sum(store.count_scheduled().values()) == 7
+    got = store.get("m-3")
+    assert (got.body, got.headers, got.destination) == (b"body-3", {"n": "3"}, "orders")
+
+
+@pytest.mark.parametrize(
+    "bad", ["orders; DROP TABLE x", "1abc", "", "a" * 64, 'x"y', "t-1", "ta ble", "tëst", None]
+)
+def test_bad_table_names_are_refused_before_any_sql(bad, tmp_path):
+    with pytest.raises(InvalidNameError, match="letters, digits and underscores"):
+        SqlDelayedMessageStore(f"sqlite:///{tmp_path / 'x.db'}", table=bad)
+    with pytest.raises(InvalidNameError):
+        SqlDelayedMessageStore(f"sqlite:///{tmp_path / 'x.db'}", schema=bad or "1")
+    assert not (tmp_path / "x.db").exists()
+
+
+def test_unreachable_database_gives_clear_error_without_password():
+    store = SqlDelayedMessageStore("postgresql+psycopg://alice:s3cretPW@127.0.0.1:1/nodb", table="t")
+    with pytest.raises(UnavailableError) as err:
+        store.create_schema()
+    text = str(err.value)
+    assert "127.0.0.1:1" in text and "not reachable" in text
+    assert "s3cretPW" not in text and "s3cretPW" not in repr(store)
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+
+
+def test_concurrent_claims_skip_locked_rows(pg):
+    store = make_store(*pg)
+    store.store(messages(100))
+    first_claimed, release = threading.Event(), threading.Event()
+    seen: dict[str, list[str]] = {}
+
+    def hold():
+        with store.claim_due(utcnow(), 60) as claim:
+            seen["a"] = [m.message_id for m in claim.messages]
+            first_claimed.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert first_claimed.wait(10)
+    with store.claim_due(utcnow(), 100) as claim:
+        seen["b"] = [m.message_id for m in claim.messages]
+    release.set()
+    t.join()
+    assert len(seen["a"]) == 60 and len(seen["b"]) == 40
+    assert not set(seen["a"]) & set(seen["b"])

@@ -1,0 +1,83 @@
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from airflow_delay_provider.core.errors import DelayError, InvalidInputError, InvalidMessageError
+from airflow_delay_provider.core.message import MAX_HEADERS_BYTES, DelayedMessage, stable_message_id
+from airflow_delay_provider.core.requests import build_message
+
+NOW = datetime(2026, 5, 1, 12, 0, tzinfo=timezone.utc)
+
+
+def test_message_defaults_and_normalisation():
+    m = DelayedMessage("orders", "hé", NOW.astimezone(timezone(timedelta(hours=2))))
+    assert m.body == "hé".encode()
+    assert m.due_at.utcoffset() == timedelta(0) and m.due_at == NOW
+    assert len(m.message_id) == 36 and m.message_id != DelayedMessage("orders", b"", NOW).message_id
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"destination": ""}, "destination"),
+        ({"destination": "x" * 256}, "at most 255"),
+        ({"destination": "a\nb"}, "line breaks"),
+        ({"headers": {"n": 1}}, "str value"),
+        ({"headers": {1: "a"}}, "header names"),
+        ({"headers": {"big": "x" * (MAX_HEADERS_BYTES + 1)}}, "at most"),
+        ({"headers": ["a"]}, "dict"),
+        ({"body": {"a": 1}}, "serialise"),
+        ({"message_id": ""}, "message_id"),
+        ({"message_id": "x" * 201}, "message_id"),
+        ({"due_at": datetime(2026, 1, 1)}, "timezone-aware"),
+    ],
+)
+def test_message_rejects_bad_fields(kwargs, fragment):
+    args = {"destination": "orders", "body": b"x", "due_at": NOW, **kwargs}
+    with pytest.raises(InvalidMessageError, match=fragment):
+        DelayedMessage(**args)
+
+
+def test_dead_lettered_keeps_id_and_says_where_when_why():
+    m = DelayedMessage("orders", b"x", NOW, {"a": "b"}, "id-1", failures=2)
+    d = m.dead_lettered("error", "boom", NOW)
+    assert (d.destination, d.message_id, d.body) == ("error", "id-1", b"x")
+    assert d.headers["a"] == "b"
+    assert d.headers["x-delay-failed-destination"] == "orders"
+    assert d.headers["x-delay-failure-reason"] == "boom"
+    assert d.headers["x-delay-failures"] == "2"
+    assert d.headers["x-delay-failed-at"].startswith("2026-05-01T12:00")
+
+
+def test_stable_ids_are_stable_and_distinct():
+    assert stable_message_id("d", "r", "t", -1, 0) == stable_message_id("d", "r", "t", -1, 0)
+    assert stable_message_id("d", "r", "t", -1, 0) != stable_message_id("d", "r", "t", -1, 1)
+
+
+def test_build_message_delay_forms():
+    assert build_message({"destination": "q", "delay_seconds": 1.2}, NOW).due_at == NOW + timedelta(seconds=2)
+    assert build_message({"destination": "q", "delay_seconds": timedelta(minutes=1)}, NOW).due_at == NOW + timedelta(seconds=60)
+    at = (NOW + timedelta(seconds=9.5)).isoformat()
+    assert build_message({"destination": "q", "deliver_at": at}, NOW).due_at == NOW + timedelta(seconds=10)
+    past = build_message({"destination": "q", "deliver_at": NOW - timedelta(days=2)}, NOW)
+    assert past.due_at == NOW
+    # No message delay: the queue-level delay applies (seed 004); "600" as a rendered template.
+    assert build_message({"destination": "q"}, NOW, queue_delay_seconds="600").due_at == NOW + timedelta(seconds=600)
+    assert build_message({"destination": "q", "delay_seconds": 5}, NOW, 600).due_at == NOW + timedelta(seconds=5)
+
+
+@pytest.mark.parametrize(
+    ("item", "error", "fragment"),
+    [
+        ({"destination": "q", "delay_seconds": 8 * 86400}, DelayError, "604800"),
+        ({"destination": "q", "delay_seconds": -3}, DelayError, "delay_seconds"),
+        ({"destination": "q", "delay_seconds": 1, "deliver_at": NOW}, DelayError, "not both"),
+        ({"destination": "q", "deliver_at": "tomorrow"}, DelayError, "ISO-8601"),
+        ({"destination": "q", "deliver_at": "2026-05-01T12:00:00"}, DelayError, "timezone"),
+        ({"destination": "q", "delay": 5}, InvalidInputError, "unknown message field"),
+        ({"destination": "q", "deliver_at": NOW + timedelta(days=8)}, DelayError, "604800"),
+    ],
+)
+def test_build_message_rejects(item, error, fragment):
+    with pytest.raises(error, match=fragment):
+        build_message(item, NOW)
