@@ -82,3 +82,31 @@ def db(request, tmp_path):
 @pytest.fixture
 def pg(pg_schema):
     return PG_URL, pg_schema, f"t_{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def run_dag(airflow_home):
+    """Run a DAG with dag.test() (triggers run in line) and return (state, {task_id: return value})."""
+
+    def run(dag, conf: dict | None = None):
+        from airflow.dag_processing.bundles.manager import DagBundlesManager
+        from airflow.dag_processing.dagbag import DagBag, sync_bag_to_db
+        from airflow.models.taskinstance import TaskInstance
+        from airflow.models.xcom import XComModel
+        from airflow.utils.session import create_session
+
+        DagBundlesManager().sync_bundles_to_db()
+        bag = DagBag(collect_dags=False)
+        bag.bag_dag(dag)
+        sync_bag_to_db(bag, "dags-folder", None)
+        dagrun = dag.test(run_conf=conf)
+        with create_session() as session:
+            rows = session.query(XComModel).filter_by(run_id=dagrun.run_id, dag_id=dag.dag_id, key="return_value")
+            values = {row.task_id: row.value for row in rows}
+            states = {
+                ti.task_id: ti.state
+                for ti in session.query(TaskInstance).filter_by(run_id=dagrun.run_id, dag_id=dag.dag_id)
+            }
+        return dagrun.state, states, values
+
+    return run

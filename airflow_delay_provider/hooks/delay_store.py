@@ -107,7 +107,7 @@ class DelayStoreHook(BaseHook):
     def test_connection(self) -> tuple[bool, str]:
         try:
             store = self.get_store()
-            scheduled = sum(store.count_scheduled().values()) if _table_exists(store) else None
+            scheduled = sum(store.count_scheduled().values()) if store.exists() else None
         except Exception as exc:  # shown in the UI; the store's errors never carry the password
             return False, f"{type(exc).__name__}: {exc}"
         where = safe_url(store.url)
@@ -124,9 +124,3 @@ def resolve_location(url: URL, extra: dict, table: str | None, db_schema: str | 
         if url.get_backend_name() != "postgresql":
             raise InvalidInputError(f"db_schema is only supported on PostgreSQL, not {url.get_backend_name()}")
     return url, table, schema
-
-
-def _table_exists(store: SqlDelayedMessageStore) -> bool:
-    from sqlalchemy import inspect
-
-    return inspect(store.engine).has_table(store.table_name, schema=store.schema)

@@ -213,11 +213,13 @@ class DispatchDueMessagesOperator(_StoreOperator):
         deadline = utcnow() + self.max_runtime
         return self._run(PumpStats(), deadline, deferrals=0)
 
-    def execute_complete(self, context: Context, event: dict, stats: dict, deadline: str, deferrals: int) -> dict:
+    def execute_complete(self, context: Context, event: dict) -> dict:
         if event.get("status") == "error":
             raise UnavailableError(f"waiting for due messages failed: {event.get('message')}")
-        self.log.info("Resumed after deferral: %s", event)
-        return self._run(PumpStats.from_dict(stats), datetime.fromisoformat(deadline), deferrals)
+        # The run's state travels in the event (see DueTimeoutTrigger.carry): dag.test() drops defer kwargs.
+        state = event["carry"]
+        self.log.info("Resumed after deferral: %s", event.get("status"))
+        return self._run(PumpStats.from_dict(state["stats"]), datetime.fromisoformat(state["deadline"]), state["deferrals"])
 
     def _run(self, stats: PumpStats, deadline: datetime, deferrals: int) -> dict:
         due_before = parse_moment(self.due_before, "due_before")
@@ -250,9 +252,9 @@ class DispatchDueMessagesOperator(_StoreOperator):
                     due_before=None if due_before is None else due_before.isoformat(),
                     deadline=deadline.isoformat(),
                     poll_interval=self.poll_interval,
+                    carry={"stats": stats.to_dict(), "deadline": deadline.isoformat(), "deferrals": deferrals + 1},
                 ),
                 method_name="execute_complete",
-                kwargs={"stats": stats.to_dict(), "deadline": deadline.isoformat(), "deferrals": deferrals + 1},
             )
         summary = {
             **stats.summary(),

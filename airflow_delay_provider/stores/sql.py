@@ -27,6 +27,7 @@ from sqlalchemy import (
     bindparam,
     delete,
     func,
+    inspect,
     select,
     update,
 )
@@ -146,9 +147,9 @@ class SqlDelayedMessageStore(DelayedMessageStore):
                 conn.execute(CreateSchema(self.schema, if_not_exists=True))
             self.table.metadata.create_all(conn, checkfirst=True)
 
-    def drop_schema(self) -> None:
-        with self._errors("drop the delay store table"), self.engine.begin() as conn:
-            self.table.drop(conn, checkfirst=True)
+    def exists(self) -> bool:
+        with self._errors("inspect the delay store"), self.engine.connect() as conn:
+            return inspect(conn).has_table(self.table_name, schema=self.schema)
 
     # -- writes -----------------------------------------------------------------------------------
     def store(self, messages: Sequence[DelayedMessage]) -> int:

@@ -25,8 +25,10 @@ class _StoreTrigger(BaseTrigger):
         deadline: str | None = None,
         poll_interval: float = 5.0,
         destination: str | None = None,
+        carry: dict | None = None,
     ) -> None:
         super().__init__()
+        self.carry = carry
         self.delay_store_conn_id = delay_store_conn_id
         self.table = table
         self.db_schema = db_schema
@@ -46,8 +48,13 @@ class _StoreTrigger(BaseTrigger):
                 "deadline": self.deadline,
                 "poll_interval": self.poll_interval,
                 "destination": self.destination,
+                "carry": self.carry,
             },
         )
+
+    def event(self, status: str, **fields: Any) -> TriggerEvent:
+        """An event carrying `carry` back: the deferred task's JSON state, returned to it on resume."""
+        return TriggerEvent({"status": status, "carry": self.carry, **fields})
 
     async def _store(self):
         from airflow_delay_provider.hooks.delay_store import DelayStoreHook
@@ -80,17 +87,17 @@ class DueTimeoutTrigger(_StoreTrigger):
                 next_due = await asyncio.to_thread(store.next_due, self.destination, due_before)
                 now = utcnow()
                 if next_due is not None and next_due <= now:
-                    yield TriggerEvent({"status": "due", "next_due": next_due.isoformat()})
+                    yield self.event("due", next_due=next_due.isoformat())
                     return
                 if next_due is None and due_before is not None:
-                    yield TriggerEvent({"status": "drained"})
+                    yield self.event("drained")
                     return
                 if deadline is not None and now >= deadline:
-                    yield TriggerEvent({"status": "timeout"})
+                    yield self.event("timeout")
                     return
                 await asyncio.sleep(self._sleep_for(next_due))
         except Exception as exc:  # reported to execute_complete, which fails the task with it
-            yield TriggerEvent({"status": "error", "message": f"{type(exc).__name__}: {exc}"})
+            yield self.event("error", message=f"{type(exc).__name__}: {exc}")
 
 
 class ScheduledMessagesTrigger(_StoreTrigger):
@@ -104,11 +111,11 @@ class ScheduledMessagesTrigger(_StoreTrigger):
             while True:
                 counts = await asyncio.to_thread(store.count_scheduled, due_before, self.destination)
                 if not sum(counts.values()):
-                    yield TriggerEvent({"status": "drained"})
+                    yield self.event("drained")
                     return
                 if deadline is not None and utcnow() >= deadline:
-                    yield TriggerEvent({"status": "timeout", "scheduled": counts})
+                    yield self.event("timeout", scheduled=counts)
                     return
                 await asyncio.sleep(self._sleep_for(None))
         except Exception as exc:
-            yield TriggerEvent({"status": "error", "message": f"{type(exc).__name__}: {exc}"})
+            yield self.event("error", message=f"{type(exc).__name__}: {exc}")

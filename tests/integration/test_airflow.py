@@ -1,0 +1,215 @@
+"""The Airflow layer: provider registration, the demo DAG, deferral, the sensor, connections, bad input."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import uuid
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PG_URL, ROOT
+
+START = datetime(2026, 1, 1)
+
+
+def _pg_conn(monkeypatch, schema: str, table: str, password: str | None = None) -> str:
+    conn_id = f"delay_pg_{uuid.uuid4().hex[:8]}"
+    url = PG_URL.replace("postgresql+psycopg://", "")
+    login, hostport_db = url.split("@")
+    hostport, database = hostport_db.split("/")
+    host, port = hostport.split(":")
+    conn = {"conn_type": "delay_store", "host": host, "port": int(port), "login": login, "schema": database,
+            "extra": {"db_schema": schema, "table": table}}
+    if password:
+        conn["password"] = password
+    monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(conn))
+    return conn_id
+
+
+def test_provider_info_matches_airflow_schema_and_is_registered(airflow_home):
+    import airflow
+    import jsonschema
+
+    from airflow_delay_provider.get_provider_info import get_provider_info
+
+    schema = json.loads((Path(airflow.__file__).parent / "provider_info.schema.json").read_text())
+    info = get_provider_info()
+    jsonschema.validate(info, schema)
+    for group in ("hooks", "operators", "sensors", "triggers"):
+        for module in info[group][0]["python-modules"]:
+            assert importlib.util.find_spec(module), module
+    listing = subprocess.run(
+        [str(Path(sys.executable).parent / "airflow"), "providers", "list", "-o", "json"],
+        capture_output=True, text=True, check=True, env=os.environ.copy(),
+    )
+    names = {p["package_name"] for p in json.loads(listing.stdout)}
+    assert "airflow-delay-provider" in names
+    hooks = subprocess.run(
+        [str(Path(sys.executable).parent / "airflow"), "providers", "hooks", "-o", "json"],
+        capture_output=True, text=True, check=True, env=os.environ.copy(),
+    )
+    assert any(h.get("connection_type") == "delay_store" for h in json.loads(hooks.stdout))
+
+
+def test_demo_dag_delivers_every_message_exactly_once(run_dag):
+    spec = importlib.util.spec_from_file_location("demo_delayed_delivery", ROOT / "dags" / "demo_delayed_delivery.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.dag.doc_md
+    state, states, values = run_dag(module.dag, {"count": 60, "max_delay": 3})
+    assert state == "success", states
+    report = values["verify"]
+    assert report["sent"] == report["delivered"] == 60
+    assert report["duplicates"] == report["missing"] == report["early"] == 0
+    assert values["dispatch"]["dispatched"] == 60 and values["dispatch"]["exactly_once"] is True
+
+
+def test_dispatch_defers_until_due_on_postgres(run_dag, pg, monkeypatch):
+    from airflow.sdk import DAG
+
+    from airflow_delay_provider.operators.delay import (
+        DispatchDueMessagesOperator,
+        ProvisionDelayInfrastructureOperator,
+        SendDelayedMessageOperator,
+    )
+
+    _, schema, table = pg
+    conn_id = _pg_conn(monkeypatch, schema, table)
+    common = {"delay_store_conn_id": conn_id}
+    with DAG("t_defer", schedule=None, start_date=START) as dag:
+        provision = ProvisionDelayInfrastructureOperator(task_id="provision", endpoints=["q"], **common)
+        send = SendDelayedMessageOperator(
+            task_id="send", destination="q",
+            messages=[{"body": "a", "delay_seconds": 4}, {"body": "b", "delay_seconds": timedelta(seconds=6.2)}],
+            **common,
+        )
+        dispatch = DispatchDueMessagesOperator(
+            task_id="dispatch", due_before="{{ macros.datetime.now(macros.dateutil.tz.UTC) + macros.timedelta(seconds=60) }}",
+            deferrable=True, defer_threshold_seconds=1, poll_interval=0.2, **common,
+        )
+        provision >> send >> dispatch
+    state, states, values = run_dag(dag)
+    assert state == "success", states
+    result = values["dispatch"]
+    assert result["dispatched"] == 2 and result["stopped_because"] == "drained"
+    assert result["deferrals"] >= 2  # it waited in the trigger, twice, not in the worker
+    assert result["lateness_max_seconds"] < 2.0
+    assert len(values["send"]) == 2
+
+
+def test_scheduled_window_dispatches_only_its_interval(pg, monkeypatch):
+    from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+    from airflow_delay_provider.operators.delay import DispatchDueMessagesOperator
+    from tests.helpers import make_transport, messages
+
+    url, schema, table = pg
+    conn_id = _pg_conn(monkeypatch, schema, table)
+    store = DelayStoreHook(conn_id).get_store()
+    store.create_schema()
+    make_transport(url, schema, "delay", "orders", "error")
+    store.store(messages(5, delay=-60) + messages(3, delay=-10, start=5))
+    window_end = (datetime.now().astimezone() - timedelta(seconds=30)).isoformat()
+    op = DispatchDueMessagesOperator(task_id="window", delay_store_conn_id=conn_id, due_before=window_end)
+    op.render_template_fields({})
+    result = op.execute({})
+    assert result["dispatched"] == 5 and result["stopped_because"] == "drained"
+    assert store.count_scheduled() == {"orders": 3}
+
+
+def test_sensor_poke_and_deferrable(run_dag, pg, monkeypatch):
+    from airflow.sdk import DAG
+
+    from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+    from airflow_delay_provider.operators.delay import DispatchDueMessagesOperator, SendDelayedMessageOperator
+    from airflow_delay_provider.sensors.delay_store import DelayedMessagesSensor
+    from tests.helpers import make_transport
+
+    url, schema, table = pg
+    conn_id = _pg_conn(monkeypatch, schema, table)
+    DelayStoreHook(conn_id).get_store().create_schema()
+    make_transport(url, schema, "delay", "q", "error")
+    common = {"delay_store_conn_id": conn_id}
+    with DAG("t_sensor", schedule=None, start_date=START) as dag:
+        send = SendDelayedMessageOperator(task_id="send", destination="q", delay_seconds=2, **common)
+        poke = DelayedMessagesSensor(task_id="poke", destination="q", poke_interval=0.5, timeout=30, **common)
+        deferred = DelayedMessagesSensor(task_id="deferred", destination="q", deferrable=True, poke_interval=0.5,
+                                         timeout=30, **common)
+        dispatch = DispatchDueMessagesOperator(task_id="dispatch", max_runtime=20, max_messages=1, **common)
+        # the sensors can only succeed once dispatch has emptied the store
+        send >> [dispatch]
+        dispatch >> [poke, deferred]
+    state, states, values = run_dag(dag)
+    assert state == "success", states
+    assert values["dispatch"]["dispatched"] == 1
+    sensor = DelayedMessagesSensor(task_id="s", destination="q", **common)
+    SendDelayedMessageOperator(task_id="x", destination="q", delay_seconds=100, **common)
+    assert sensor.poke({}) is True
+    DelayStoreHook(conn_id).get_store().store(__import__("tests.helpers").helpers.messages(1, "q", delay=100))
+    assert sensor.poke({}) is False
+    assert DelayedMessagesSensor(task_id="s2", destination="other", **common).poke({}) is True
+
+
+def test_bad_batch_stores_nothing_and_says_why(run_dag, pg, monkeypatch):
+    from airflow.sdk import DAG
+
+    from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+    from airflow_delay_provider.operators.delay import SendDelayedMessageOperator
+
+    _, schema, table = pg
+    conn_id = _pg_conn(monkeypatch, schema, table)
+    store = DelayStoreHook(conn_id).get_store()
+    store.create_schema()
+    ok = {"destination": "q", "body": "fine", "delay_seconds": 5}
+    with DAG("t_bad", schedule=None, start_date=START) as dag:
+        SendDelayedMessageOperator(
+            task_id="send", delay_store_conn_id=conn_id,
+            messages=[ok, ok | {"message_id": "x2"}, {"destination": "q", "delay_seconds": 700_000}],
+        )
+    state, states, _ = run_dag(dag)
+    assert state == "failed" and states["send"] == "failed"
+    assert store.count_scheduled() == {}
+    op = SendDelayedMessageOperator(task_id="x", delay_store_conn_id=conn_id, destination="q", headers={"n": 5})
+    with pytest.raises(ValueError, match="header 'n' must have a str value"):
+        op.execute({"ti": type("TI", (), {"dag_id": "d", "run_id": "r", "task_id": "x", "map_index": -1})()})
+    assert store.count_scheduled() == {}
+
+
+def test_unknown_transport_and_bad_table_fail_at_parse_time():
+    from airflow_delay_provider.core.errors import InvalidInputError, InvalidNameError
+    from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+    from airflow_delay_provider.operators.delay import DispatchDueMessagesOperator, SendDelayedMessageOperator
+
+    with pytest.raises(InvalidInputError, match=r"transport 'kafka' is not supported; choose one of \['sql'\]"):
+        SendDelayedMessageOperator(task_id="a", destination="q", transport="kafka")
+    with pytest.raises(InvalidInputError, match="batch_size must be an int in 1..10000"):
+        DispatchDueMessagesOperator(task_id="b", batch_size=0)
+    with pytest.raises(InvalidNameError):
+        DelayStoreHook(table="x; drop table y").get_store()
+
+
+def test_hook_connection_never_shows_password(pg, monkeypatch):
+    from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+
+    _, schema, table = pg
+    good = DelayStoreHook(_pg_conn(monkeypatch, schema, table, password="pw-unused-by-trust"))
+    ok, message = good.test_connection()
+    assert ok, message
+    assert "pw-unused-by-trust" not in message and "pw-unused-by-trust" not in repr(good.get_store())
+    monkeypatch.setenv("AIRFLOW_CONN_DELAY_BROKEN", json.dumps(
+        {"conn_type": "delay_store", "host": "127.0.0.1", "port": 1, "login": "u", "password": "TopSecret9", "schema": "x"}))
+    ok, message = DelayStoreHook("delay_broken").test_connection()
+    assert not ok and "not reachable" in message and "TopSecret9" not in message
+
+
+def test_embedded_default_is_sqlite_under_airflow_home(airflow_home):
+    from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+
+    url = DelayStoreHook().url
+    assert url.get_backend_name() == "sqlite"
+    assert Path(url.database).parent == Path(os.environ["AIRFLOW_HOME"]).resolve()
