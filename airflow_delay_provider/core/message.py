@@ -102,6 +102,19 @@ class DelayedMessage:
             raise InvalidMessageError(f"due_at must be a timezone-aware datetime, got {self.due_at!r}")
         object.__setattr__(self, "due_at", self.due_at.astimezone(timezone.utc))
 
+    @classmethod
+    def trusted(
+        cls, destination: str, body: bytes, due_at: datetime, headers: dict[str, str], message_id: str, failures: int
+    ) -> DelayedMessage:
+        """Rebuild a message read back from a store, which checked it when it was stored: no re-validation
+        on the dispatch hot path."""
+        message = object.__new__(cls)
+        # Frozen dataclasses block setattr, not the instance dict: this is the cheap way in.
+        message.__dict__.update(
+            destination=destination, body=body, due_at=due_at, headers=headers, message_id=message_id, failures=failures
+        )
+        return message
+
     def dead_lettered(self, error_queue: str, reason: str, failed_at: datetime) -> DelayedMessage:
         """This message addressed to the error queue, with headers saying where it came from, when and why."""
         headers = dict(self.headers)

@@ -7,7 +7,8 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import BigInteger, Engine, any_, bindparam, create_engine, event
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import OperationalError
 
@@ -26,6 +27,30 @@ def check_identifier(kind: str, name: object) -> str:
             "starting with a letter or underscore"
         )
     return name
+
+
+def id_in(column, ids: list[int], postgres: bool):
+    """`column = ANY(:ids)` on PostgreSQL: one array parameter instead of one per id, so 1000 ids stay cheap."""
+    if postgres:
+        return column == any_(bindparam("ids", ids, type_=ARRAY(BigInteger)))
+    return column.in_(ids)
+
+
+def copy_rows(conn, table, columns: tuple[str, ...], types: tuple[str, ...], rows) -> None:
+    """PostgreSQL COPY (binary) of `rows` (sequences in `columns` order) on the connection's open transaction.
+
+    Several times the rate of INSERTs; the table and column names are quoted as identifiers.
+    """
+    from psycopg import sql  # only PostgreSQL gets here
+
+    target = sql.Identifier(*filter(None, (table.schema, table.name)))
+    statement = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(
+        target, sql.SQL(", ").join(map(sql.Identifier, columns))
+    )
+    with conn.connection.driver_connection.cursor() as cursor, cursor.copy(statement) as copy:
+        copy.set_types(types)
+        for row in rows:
+            copy.write_row(row)
 
 
 def safe_url(url: URL | str) -> str:

@@ -24,12 +24,11 @@ from sqlalchemy import (
     String,
     Table,
     Text,
-    bindparam,
     delete,
     func,
+    insert,
     inspect,
     select,
-    update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, make_url
@@ -38,7 +37,7 @@ from sqlalchemy.schema import CreateSchema
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
-from airflow_delay_provider.stores.engine import check_identifier, get_engine, safe_url, translate_errors
+from airflow_delay_provider.stores.engine import check_identifier, copy_rows, get_engine, safe_url, translate_errors
 
 log = logging.getLogger(__name__)
 
@@ -81,41 +80,43 @@ def store_table(metadata: MetaData, name: str, schema: str | None) -> Table:
 
 
 class _SqlClaim(Claim):
+    """Claimed rows are deleted by the claiming statement itself, inside the claim's transaction.
+
+    Delivered messages then cost no further statement; retried ones are written back with their new
+    due time; anything left unsettled is restored before commit; an error rolls all of it back.
+    """
+
     def __init__(self, conn: Connection, table: Table, rows) -> None:
         self.connection = conn
         self._table = table
-        self._ids: dict[str, int] = {}
-        self.messages = []
-        for row in rows:
-            self._ids[row.message_id] = row.id
-            self.messages.append(
-                DelayedMessage(
-                    destination=row.destination,
-                    body=row.body,
-                    due_at=from_us(row.due_at_us),
-                    headers=json.loads(row.headers),
-                    message_id=row.message_id,
-                    failures=row.failures,
-                )
-            )
+        rows = sorted(rows, key=lambda r: (r.due_at_us, r.id))  # RETURNING has no order
+        self._rows = {row.message_id: row for row in rows}
+        self._unsettled = set(self._rows)
+        self.messages = [_message(row) for row in rows]
 
     def remove(self, message_ids: Iterable[str]) -> int:
-        ids = [self._ids[m] for m in message_ids]
-        if not ids:
-            return 0
-        removed = self.connection.execute(delete(self._table).where(self._table.c.id.in_(ids))).rowcount
-        if removed != len(ids):  # rows are locked by this claim, so this means someone bypassed the lock
-            log.warning("removed %d of %d dispatched messages: potential more-than-once dispatch", removed, len(ids))
-        return removed
+        before = len(self._unsettled)
+        self._unsettled.difference_update(message_ids)
+        return before - len(self._unsettled)
 
     def retry(self, next_due: Mapping[str, datetime]) -> None:
-        t = self._table
-        stmt = (
-            update(t)
-            .where(t.c.id == bindparam("rid"))
-            .values(failures=t.c.failures + 1, due_at_us=bindparam("due"))
-        )
-        self.connection.execute(stmt, [{"rid": self._ids[m], "due": to_us(due)} for m, due in next_due.items()])
+        self._write_back({m: {"failures": self._rows[m].failures + 1, "due_at_us": to_us(d)} for m, d in next_due.items()})
+
+    def restore_unsettled(self) -> None:
+        if self._unsettled:
+            self._write_back({m: {} for m in self._unsettled})
+
+    def _write_back(self, changes: Mapping[str, dict]) -> None:
+        rows = [{**self._rows[m]._asdict(), **change} for m, change in changes.items()]
+        self.connection.execute(insert(self._table), rows)
+        self._unsettled.difference_update(changes)
+
+
+def _message(row) -> DelayedMessage:
+    headers = {} if row.headers == "{}" else json.loads(row.headers)
+    return DelayedMessage.trusted(
+        row.destination, bytes(row.body), from_us(row.due_at_us), headers, row.message_id, row.failures
+    )
 
 
 class SqlDelayedMessageStore(DelayedMessageStore):
@@ -168,26 +169,46 @@ class SqlDelayedMessageStore(DelayedMessageStore):
             }
             for m in messages
         ]
-        insert = (postgresql.insert if self.is_postgres else sqlite.insert)(self.table)
-        # Idempotent by message id: a retried task stores nothing twice.
-        stmt = insert.on_conflict_do_nothing(index_elements=["message_id"]).returning(self.table.c.id)
         with self._errors("store delayed messages"), self.engine.begin() as conn:
-            stored = len(conn.execute(stmt, rows).all())
+            stored = self._insert_new(conn, rows)
             if self.is_postgres and stored:
                 # Delivered at commit; wakes idle pumps that sleep past this due time.
                 soonest = min(r["due_at_us"] for r in rows)
                 conn.execute(select(func.pg_notify(self.channel, str(soonest))))
         return stored
 
+    _COPY_COLUMNS = ("message_id", "destination", "body", "headers", "due_at_us", "stored_at_us", "failures")
+    _COPY_TYPES = ("text", "text", "bytea", "text", "int8", "int8", "int4")
+
+    def _insert_new(self, conn: Connection, rows: list[dict]) -> int:
+        """Insert the rows whose message id is new (a retried task stores nothing twice); returns how many."""
+        if self.is_postgres:
+            from psycopg.errors import UniqueViolation
+
+            try:
+                with conn.begin_nested():  # COPY is the fast way, for the usual case of all-new ids
+                    copy_rows(conn, self.table, self._COPY_COLUMNS, self._COPY_TYPES,
+                              ([r[c] for c in self._COPY_COLUMNS] for r in rows))
+                return len(rows)
+            except UniqueViolation:
+                pass
+        insert = (postgresql.insert if self.is_postgres else sqlite.insert)(self.table)
+        stmt = insert.on_conflict_do_nothing(index_elements=["message_id"]).returning(self.table.c.id)
+        return len(conn.execute(stmt, rows).all())
+
     @contextmanager
     def claim_due(self, now: datetime, limit: int, due_before: datetime | None = None) -> Iterator[Claim]:
         t = self.table
-        query = select(t).where(t.c.due_at_us <= to_us(now))
+        due = select(t.c.id).where(t.c.due_at_us <= to_us(now))
         if due_before is not None:
-            query = query.where(t.c.due_at_us < to_us(due_before))
-        query = query.order_by(t.c.due_at_us, t.c.id).limit(limit).with_for_update(skip_locked=True)
+            due = due.where(t.c.due_at_us < to_us(due_before))
+        # Oldest first; rows another claim holds are skipped, never waited for or handed out twice.
+        due = due.order_by(t.c.due_at_us, t.c.id).limit(limit).with_for_update(skip_locked=True)
+        claim_rows = delete(t).where(t.c.id.in_(due.scalar_subquery())).returning(*t.c)
         with self._errors("claim due messages"), self.engine.begin() as conn:
-            yield _SqlClaim(conn, t, conn.execute(query).all())
+            claim = _SqlClaim(conn, t, conn.execute(claim_rows).all())
+            yield claim
+            claim.restore_unsettled()
 
     # -- reads -----------------------------------------------------------------------------------
     def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:
@@ -216,7 +237,7 @@ class SqlDelayedMessageStore(DelayedMessageStore):
         t = self.table
         with self._errors("read a stored message"), self.engine.connect() as conn:
             row = conn.execute(select(t).where(t.c.message_id == message_id)).first()
-        return None if row is None else _SqlClaim(conn, t, [row]).messages[0]
+        return None if row is None else _message(row)
 
     # -- waiting ---------------------------------------------------------------------------------
     def wait(self, until: datetime) -> None:

@@ -37,10 +37,13 @@ from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import DestinationNotFoundError
 from airflow_delay_provider.core.message import DelayedMessage, check_destination
 from airflow_delay_provider.core.ports import DelayedMessageStore, ReceivedMessage, Transport
-from airflow_delay_provider.stores.engine import check_identifier, get_engine, safe_url, translate_errors
+from airflow_delay_provider.stores.engine import check_identifier, copy_rows, get_engine, safe_url, translate_errors
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore, from_us, to_us
 
 _Id = BigInteger().with_variant(Integer, "sqlite")
+# Column order of the rows _insert builds (COPY on PostgreSQL, executemany elsewhere).
+_COPY_COLUMNS = ("queue", "message_id", "body", "headers", "due_at_us", "enqueued_at_us", "visible_at_us")
+_COPY_TYPES = ("text", "text", "bytea", "text", "int8", "int8", "int8")
 
 
 class SqlTableTransport(Transport):
@@ -129,19 +132,12 @@ class SqlTableTransport(Transport):
                     "or SqlTableTransport.provision)"
                 )
                 continue
-            rows.append(
-                {
-                    "queue": m.destination,
-                    "message_id": m.message_id,
-                    "body": m.body,
-                    "headers": json.dumps(m.headers, separators=(",", ":")),
-                    "due_at_us": to_us(m.due_at),
-                    "enqueued_at_us": now,
-                    "visible_at_us": now,
-                }
-            )
-        if rows:
-            conn.execute(insert(self.messages), rows)
+            headers = json.dumps(m.headers, separators=(",", ":")) if m.headers else "{}"
+            rows.append((m.destination, m.message_id, m.body, headers, to_us(m.due_at), now, now))
+        if rows and self.is_postgres:
+            copy_rows(conn, self.messages, _COPY_COLUMNS, _COPY_TYPES, rows)
+        elif rows:
+            conn.execute(insert(self.messages), [dict(zip(_COPY_COLUMNS, row)) for row in rows])
         return failures
 
     def receive(self, endpoint: str, max_messages: int = 10, visibility_timeout: float = 30.0) -> list[ReceivedMessage]:
