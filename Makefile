@@ -24,7 +24,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
-	$(BIN)/python bench/bench_store.py
+	$(BIN)/pip install --quiet -c constraints.txt matplotlib
+	$(BIN)/python bench/bench_store.py --plot docs/bench_store.png
 
 clean:
 	rm -rf $(VENV) .airflow

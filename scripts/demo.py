@@ -36,7 +36,8 @@ def main() -> int:
         return 1
     report = json.loads(lines[-1].split("DEMO REPORT ", 1)[1].rstrip("'\""))
     print("\nDelayed delivery demo (embedded SQLite store, SQL-table transport)")
-    for key in ("sent", "delivered", "duplicates", "missing", "early", "lateness_p50_seconds", "lateness_p99_seconds"):
+    for key in ("sent", "delivered", "duplicates", "missing", "early", "lateness_p50_seconds", "lateness_p99_seconds",
+                "deferrals"):
         print(f"  {key:22} {report[key]}")
     print(f"full log: {home / 'demo.log'}")
     return 0

@@ -128,7 +128,7 @@ def test_sensor_poke_and_deferrable(run_dag, pg, monkeypatch):
     from airflow_delay_provider.hooks.delay_store import DelayStoreHook
     from airflow_delay_provider.operators.delay import DispatchDueMessagesOperator, SendDelayedMessageOperator
     from airflow_delay_provider.sensors.delay_store import DelayedMessagesSensor
-    from tests.helpers import make_transport
+    from tests.helpers import make_transport, messages
 
     url, schema, table = pg
     conn_id = _pg_conn(monkeypatch, schema, table)
@@ -142,17 +142,17 @@ def test_sensor_poke_and_deferrable(run_dag, pg, monkeypatch):
                                          timeout=30, **common)
         dispatch = DispatchDueMessagesOperator(task_id="dispatch", max_runtime=20, max_messages=1, **common)
         # the sensors can only succeed once dispatch has emptied the store
-        send >> [dispatch]
-        dispatch >> [poke, deferred]
+        send >> dispatch >> [poke, deferred]
     state, states, values = run_dag(dag)
     assert state == "success", states
     assert values["dispatch"]["dispatched"] == 1
     sensor = DelayedMessagesSensor(task_id="s", destination="q", **common)
-    SendDelayedMessageOperator(task_id="x", destination="q", delay_seconds=100, **common)
     assert sensor.poke({}) is True
-    DelayStoreHook(conn_id).get_store().store(__import__("tests.helpers").helpers.messages(1, "q", delay=100))
+    DelayStoreHook(conn_id).get_store().store(messages(1, "q", delay=100))
     assert sensor.poke({}) is False
     assert DelayedMessagesSensor(task_id="s2", destination="other", **common).poke({}) is True
+    soon = (datetime.now().astimezone() + timedelta(seconds=50)).isoformat()
+    assert DelayedMessagesSensor(task_id="s3", destination="q", before=soon, **common).poke({}) is True
 
 
 def test_bad_batch_stores_nothing_and_says_why(run_dag, pg, monkeypatch):
