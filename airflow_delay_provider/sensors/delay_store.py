@@ -77,5 +77,5 @@ class DelayedMessagesSensor(BaseSensorOperator):
         if status == "timeout":
             from airflow.sdk.exceptions import AirflowSensorTimeout
 
-            raise AirflowSensorTimeout(f"messages still scheduled after {self.timeout} s: {event.get('scheduled')}")
+            raise AirflowSensorTimeout(f"messages still scheduled after {self.timeout} s: {self._scheduled()}")
         raise UnavailableError(f"waiting on the delay store failed: {event.get('message')}")

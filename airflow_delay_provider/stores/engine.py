@@ -7,10 +7,11 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-from sqlalchemy import BigInteger, Engine, any_, bindparam, create_engine, event
+from sqlalchemy import BigInteger, Engine, MetaData, any_, bindparam, create_engine, event
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.schema import CreateSchema
 
 from airflow_delay_provider.core.errors import InvalidNameError, UnavailableError
 
@@ -34,6 +35,27 @@ def id_in(column, ids: list[int], postgres: bool):
     if postgres:
         return column == any_(bindparam("ids", ids, type_=ARRAY(BigInteger)))
     return column.in_(ids)
+
+
+class SqlDatabase:
+    """Where a store or a SQL transport keeps its tables: a database URL (whose password never reaches
+    text), an optional schema, and the process's shared engine for that URL."""
+
+    def __init__(self, url: URL | str, schema: str | None = None) -> None:
+        self.url = make_url(url)
+        self.schema = None if schema is None else check_identifier("schema name", schema)
+        self.engine = get_engine(self.url)
+        self.is_postgres = self.engine.dialect.name == "postgresql"
+
+    def _errors(self, action: str):
+        return translate_errors(self.url, action)
+
+    def _create_tables(self, metadata: MetaData, what: str) -> None:
+        """Create the schema (PostgreSQL) and the tables of `metadata` if missing: idempotent."""
+        with self._errors(f"create {what}"), self.engine.begin() as conn:
+            if self.schema and self.is_postgres:
+                conn.execute(CreateSchema(self.schema, if_not_exists=True))
+            metadata.create_all(conn, checkfirst=True)
 
 
 def copy_rows(conn, table, columns: tuple[str, ...], types: tuple[str, ...], rows) -> None:

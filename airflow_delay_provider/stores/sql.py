@@ -31,13 +31,17 @@ from sqlalchemy import (
     select,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import URL, Connection, make_url
-from sqlalchemy.schema import CreateSchema
+from sqlalchemy.engine import URL, Connection
 
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
-from airflow_delay_provider.stores.engine import check_identifier, copy_rows, get_engine, safe_url, translate_errors
+from airflow_delay_provider.stores.engine import (
+    SqlDatabase,
+    check_identifier,
+    copy_rows,
+    safe_url,
+)
 
 log = logging.getLogger(__name__)
 
@@ -119,15 +123,12 @@ def _message(row) -> DelayedMessage:
     )
 
 
-class SqlDelayedMessageStore(DelayedMessageStore):
+class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     """Delayed messages in one table; claims lock rows (`FOR UPDATE SKIP LOCKED` on PostgreSQL)."""
 
     def __init__(self, url: URL | str, table: str = DEFAULT_TABLE, schema: str | None = None) -> None:
-        self.url = make_url(url)
         self.table_name = check_identifier("table name", table)
-        self.schema = None if schema is None else check_identifier("schema name", schema)
-        self.engine = get_engine(self.url)
-        self.is_postgres = self.engine.dialect.name == "postgresql"
+        super().__init__(url, schema)
         self.table = store_table(MetaData(), self.table_name, self.schema)
         qualified = f"{self.schema}.{self.table_name}" if self.schema else self.table_name
         # LISTEN takes an identifier of at most 63 bytes; a hash keeps any schema.table pair within it.
@@ -137,16 +138,10 @@ class SqlDelayedMessageStore(DelayedMessageStore):
     def __repr__(self) -> str:
         return f"SqlDelayedMessageStore({safe_url(self.url)!r}, table={self.table_name!r}, schema={self.schema!r})"
 
-    def _errors(self, action: str):
-        return translate_errors(self.url, action)
-
     # -- schema --------------------------------------------------------------------------------
     def create_schema(self) -> None:
         """Create the schema, table and index if missing (idempotent, safe to run concurrently)."""
-        with self._errors("create the delay store schema"), self.engine.begin() as conn:
-            if self.schema and self.is_postgres:
-                conn.execute(CreateSchema(self.schema, if_not_exists=True))
-            self.table.metadata.create_all(conn, checkfirst=True)
+        self._create_tables(self.table.metadata, "the delay store table")
 
     def exists(self) -> bool:
         with self._errors("inspect the delay store"), self.engine.connect() as conn:

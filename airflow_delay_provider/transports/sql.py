@@ -30,14 +30,18 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import URL, Connection, make_url
-from sqlalchemy.schema import CreateSchema
+from sqlalchemy.engine import URL, Connection
 
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import DestinationNotFoundError
 from airflow_delay_provider.core.message import DelayedMessage, check_destination
 from airflow_delay_provider.core.ports import DelayedMessageStore, ReceivedMessage, Transport
-from airflow_delay_provider.stores.engine import check_identifier, copy_rows, get_engine, safe_url, translate_errors
+from airflow_delay_provider.stores.engine import (
+    SqlDatabase,
+    check_identifier,
+    copy_rows,
+    safe_url,
+)
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore, from_us, to_us
 
 _Id = BigInteger().with_variant(Integer, "sqlite")
@@ -46,15 +50,12 @@ _COPY_COLUMNS = ("queue", "message_id", "body", "headers", "due_at_us", "enqueue
 _COPY_TYPES = ("text", "text", "bytea", "text", "int8", "int8", "int8")
 
 
-class SqlTableTransport(Transport):
+class SqlTableTransport(SqlDatabase, Transport):
     name = "sql"
 
     def __init__(self, url: URL | str, schema: str | None = None, table_prefix: str = "delay_") -> None:
-        self.url = make_url(url)
-        self.schema = None if schema is None else check_identifier("schema name", schema)
         check_identifier("table prefix", table_prefix + "queues")
-        self.engine = get_engine(self.url)
-        self.is_postgres = self.engine.dialect.name == "postgresql"
+        super().__init__(url, schema)
         md = MetaData()
         self.queues = Table(
             f"{table_prefix}queues",
@@ -82,14 +83,8 @@ class SqlTableTransport(Transport):
     def __repr__(self) -> str:
         return f"SqlTableTransport({safe_url(self.url)!r}, schema={self.schema!r})"
 
-    def _errors(self, action: str):
-        return translate_errors(self.url, action)
-
     def create_schema(self) -> None:
-        with self._errors("create the queue tables"), self.engine.begin() as conn:
-            if self.schema and self.is_postgres:
-                conn.execute(CreateSchema(self.schema, if_not_exists=True))
-            self.queues.metadata.create_all(conn, checkfirst=True)
+        self._create_tables(self.queues.metadata, "the queue tables")
 
     def provision(self, endpoint: str) -> dict:
         check_destination(endpoint)

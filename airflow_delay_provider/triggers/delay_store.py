@@ -62,14 +62,29 @@ class _StoreTrigger(BaseTrigger):
         hook = DelayStoreHook(self.delay_store_conn_id, table=self.table, db_schema=self.db_schema)
         return await hook.aget_store()
 
-    def _sleep_for(self, wake_at: datetime | None) -> float:
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        try:
+            store = await self._store()
+            due_before, deadline = _parse(self.due_before), _parse(self.deadline)
+            while True:
+                event, wake_at = await self._check(store, due_before)
+                if event is None and deadline is not None and utcnow() >= deadline:
+                    event = self.event("timeout")
+                if event is not None:
+                    yield event
+                    return
+                await asyncio.sleep(self._sleep_for(wake_at, deadline))
+        except Exception as exc:  # reported to execute_complete, which fails the task with it
+            yield self.event("error", message=f"{type(exc).__name__}: {exc}")
+
+    async def _check(self, store, due_before: datetime | None) -> tuple[TriggerEvent | None, datetime | None]:
+        """The event to fire now, if any, and when to look again at the latest."""
+        raise NotImplementedError
+
+    def _sleep_for(self, wake_at: datetime | None, deadline: datetime | None) -> float:
         now = utcnow()
         limits = [self.poll_interval]
-        if wake_at is not None:
-            limits.append((wake_at - now).total_seconds())
-        deadline = _parse(self.deadline)
-        if deadline is not None:
-            limits.append((deadline - now).total_seconds())
+        limits += [(moment - now).total_seconds() for moment in (wake_at, deadline) if moment is not None]
         return max(0.0, min(limits))
 
 
@@ -78,44 +93,19 @@ class DueTimeoutTrigger(_StoreTrigger):
     window holds nothing more; `timeout` at `deadline`. Re-reads the store every `poll_interval`
     seconds, so a sooner message stored meanwhile is noticed."""
 
-    async def run(self) -> AsyncIterator[TriggerEvent]:
-        try:
-            store = await self._store()
-            due_before = _parse(self.due_before)
-            deadline = _parse(self.deadline)
-            while True:
-                next_due = await asyncio.to_thread(store.next_due, self.destination, due_before)
-                now = utcnow()
-                if next_due is not None and next_due <= now:
-                    yield self.event("due", next_due=next_due.isoformat())
-                    return
-                if next_due is None and due_before is not None:
-                    yield self.event("drained")
-                    return
-                if deadline is not None and now >= deadline:
-                    yield self.event("timeout")
-                    return
-                await asyncio.sleep(self._sleep_for(next_due))
-        except Exception as exc:  # reported to execute_complete, which fails the task with it
-            yield self.event("error", message=f"{type(exc).__name__}: {exc}")
+    async def _check(self, store, due_before):
+        next_due = await asyncio.to_thread(store.next_due, self.destination, due_before)
+        if next_due is not None and next_due <= utcnow():
+            return self.event("due", next_due=next_due.isoformat()), None
+        if next_due is None and due_before is not None:
+            return self.event("drained"), None
+        return None, next_due
 
 
 class ScheduledMessagesTrigger(_StoreTrigger):
-    """Fires `drained` once nothing (for `destination`, if given) is scheduled before `due_before`."""
+    """Fires `drained` once nothing (for `destination`, if given) is scheduled before `due_before`;
+    `timeout` at `deadline`."""
 
-    async def run(self) -> AsyncIterator[TriggerEvent]:
-        try:
-            store = await self._store()
-            due_before = _parse(self.due_before)
-            deadline = _parse(self.deadline)
-            while True:
-                counts = await asyncio.to_thread(store.count_scheduled, due_before, self.destination)
-                if not sum(counts.values()):
-                    yield self.event("drained")
-                    return
-                if deadline is not None and utcnow() >= deadline:
-                    yield self.event("timeout", scheduled=counts)
-                    return
-                await asyncio.sleep(self._sleep_for(None))
-        except Exception as exc:
-            yield self.event("error", message=f"{type(exc).__name__}: {exc}")
+    async def _check(self, store, due_before):
+        counts = await asyncio.to_thread(store.count_scheduled, due_before, self.destination)
+        return (self.event("drained") if not counts else None), None

@@ -213,3 +213,27 @@ def test_embedded_default_is_sqlite_under_airflow_home(airflow_home):
     url = DelayStoreHook().url
     assert url.get_backend_name() == "sqlite"
     assert Path(url.database).parent == Path(os.environ["AIRFLOW_HOME"]).resolve()
+
+
+def test_triggers_serialize_to_their_class_path_and_fire():
+    import asyncio
+
+    from airflow.sdk.module_loading import import_string
+
+    from airflow_delay_provider.triggers.delay_store import DueTimeoutTrigger, ScheduledMessagesTrigger
+
+    past = (datetime.now().astimezone() - timedelta(seconds=1)).isoformat()
+    trigger = DueTimeoutTrigger(table="nothing_here", deadline=past, poll_interval=0.1, carry={"k": [1]})
+    path, kwargs = trigger.serialize()
+    assert path == "airflow_delay_provider.triggers.delay_store.DueTimeoutTrigger"
+    rebuilt = import_string(path)(**kwargs)
+    assert rebuilt.serialize() == (path, kwargs)
+    assert ScheduledMessagesTrigger().serialize()[0].endswith("delay_store.ScheduledMessagesTrigger")
+
+    async def first_event(t):
+        async for event in t.run():
+            return event.payload
+
+    # No table: the trigger reports the error (execute_complete then fails the task with it).
+    event = asyncio.run(first_event(rebuilt))
+    assert event["status"] == "error" and event["carry"] == {"k": [1]}
