@@ -15,7 +15,8 @@ def get_provider_info() -> dict:
         "batched dispatch pump, and native delays on RabbitMQ and Amazon SQS.",
         "versions": [__version__],
         "integrations": [{"integration-name": INTEGRATION, "tags": ["service"]}],
-        "hooks": [{"integration-name": INTEGRATION, "python-modules": ["airflow_delay_provider.hooks.delay_store"]}],
+        "hooks": [{"integration-name": INTEGRATION, "python-modules": [
+            "airflow_delay_provider.hooks.delay_store", "airflow_delay_provider.hooks.rabbitmq"]}],
         "operators": [{"integration-name": INTEGRATION, "python-modules": ["airflow_delay_provider.operators.delay"]}],
         "sensors": [{"integration-name": INTEGRATION, "python-modules": ["airflow_delay_provider.sensors.delay_store"]}],
         "triggers": [{"integration-name": INTEGRATION, "python-modules": ["airflow_delay_provider.triggers.delay_store"]}],
@@ -54,6 +55,31 @@ def get_provider_info() -> dict:
                     "relabeling": {"schema": "Database"},
                     "placeholders": {"host": "127.0.0.1", "port": "5432", "schema": "airflow_delays"},
                 },
-            }
+            },
+            {
+                "hook-class-name": "airflow_delay_provider.hooks.rabbitmq.RabbitMQDelayHook",
+                "hook-name": "RabbitMQ (delayed delivery)",
+                "connection-type": "rabbitmq",
+                "conn-fields": {
+                    "heartbeat": {"label": "Heartbeat (s)", "schema": {"type": ["integer", "null"], "default": 60, "minimum": 0}},
+                    "tls": {"label": "Use TLS", "schema": {"type": ["boolean", "null"], "default": False}},
+                    "tls_verify": {"label": "Verify the TLS certificate", "schema": {"type": ["boolean", "null"], "default": True}},
+                    "prefix": {
+                        "label": "Delay topology prefix",
+                        "schema": {"type": ["string", "null"], "default": "delay"},
+                        "description": "Exchanges and queues are named <prefix>.level-27 .. <prefix>.level-00, <prefix>.delivery",
+                    },
+                    "levels": {"label": "Delay levels", "schema": {"type": ["integer", "null"], "default": 28, "minimum": 1, "maximum": 28}},
+                    "confirm_window": {
+                        "label": "Publisher confirms in flight",
+                        "schema": {"type": ["integer", "null"], "default": 1000, "minimum": 1},
+                    },
+                },
+                "ui-field-behaviour": {
+                    "hidden-fields": ["extra"],
+                    "relabeling": {"schema": "Virtual host"},
+                    "placeholders": {"host": "127.0.0.1", "port": "5672", "schema": "/", "login": "guest"},
+                },
+            },
         ],
     }

@@ -110,3 +110,50 @@ def run_dag(airflow_home):
         return dagrun.state, states, values
 
     return run
+
+
+RABBIT_HOST, RABBIT_PORT = "127.0.0.1", 5672
+
+
+def _rabbitmqctl(*args: str) -> str:
+    result = subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=60)
+    if result.returncode != 0:
+        raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: {result.stderr.strip()}")
+    return result.stdout
+
+
+@pytest.fixture(scope="session")
+def rabbit_available():
+    import pika
+
+    try:
+        pika.BlockingConnection(pika.ConnectionParameters(RABBIT_HOST, RABBIT_PORT, connection_attempts=1)).close()
+    except Exception as exc:
+        pytest.fail(
+            f"RabbitMQ is not reachable at {RABBIT_HOST}:{RABBIT_PORT} ({type(exc).__name__}). These tests need the real "
+            "broker (guest/guest): start it with `rabbitmq-server -detached`.",
+            pytrace=False,
+        )
+
+
+@pytest.fixture
+def rabbit_vhost(rabbit_available):
+    """A virtual host of this test's own on the real RabbitMQ, deleted afterwards."""
+    vhost = f"adp_test_{uuid.uuid4().hex[:10]}"
+    _rabbitmqctl("add_vhost", vhost)
+    _rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+    yield vhost
+    _rabbitmqctl("delete_vhost", vhost)
+
+
+@pytest.fixture
+def rabbit(rabbit_vhost):
+    """A RabbitMQ transport under a prefix of this test's own, in this run's vhost."""
+    import pika
+
+    from airflow_delay_provider.transports.rabbitmq import RabbitMQTransport
+
+    params = pika.ConnectionParameters(RABBIT_HOST, RABBIT_PORT, rabbit_vhost, pika.PlainCredentials("guest", "guest"))
+    transport = RabbitMQTransport(params, prefix=f"d{uuid.uuid4().hex[:6]}")
+    yield transport
+    transport.close()

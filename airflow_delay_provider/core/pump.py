@@ -11,12 +11,17 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Callable
 
 from airflow_delay_provider.core.breakers import CircuitBreaker, RateBreaker
 from airflow_delay_provider.core.delays import utcnow
-from airflow_delay_provider.core.errors import CriticalError, DestinationNotFoundError, InvalidInputError
+from airflow_delay_provider.core.errors import (
+    CriticalError,
+    DestinationNotFoundError,
+    InvalidInputError,
+    UnavailableError,
+)
 from airflow_delay_provider.core.message import DelayedMessage, check_destination
 from airflow_delay_provider.core.ports import DelayedMessageStore, Transport
 from airflow_delay_provider.core.stats import PumpStats
@@ -118,8 +123,9 @@ class Pump:
             return self.transport.send(messages, connection=connection)
         except CriticalError:
             raise
-        except Exception as exc:  # the whole batch failed (broker down): each message counts a failure
-            return {m.message_id: exc for m in messages}
+        except Exception as exc:  # the whole batch failed: an outage, whatever the exception says
+            outage = exc if isinstance(exc, UnavailableError) else UnavailableError(f"{type(exc).__name__}: {exc}")
+            return {m.message_id: outage for m in messages}
 
     def _settle(self, claim, stats: PumpStats) -> Exception | None:
         conn = claim.connection if self.exactly_once else None
@@ -136,6 +142,12 @@ class Pump:
         for m in messages:
             exc = failures.get(m.message_id)
             if exc is None:
+                continue
+            if isinstance(exc, UnavailableError):
+                # An outage is not the message's fault: it stays stored as it was (the claim
+                # restores it) and the dispatch breaker decides how long to keep trying.
+                transient = exc
+                stats.released += 1
                 continue
             failed = replace(m, failures=m.failures + 1)
             if isinstance(exc, DestinationNotFoundError):
@@ -245,3 +257,31 @@ class Pump:
         eta = f"{backlog / rate:.0f} s" if rate > 0 else "unknown"
         log.info("dispatched %d (%.0f msg/s), retrying %d, dead-lettered %d; %d due now, ETA %s",
                  stats.dispatched, rate, stats.retried, stats.dead_lettered, backlog, eta)
+
+
+#: Later than any due time: claiming "due by then" claims everything stored.
+END_OF_TIME = datetime(9999, 1, 1, tzinfo=timezone.utc)
+
+
+def hand_over(store: DelayedMessageStore, transport: Transport, batch_size: int = 1000) -> dict:
+    """Move every stored message, due or not, to a transport that delays natively (a migration).
+
+    The transport receives each message with its original due time, so the remaining delay is
+    kept. Messages it refuses stay stored; the move stops when a whole batch is refused.
+    """
+    moved = refused = 0
+    errors: dict[str, str] = {}
+    while True:
+        with store.claim_due(END_OF_TIME, batch_size) as claim:
+            if not claim.messages:
+                break
+            failures = transport.send(claim.messages)
+            claim.remove([m.message_id for m in claim.messages if m.message_id not in failures])
+            moved += len(claim.messages) - len(failures)
+            errors.update((mid, f"{type(e).__name__}: {e}") for mid, e in list(failures.items())[:10])
+        if failures and len(failures) == len(claim.messages):
+            refused = len(failures)
+            break
+    if errors:
+        log.warning("hand-over left %d message(s) stored; first errors: %s", refused, errors)
+    return {"moved": moved, "left_in_store": refused, "errors": dict(list(errors.items())[:10])}

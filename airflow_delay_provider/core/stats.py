@@ -64,6 +64,8 @@ class PumpStats:
     dispatched: int = 0
     retried: int = 0
     dead_lettered: int = 0
+    #: Claimed but handed back untouched because the transport was unavailable.
+    released: int = 0
     batches: int = 0
     lateness: LatenessHistogram = field(default_factory=LatenessHistogram)
 
@@ -71,6 +73,7 @@ class PumpStats:
         self.dispatched += other.dispatched
         self.retried += other.retried
         self.dead_lettered += other.dead_lettered
+        self.released += other.released
         self.batches += other.batches
         self.lateness.merge(other.lateness)
 
@@ -81,6 +84,7 @@ class PumpStats:
             "dispatched": self.dispatched,
             "failed": self.retried,
             "dead_lettered": self.dead_lettered,
+            "released": self.released,
             "batches": self.batches,
             "lateness_p50_seconds": None if p50 is None else round(p50, 4),
             "lateness_p99_seconds": None if p99 is None else round(p99, 4),
@@ -98,6 +102,7 @@ class PumpStats:
             dispatched=int(data["dispatched"]),
             retried=int(data["failed"]),
             dead_lettered=int(data["dead_lettered"]),
+            released=int(data.get("released", 0)),
             batches=int(data["batches"]),
             lateness=LatenessHistogram.from_dict(data.get("lateness")),
         )

@@ -10,16 +10,19 @@ from airflow.sdk import BaseOperator, Context
 
 from airflow_delay_provider.core.breakers import CircuitBreaker, call_with_breaker
 from airflow_delay_provider.core.delays import utcnow
-from airflow_delay_provider.core.errors import InvalidInputError, UnavailableError
-from airflow_delay_provider.core.message import check_destination, stable_message_id
-from airflow_delay_provider.core.pump import Pump, PumpConfig
+from airflow_delay_provider.core.errors import DelayProviderError, InvalidInputError, UnavailableError
+from airflow_delay_provider.core.message import DelayedMessage, check_destination, stable_message_id
+from airflow_delay_provider.core.ports import Transport
+from airflow_delay_provider.core.pump import Pump, PumpConfig, hand_over
 from airflow_delay_provider.core.requests import build_message, parse_moment
 from airflow_delay_provider.core.stats import PumpStats
 from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+from airflow_delay_provider.hooks.rabbitmq import RabbitMQDelayHook
+from airflow_delay_provider.transports.rabbitmq import RabbitMQTransport
 from airflow_delay_provider.triggers.delay_store import DueTimeoutTrigger
 
-#: Transports a destination can be reached through. RabbitMQ and SQS join this list in their issues.
-TRANSPORTS = ("sql",)
+#: Transports a destination can be reached through. SQS joins this list in its issue.
+TRANSPORTS = ("sql", "rabbitmq")
 
 
 def _check_transport(transport: str) -> str:
@@ -29,6 +32,13 @@ def _check_transport(transport: str) -> str:
 
 
 class _StoreOperator(BaseOperator):
+    """Shared arguments: the delayed-message store, and the transport that reaches the destinations.
+
+    `transport="sql"`: queues as tables, in the store's database unless `transport_conn_id` names
+    another `delay_store` connection. `transport="rabbitmq"`: the broker of the `rabbitmq`
+    connection `transport_conn_id` (default `rabbitmq_default`).
+    """
+
     def __init__(
         self,
         *,
@@ -36,6 +46,7 @@ class _StoreOperator(BaseOperator):
         table: str | None = None,
         db_schema: str | None = None,
         transport: str = "sql",
+        transport_conn_id: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -43,35 +54,81 @@ class _StoreOperator(BaseOperator):
         self.table = table
         self.db_schema = db_schema
         self.transport = _check_transport(transport)
+        self.transport_conn_id = transport_conn_id
 
     @property
     def hook(self) -> DelayStoreHook:
         return DelayStoreHook(self.delay_store_conn_id, table=self.table, db_schema=self.db_schema)
 
+    def get_transport(self) -> Transport:
+        if self.transport == "rabbitmq":
+            return RabbitMQDelayHook(self.transport_conn_id or RabbitMQDelayHook.default_conn_name).get_transport()
+        if self.transport_conn_id is None:
+            return self.hook.get_transport()
+        return DelayStoreHook(self.transport_conn_id, db_schema=self.db_schema).get_transport()
+
 
 class ProvisionDelayInfrastructureOperator(_StoreOperator):
-    """Create the delayed-message store and the destination queues (idempotent). Returns a JSON summary."""
+    """Create the delayed-message store and the transport's destination queues (idempotent).
+
+    With RabbitMQ this declares the 28 delay levels, the delivery exchange with its `unroutable`
+    safety net, and each endpoint's queue and binding. `verify=True` changes nothing: it reports
+    what is missing or declared with other arguments, and fails the task when anything is.
+    Returns a JSON summary.
+    """
 
     template_fields: Sequence[str] = ("endpoints",)
 
-    def __init__(self, *, endpoints: Sequence[str] = (), error_queue: str = "error", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        endpoints: Sequence[str] = (),
+        error_queue: str = "error",
+        create_store: bool = True,
+        verify: bool = False,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.endpoints = endpoints
         self.error_queue = error_queue
+        self.create_store = create_store
+        self.verify = verify
 
     def execute(self, context: Context) -> dict:
-        endpoints = [check_destination(e) for e in [*self.endpoints, self.error_queue]]
-        store = self.hook.get_store()
-        store.create_schema()
-        transport = self.hook.get_transport()
-        declared = [transport.provision(e) for e in dict.fromkeys(endpoints)]
-        summary = {"store": repr(store), "transport": self.transport, "queues": declared}
+        endpoints = list(dict.fromkeys(check_destination(e) for e in [*self.endpoints, self.error_queue]))
+        transport = self.get_transport()
+        try:
+            if self.verify:
+                return self._verify(transport, endpoints)
+            summary: dict[str, Any] = {"transport": self.transport}
+            if self.create_store:
+                store = self.hook.get_store()
+                store.create_schema()
+                summary["store"] = repr(store)
+            summary["queues"] = [transport.provision(e) for e in endpoints]
+        finally:
+            transport.close()
         self.log.info("Provisioned: %s", json.dumps(summary))
         return summary
 
+    def _verify(self, transport: Transport, endpoints: list[str]) -> dict:
+        if not isinstance(transport, RabbitMQTransport):
+            raise InvalidInputError(f"verify=True is supported for transport='rabbitmq', not {self.transport!r}")
+        report = transport.verify(endpoints)
+        self.log.info("Verified %s: %s", transport.where, json.dumps(report))
+        if not report["complete"]:
+            raise DelayProviderError(
+                f"the delay infrastructure on {transport.where} is incomplete: missing {report['missing']}, "
+                f"declared with other arguments {report['different']}; run this task without verify=True to declare it"
+            )
+        return report
+
 
 class SendDelayedMessageOperator(_StoreOperator):
-    """Store one message (or a batch) for delivery after a delay; returns the message id(s).
+    """Schedule one message (or a batch) for delivery after a delay; returns the message id(s).
+
+    `transport="sql"` keeps the message in the delayed-message store until a dispatch task sends
+    it; `transport="rabbitmq"` hands it to the broker's delay levels at once (nothing to dispatch).
 
     Give `delay_seconds` (int, float or timedelta; fractions round up) or `deliver_at` (an aware
     datetime or ISO string; a time in the past means now), and optionally `queue_delay_seconds`, the
@@ -143,14 +200,43 @@ class SendDelayedMessageOperator(_StoreOperator):
             )
             for n, item in enumerate(items)
         ]
-        store = self.hook.get_store()
         breaker = CircuitBreaker("storing delayed messages", self.time_to_trigger_store_circuit_breaker)
-        stored = call_with_breaker(breaker, lambda: store.store(batch), retry_on=(UnavailableError,))
+        if self.transport == "sql":
+            store = self.hook.get_store()
+            stored = call_with_breaker(breaker, lambda: store.store(batch), retry_on=(UnavailableError,))
+            self.log.info("Stored %d new message(s) of %d (the rest were stored by an earlier try)", stored, len(batch))
+        else:
+            self._send_native(batch, breaker)
         for m in batch[:20]:
             self.log.info("Scheduled %s for %s at %s", m.message_id, m.destination, m.due_at.isoformat())
-        self.log.info("Stored %d new message(s) of %d (the rest were stored by an earlier try)", stored, len(batch))
         ids = [m.message_id for m in batch]
         return ids if self.messages is not None else ids[0]
+
+    def _send_native(self, batch: list[DelayedMessage], breaker: CircuitBreaker) -> None:
+        """Hand the batch to the broker's own delay mechanism; retry what an outage kept from it."""
+        transport = self.get_transport()
+        try:
+            # A missing queue is found before anything is sent, so a typo sends nothing.
+            for destination in sorted({m.destination for m in batch}):
+                call_with_breaker(breaker, lambda d=destination: transport.depth(d), retry_on=(UnavailableError,))
+            pending = batch
+            while pending:
+                try:
+                    failures = transport.send(pending)
+                except UnavailableError as exc:
+                    failures = {m.message_id: exc for m in pending}
+                lost = {mid: e for mid, e in failures.items() if not isinstance(e, UnavailableError)}
+                if lost:
+                    raise DelayProviderError(
+                        f"{len(lost)} of {len(batch)} message(s) were refused by {self.transport}: "
+                        + "; ".join(f"{mid}: {e}" for mid, e in list(lost.items())[:5])
+                    )
+                pending = [m for m in pending if m.message_id in failures]
+                if pending:
+                    breaker.failure(next(iter(failures.values())))
+            self.log.info("Sent %d message(s) natively through %s", len(batch), transport)
+        finally:
+            transport.close()
 
 
 class DispatchDueMessagesOperator(_StoreOperator):
@@ -177,7 +263,6 @@ class DispatchDueMessagesOperator(_StoreOperator):
         deferrable: bool = False,
         defer_threshold_seconds: float = 30.0,
         poll_interval: float = 5.0,
-        destination_conn_id: str | None = None,
         time_to_trigger_fetch_circuit_breaker: float = 30.0,
         time_to_trigger_dispatch_circuit_breaker: float = 30.0,
         maximum_recovery_failures_per_second: float = 1.0,
@@ -190,7 +275,6 @@ class DispatchDueMessagesOperator(_StoreOperator):
         self.deferrable = deferrable
         self.defer_threshold_seconds = defer_threshold_seconds
         self.poll_interval = poll_interval
-        self.destination_conn_id = destination_conn_id
         # Checked here so a bad value fails when the DAG is parsed, not at run time.
         self.pump_config = PumpConfig(
             batch_size=batch_size,
@@ -202,12 +286,7 @@ class DispatchDueMessagesOperator(_StoreOperator):
         )
 
     def _pump(self) -> Pump:
-        store = self.hook.get_store()
-        if self.destination_conn_id is None:
-            transport = self.hook.get_transport()
-        else:
-            transport = DelayStoreHook(self.destination_conn_id, db_schema=self.db_schema).get_transport()
-        return Pump(store, transport, self.pump_config)
+        return Pump(self.hook.get_store(), self.get_transport(), self.pump_config)
 
     def execute(self, context: Context) -> dict:
         deadline = utcnow() + self.max_runtime
@@ -241,6 +320,7 @@ class DispatchDueMessagesOperator(_StoreOperator):
             )
         finally:
             pump.store.close()
+            pump.transport.close()
         stats.merge(result.stats)
         if result.reason == "idle" and self.deferrable:
             self.log.info("Next message due at %s: deferring (%s so far)", result.next_due, stats.summary())
@@ -265,3 +345,38 @@ class DispatchDueMessagesOperator(_StoreOperator):
         }
         self.log.info("Dispatch finished: %s", json.dumps(summary))
         return summary
+
+
+class MigrateDelayedMessagesOperator(_StoreOperator):
+    """Move pending delayed messages between the SQL store and RabbitMQ's delay levels, keeping due times.
+
+    `direction="store_to_rabbitmq"` hands every stored message (due or not) to the levels with its
+    remaining delay; `direction="rabbitmq_to_store"` drains the levels into the store (messages
+    without the needed headers go to the `<prefix>.poison` queue). Returns the counts.
+    """
+
+    DIRECTIONS = ("store_to_rabbitmq", "rabbitmq_to_store")
+
+    def __init__(self, *, direction: str, batch_size: int = 500, **kwargs: Any) -> None:
+        kwargs.setdefault("transport", "rabbitmq")
+        super().__init__(**kwargs)
+        if direction not in self.DIRECTIONS:
+            raise InvalidInputError(f"direction {direction!r} is not supported; choose one of {list(self.DIRECTIONS)}")
+        if self.transport != "rabbitmq":
+            raise InvalidInputError("migration moves messages to or from RabbitMQ: use transport='rabbitmq'")
+        self.direction = direction
+        self.batch_size = batch_size
+
+    def execute(self, context: Context) -> dict:
+        store = self.hook.get_store()
+        store.create_schema()
+        transport = self.get_transport()
+        try:
+            if self.direction == "store_to_rabbitmq":
+                result = hand_over(store, transport, self.batch_size)
+            else:
+                result = transport.drain_levels(store, self.batch_size)
+        finally:
+            transport.close()
+        self.log.info("Migrated (%s): %s", self.direction, json.dumps(result))
+        return {"direction": self.direction, **result}

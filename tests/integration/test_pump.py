@@ -146,13 +146,13 @@ def test_broker_down_trips_dispatch_breaker_and_loses_nothing(db):
     store = make_store(url, schema, table)
     transport = FlakyTransport(make_transport(url, schema, table, "orders", "error"), {}, down=True)
     store.store(messages(5))
-    config = PumpConfig(time_to_trigger_dispatch_circuit_breaker=2, number_of_retries=100)
+    config = PumpConfig(time_to_trigger_dispatch_circuit_breaker=2)
     started = time.monotonic()
     with pytest.raises(CriticalError, match="dispatching kept failing.*broker unreachable"):
         Pump(store, transport, config).run(stop_when_idle=True)
     assert 2 <= time.monotonic() - started < 10
     assert store.count_scheduled() == {"orders": 5}
-    assert store.get("m-0").failures >= 2
+    assert store.get("m-0").failures == 0  # an outage is not the message's fault: no retry used up
 
 
 def test_unreachable_store_trips_fetch_breaker_without_leaking_password(tmp_path):

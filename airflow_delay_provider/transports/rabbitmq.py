@@ -1,0 +1,595 @@
+"""RabbitMQ native delays (seed 002): 28 levels of TTL quorum queues driven by a binary routing key.
+
+A delay of d seconds is written as 28 bits, most significant first, followed by the destination:
+`0.0.....1.0.1.orders`. Level n is a topic exchange that routes a message whose bit n is 1 into a
+quorum queue with a TTL of 2^n s, and one whose bit n is 0 straight on to level n-1; an expired
+message is dead-lettered (at least once) to level n-1 as well. Level 0 ends in the delivery
+exchange, where every endpoint queue is bound `#.<endpoint>`. Unlike the reference design, the
+delivery exchange has an alternate exchange: a message for a destination with no binding lands
+in the `unroutable` queue instead of being dropped.
+
+Publishing uses publisher confirms with many messages in flight (a window), so a batch is fast
+and every message is known to be queued, returned (no such queue) or nacked.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Iterable, Sequence
+
+import pika
+from pika.exceptions import AMQPConnectionError, AMQPError, ChannelClosedByBroker
+
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.errors import (
+    DelayError,
+    DelayProviderError,
+    DestinationNotFoundError,
+    InvalidNameError,
+    UnavailableError,
+)
+from airflow_delay_provider.core.message import HEADER_DUE_AT, DelayedMessage, check_destination
+from airflow_delay_provider.core.ports import DelayedMessageStore, ReceivedMessage, Transport
+
+LEVELS = 28
+MAX_DELAY_SECONDS = 2**LEVELS - 1  # 268,435,455 s, about 8.5 years
+DELAY_HEADER = "x-delay-seconds"
+#: Headers the broker or the delay mechanics add; receivers never see them.
+STRIPPED_HEADERS = frozenset(
+    {DELAY_HEADER, HEADER_DUE_AT, "x-delivery-count", "x-death", "x-first-death-queue", "x-first-death-reason", "x-first-death-exchange",
+     "x-last-death-queue", "x-last-death-reason", "x-last-death-exchange"}
+)
+#: Routing keys are at most 255 bytes; the delay bits take 2 bytes per level.
+MAX_ROUTING_KEY_BYTES = 255
+
+
+def max_delay(levels: int = LEVELS) -> int:
+    return 2**levels - 1
+
+
+def _whole_seconds(delay_seconds: object) -> int:
+    if isinstance(delay_seconds, bool) or not isinstance(delay_seconds, (int, float)) or math.isnan(delay_seconds):
+        raise DelayError(f"delay_seconds must be a number of seconds, got {delay_seconds!r}")
+    return max(0, math.ceil(delay_seconds))  # negative means now; never early
+
+
+def routing_key(delay_seconds: int | float, destination: str, levels: int = LEVELS) -> str:
+    """`b(levels-1). … .b0.destination`: the delay in binary, most significant bit first.
+
+    Fractions round up, negative delays mean 0; a delay above 2^levels - 1 raises DelayError.
+    """
+    delay = _whole_seconds(delay_seconds)
+    if delay > max_delay(levels):
+        raise DelayError(
+            f"cannot delay a message by {delay} s: it exceeds the maximum delay value of {max_delay(levels)} s "
+            f"({levels} levels, about {max_delay(levels) / 31_557_600:.1f} years)"
+        )
+    return ".".join(format(delay, f"0{levels}b")) + "." + destination
+
+
+def first_level(delay_seconds: int) -> int:
+    """The level a delayed message enters at: its highest set bit (0 when there is none)."""
+    return max(0, int(delay_seconds).bit_length() - 1)
+
+
+def check_endpoint(name: object, levels: int = LEVELS) -> str:
+    """An endpoint (queue) name that is safe as the tail of a topic routing key."""
+    name = check_destination(name)
+    words = name.split(".")
+    if any(ch in name for ch in "*#") or "" in words:
+        raise InvalidNameError(
+            f"RabbitMQ destination {name!r} is not allowed: no '*' or '#', and no empty words "
+            "(leading, trailing or doubled dots), since it is matched as topic routing-key words"
+        )
+    if len(name.encode()) > MAX_ROUTING_KEY_BYTES - 2 * levels:
+        raise InvalidNameError(
+            f"RabbitMQ destination {name!r} takes {len(name.encode())} bytes; with {levels} delay levels at most "
+            f"{MAX_ROUTING_KEY_BYTES - 2 * levels} are allowed (routing keys are limited to 255 bytes)"
+        )
+    return name
+
+
+# -- the topology, as data --------------------------------------------------------------------
+@dataclass(frozen=True)
+class Exchange:
+    name: str
+    type: str
+    arguments: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Queue:
+    name: str
+    arguments: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Binding:
+    source: str
+    destination: str
+    destination_type: str  # "queue" or "exchange"
+    routing_key: str
+
+
+@dataclass(frozen=True)
+class Topology:
+    exchanges: tuple[Exchange, ...]
+    queues: tuple[Queue, ...]
+    bindings: tuple[Binding, ...]
+
+
+QUORUM = {"x-queue-type": "quorum"}
+
+
+class Names:
+    """Every name of the delay infrastructure under one prefix."""
+
+    def __init__(self, prefix: str = "delay", levels: int = LEVELS) -> None:
+        if not isinstance(levels, int) or not 1 <= levels <= LEVELS:
+            raise InvalidNameError(f"levels must be an int in 1..{LEVELS}, got {levels!r}")
+        check_endpoint(f"{prefix}.level-00")
+        self.prefix = prefix
+        self.levels = levels
+        self.delivery = f"{prefix}.delivery"
+        self.unroutable = f"{prefix}.unroutable"
+        self.poison = f"{prefix}.poison"
+
+    def level(self, n: int) -> str:
+        return f"{self.prefix}.level-{n:02d}"
+
+
+def delay_topology(names: Names) -> Topology:
+    """The seed's levels and bindings, the delivery exchange, and the unroutable safety net."""
+    exchanges, queues, bindings = [], [], []
+    top = names.levels - 1
+    for n in range(top, -1, -1):
+        level = names.level(n)
+        onward = names.level(n - 1) if n else names.delivery
+        exchanges.append(Exchange(level, "topic"))
+        queues.append(
+            Queue(
+                level,
+                {
+                    **QUORUM,
+                    "x-message-ttl": 2**n * 1000,
+                    "x-dead-letter-exchange": onward,
+                    "x-dead-letter-strategy": "at-least-once",
+                    "x-overflow": "reject-publish",
+                },
+            )
+        )
+        skip = "*." * (top - n)
+        bindings.append(Binding(level, level, "queue", skip + "1.#"))
+        bindings.append(Binding(level, onward, "exchange", skip + "0.#"))
+    exchanges.append(Exchange(names.delivery, "topic", {"alternate-exchange": names.unroutable}))
+    exchanges.append(Exchange(names.unroutable, "fanout"))
+    queues.append(Queue(names.unroutable, dict(QUORUM)))
+    queues.append(Queue(names.poison, dict(QUORUM)))
+    bindings.append(Binding(names.unroutable, names.unroutable, "queue", ""))
+    return Topology(tuple(exchanges), tuple(queues), tuple(bindings))
+
+
+def endpoint_topology(names: Names, endpoint: str) -> Topology:
+    check_endpoint(endpoint, names.levels)
+    return Topology((), (Queue(endpoint, dict(QUORUM)),), (Binding(names.delivery, endpoint, "queue", f"#.{endpoint}"),))
+
+
+# -- the transport ------------------------------------------------------------------------------
+class RabbitMQTransport(Transport):
+    """Delivers each message at its due time: due now straight to its queue, later through the levels."""
+
+    name = "rabbitmq"
+
+    def __init__(
+        self,
+        parameters: pika.ConnectionParameters,
+        prefix: str = "delay",
+        levels: int = LEVELS,
+        confirm_window: int = 1000,
+        confirm_timeout: float = 30.0,
+    ) -> None:
+        self.parameters = parameters
+        self.names = Names(prefix, levels)
+        self.confirm_window = confirm_window
+        self.confirm_timeout = confirm_timeout
+        self._publisher: ConfirmingPublisher | None = None
+        self._admin: pika.BlockingConnection | None = None
+        self._consumer = None  # the channel receive() and ack() share: delivery tags belong to it
+
+    def __repr__(self) -> str:
+        p = self.parameters
+        return f"RabbitMQTransport(amqp://{p.host}:{p.port}/{p.virtual_host}, prefix={self.names.prefix!r})"
+
+    @property
+    def where(self) -> str:
+        p = self.parameters
+        return f"RabbitMQ at {p.host}:{p.port} (vhost {p.virtual_host!r})"
+
+    # -- connections -----------------------------------------------------------------------------
+    def _channel(self):
+        """A fresh channel on the admin connection, reconnecting once if the broker dropped it."""
+        for attempt in (1, 2):
+            if self._admin is None or self._admin.is_closed:
+                try:
+                    self._admin = pika.BlockingConnection(self.parameters)
+                except AMQPError as exc:
+                    raise UnavailableError(f"could not connect to {self.where}: {_describe(exc)}") from None
+            try:
+                return self._admin.channel()
+            except AMQPConnectionError:
+                self._admin = self._consumer = None
+                if attempt == 2:
+                    raise UnavailableError(f"the connection to {self.where} keeps closing") from None
+
+    def close(self) -> None:
+        for conn in (self._admin, self._publisher):
+            try:
+                if conn is not None and conn.is_open:
+                    conn.close()
+            except AMQPError:
+                pass  # already going away: nothing left to release
+        self._admin = self._publisher = self._consumer = None
+
+    # -- provisioning ------------------------------------------------------------------------------
+    def declare(self, topology: Topology) -> dict:
+        channel = self._channel()
+        try:
+            for ex in topology.exchanges:
+                channel.exchange_declare(ex.name, ex.type, durable=True, arguments=ex.arguments or None)
+            for q in topology.queues:
+                channel.queue_declare(q.name, durable=True, arguments=q.arguments or None)
+            for b in topology.bindings:
+                if b.destination_type == "queue":
+                    channel.queue_bind(b.destination, b.source, routing_key=b.routing_key)
+                else:
+                    channel.exchange_bind(b.destination, b.source, routing_key=b.routing_key)
+        except ChannelClosedByBroker as exc:
+            raise InvalidNameError(
+                f"{self.where} refused the delay topology ({exc.reply_code} {exc.reply_text}); something with the same "
+                "name exists with other arguments: run the provision task with verify=True to see what differs"
+            ) from None
+        finally:
+            if channel.is_open:
+                channel.close()
+        return {
+            "exchanges": [e.name for e in topology.exchanges],
+            "queues": [q.name for q in topology.queues],
+            "bindings": len(topology.bindings),
+        }
+
+    def provision_delay_infrastructure(self) -> dict:
+        return self.declare(delay_topology(self.names))
+
+    def provision(self, endpoint: str) -> dict:
+        declared = self.declare(delay_topology(self.names))
+        self.declare(endpoint_topology(self.names, endpoint))
+        return {"transport": self.name, "endpoint": endpoint, "levels": self.names.levels,
+                "declared_exchanges": len(declared["exchanges"]), "declared_queues": len(declared["queues"]) + 1}
+
+    def teardown(self, endpoint: str) -> dict:
+        """Delete an endpoint's queue. Its delayed messages still in the levels land in `unroutable`."""
+        check_endpoint(endpoint, self.names.levels)
+        channel = self._channel()
+        try:
+            channel.queue_unbind(endpoint, self.names.delivery, routing_key=f"#.{endpoint}")
+            deleted = channel.queue_delete(endpoint).method.message_count
+        finally:
+            if channel.is_open:
+                channel.close()
+        return {"endpoint": endpoint, "deleted_messages": deleted}
+
+    def verify(self, endpoints: Iterable[str] = ()) -> dict:
+        """Report what is missing or declared with other arguments, changing nothing.
+
+        Bindings cannot be listed over AMQP, so they are not checked here (provisioning re-binds)."""
+        topology = delay_topology(self.names)
+        queues = list(topology.queues) + [endpoint_topology(self.names, e).queues[0] for e in endpoints]
+        report: dict[str, Any] = {"missing": [], "different": [], "ok": []}
+        for ex in topology.exchanges:
+            self._check(report, ex.name, lambda ch, ex=ex: ch.exchange_declare(ex.name, passive=True),
+                        lambda ch, ex=ex: ch.exchange_declare(ex.name, ex.type, durable=True, arguments=ex.arguments or None))
+        for q in queues:
+            self._check(report, q.name, lambda ch, q=q: ch.queue_declare(q.name, passive=True),
+                        lambda ch, q=q: ch.queue_declare(q.name, durable=True, arguments=q.arguments or None))
+        report["unroutable_depth"] = None if self.names.unroutable in report["missing"] else self.depth(self.names.unroutable)
+        report["complete"] = not report["missing"] and not report["different"]
+        return report
+
+    def _check(self, report: dict, name: str, exists, equivalent) -> None:
+        channel = self._channel()
+        try:
+            exists(channel)
+        except ChannelClosedByBroker:
+            report["missing"].append(name)
+            return
+        try:
+            equivalent(channel)  # it exists: declaring it again changes nothing, or fails when it differs
+            report["ok"].append(name)
+        except ChannelClosedByBroker as exc:
+            report["different"].append({"name": name, "broker_says": exc.reply_text})
+        finally:
+            if channel.is_open:
+                channel.close()
+
+    def depth(self, queue: str) -> int:
+        channel = self._channel()
+        try:
+            return channel.queue_declare(queue, passive=True).method.message_count
+        except ChannelClosedByBroker as exc:
+            raise DestinationNotFoundError(f"queue {queue!r} does not exist on {self.where}: {exc.reply_text}") from None
+        except AMQPConnectionError as exc:
+            self._admin = self._consumer = None
+            raise UnavailableError(f"lost the connection to {self.where}: {_describe(exc)}") from None
+        finally:
+            if channel.is_open:
+                channel.close()
+
+    # -- sending ------------------------------------------------------------------------------------
+    def send(self, messages: Sequence[DelayedMessage], connection: Any = None) -> dict[str, Exception]:
+        if not messages:
+            return {}
+        now = utcnow()
+        failures: dict[str, Exception] = {}
+        publishes = []
+        for m in messages:
+            try:
+                publishes.append(self._publication(m, now))
+            except (DelayError, InvalidNameError) as exc:
+                failures[m.message_id] = exc
+        if publishes:
+            if self._publisher is None or not self._publisher.is_open:
+                self._publisher = ConfirmingPublisher(self.parameters, self.confirm_window, self.confirm_timeout)
+            failures.update(self._publisher.publish(publishes))
+        return failures
+
+    def _publication(self, m: DelayedMessage, now: datetime) -> Publication:
+        check_endpoint(m.destination, self.names.levels)
+        delay = max(0, math.ceil((m.due_at - now).total_seconds()))
+        headers = {**m.headers, DELAY_HEADER: delay, HEADER_DUE_AT: m.due_at.isoformat()}
+        properties = pika.BasicProperties(message_id=m.message_id, headers=headers, delivery_mode=2)
+        if delay == 0:
+            # Due now: straight to the queue through the default exchange; `mandatory` makes a
+            # missing queue come back as a return, so the pump can dead-letter it at once.
+            return Publication(m.message_id, "", m.destination, m.body, properties)
+        key = routing_key(delay, m.destination, self.names.levels)
+        return Publication(m.message_id, self.names.level(first_level(delay)), key, m.body, properties)
+
+    # -- receiving ----------------------------------------------------------------------------------
+    def receive(self, endpoint: str, max_messages: int = 10, visibility_timeout: float = 30.0) -> list[ReceivedMessage]:
+        """Basic.get up to `max_messages`; unacked messages go back to the queue when the channel closes
+        (RabbitMQ has no visibility timeout: `visibility_timeout` is ignored)."""
+        for attempt in (1, 2):
+            if self._consumer is None or self._consumer.is_closed:
+                self._consumer = self._channel()
+            received = []
+            try:
+                for _ in range(max_messages):
+                    method, properties, body = self._consumer.basic_get(endpoint, auto_ack=False)
+                    if method is None:
+                        break
+                    received.append(_received(endpoint, method, properties, body))
+                return received
+            except ChannelClosedByBroker as exc:
+                self._consumer = None
+                raise DestinationNotFoundError(f"cannot receive from {endpoint!r} on {self.where}: {exc.reply_text}") from None
+            except AMQPConnectionError:
+                # The broker requeues what the lost channel held unacked: receiving again is safe.
+                self._admin = self._consumer = None
+        raise UnavailableError(f"the connection to {self.where} keeps closing while receiving from {endpoint!r}")
+
+    def ack(self, endpoint: str, receipts: Iterable[Any]) -> int:
+        count = 0
+        for tag in receipts:
+            self._consumer.basic_ack(tag)
+            count += 1
+        return count
+
+    # -- migration ----------------------------------------------------------------------------------
+    def drain_levels(self, store: DelayedMessageStore, batch_size: int = 500) -> dict:
+        """Move the messages waiting in the delay levels into `store`, keeping their due times.
+
+        Walks level 27 down to 0 (a message expiring meanwhile drops to a lower level, read later).
+        Each batch is acked only after the store committed it (at least once; the store skips ids
+        it has). A message without a message id or a due-time header goes to the poison queue.
+        """
+        channel = self._channel()
+        moved = poisoned = 0
+        try:
+            for n in range(self.names.levels - 1, -1, -1):
+                while True:
+                    batch, tags, poison = [], [], []
+                    while len(tags) < batch_size:
+                        method, properties, body = channel.basic_get(self.names.level(n), auto_ack=False)
+                        if method is None:
+                            break
+                        tags.append(method.delivery_tag)
+                        message = self._stored_form(method.routing_key, properties, body)
+                        if message is None:
+                            poison.append((properties, body))
+                        else:
+                            batch.append(message)
+                    if not tags:
+                        break
+                    store.store(batch)
+                    for properties, body in poison:
+                        channel.basic_publish("", self.names.poison, body, properties)
+                    channel.basic_ack(tags[-1], multiple=True)
+                    moved += len(batch)
+                    poisoned += len(poison)
+        finally:
+            if channel.is_open:
+                channel.close()
+        return {"moved": moved, "poisoned": poisoned}
+
+    def _stored_form(self, key: str, properties, body: bytes) -> DelayedMessage | None:
+        words = key.split(".", self.names.levels)
+        raw = dict(properties.headers or {})
+        if len(words) <= self.names.levels or not properties.message_id or HEADER_DUE_AT not in raw:
+            return None
+        try:
+            return DelayedMessage(
+                destination=words[-1],
+                body=body,
+                due_at=datetime.fromisoformat(_text(raw[HEADER_DUE_AT])),
+                headers={k: _text(v) for k, v in raw.items() if k not in STRIPPED_HEADERS},
+                message_id=properties.message_id,
+            )
+        except (ValueError, DelayProviderError):
+            return None
+
+
+def _received(endpoint: str, method, properties, body: bytes) -> ReceivedMessage:
+    raw = dict(properties.headers or {})
+    due = raw.get(HEADER_DUE_AT)
+    headers = {k: _text(v) for k, v in raw.items() if k not in STRIPPED_HEADERS}
+    return ReceivedMessage(
+        message_id=properties.message_id or "",
+        destination=endpoint,
+        body=body,
+        headers=headers,
+        receipt=method.delivery_tag,
+        enqueued_at=utcnow(),  # RabbitMQ does not say when a message arrived: the receive time
+        due_at=datetime.fromisoformat(_text(due)) if due else None,
+        receive_count=2 if method.redelivered else 1,
+        extra={"routing_key": method.routing_key, "exchange": method.exchange},
+    )
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"
+
+
+# -- publishing with windowed confirms ----------------------------------------------------------
+@dataclass
+class Publication:
+    message_id: str
+    exchange: str
+    routing_key: str
+    body: bytes
+    properties: pika.BasicProperties
+
+
+class PublishNacked(DelayProviderError):
+    """The broker refused to take responsibility for a message (for example a full quorum queue):
+    a failure of this message, counted against its retries."""
+
+
+class ConfirmingPublisher:
+    """A SelectConnection channel in confirm mode, driven synchronously one batch at a time.
+
+    Up to `window` messages are in flight; each ends acked (queued), returned (no queue takes it)
+    or nacked. The I/O loop runs only inside `publish`, in the calling thread.
+    """
+
+    def __init__(self, parameters: pika.ConnectionParameters, window: int = 1000, timeout: float = 30.0) -> None:
+        self.window = window
+        self.timeout = timeout
+        self._error: BaseException | None = None
+        self._channel = None
+        self._ready = False
+        self._connection = pika.SelectConnection(
+            parameters,
+            on_open_callback=lambda conn: conn.channel(on_open_callback=self._on_channel),
+            on_open_error_callback=self._on_failure,
+            on_close_callback=self._on_failure,
+        )
+        self._run(until=lambda: self._ready or self._error is not None, timeout=timeout)
+        if not self._ready:
+            where = f"{parameters.host}:{parameters.port}"
+            error = self._error or TimeoutError(f"no connection within {timeout:.0f} s")
+            self.close()
+            raise UnavailableError(f"could not connect to RabbitMQ at {where}: {_describe(error)}")
+
+    @property
+    def is_open(self) -> bool:
+        return self._ready and self._error is None and self._connection.is_open
+
+    def _on_channel(self, channel) -> None:
+        self._channel = channel
+        channel.add_on_close_callback(self._on_failure)
+        channel.add_on_return_callback(self._on_return)
+        channel.confirm_delivery(self._on_confirm, callback=self._on_confirm_mode)
+
+    def _on_confirm_mode(self, _frame) -> None:
+        self._ready = True
+        self._check_done()
+
+    def _on_failure(self, _source, error) -> None:
+        self._error = error
+        self._stop()
+
+    def _stop(self) -> None:
+        self._connection.ioloop.stop()
+
+    def _run(self, until, timeout: float) -> None:
+        if until():
+            return
+        timer = self._connection.ioloop.call_later(timeout, self._stop)
+        self._until = until
+        self._connection.ioloop.start()
+        self._connection.ioloop.remove_timeout(timer)
+
+    def _check_done(self) -> None:
+        if self._until():
+            self._stop()
+
+    # confirms: tags count publishes on this channel from 1
+    def _on_confirm(self, frame) -> None:
+        method = frame.method
+        tags = [t for t in self._outstanding if t <= method.delivery_tag] if method.multiple else [method.delivery_tag]
+        nacked = isinstance(method, pika.spec.Basic.Nack)
+        for tag in tags:
+            mid = self._outstanding.pop(tag, None)
+            if mid is not None and nacked:
+                self._failures.setdefault(mid, PublishNacked(f"the broker nacked message {mid}"))
+        self._fill()
+        self._check_done()
+
+    def _on_return(self, _channel, method, properties, _body) -> None:
+        mid = properties.message_id
+        self._failures[mid] = DestinationNotFoundError(
+            f"no queue takes routing key {method.routing_key!r} ({method.reply_code} {method.reply_text}); "
+            "provision the destination first"
+        )
+
+    def _fill(self) -> None:
+        while self._pending and len(self._outstanding) < self.window:
+            p = self._pending.pop()
+            self._tag += 1
+            self._outstanding[self._tag] = p.message_id
+            self._channel.basic_publish(p.exchange, p.routing_key, p.body, p.properties, mandatory=True)
+
+    def publish(self, publications: Sequence[Publication]) -> dict[str, Exception]:
+        """Publish all; returns failures by message id. Unconfirmed messages count as failed."""
+        if not self.is_open:
+            raise UnavailableError(f"the RabbitMQ publisher connection is closed: {self._error}")
+        self._failures: dict[str, Exception] = {}
+        self._outstanding: dict[int, str] = {}
+        self._pending = list(reversed(publications))
+        self._tag = getattr(self, "_tag", 0)
+        try:
+            self._fill()
+        except AMQPError as exc:
+            self._error = exc
+        self._run(until=lambda: (not self._pending and not self._outstanding) or self._error is not None,
+                  timeout=self.timeout)
+        lost = list(self._outstanding.values()) + [p.message_id for p in self._pending]
+        if lost:
+            reason = self._error or TimeoutError(f"no confirm within {self.timeout:.0f} s")
+            for mid in lost:
+                self._failures.setdefault(mid, UnavailableError(f"not confirmed by RabbitMQ: {_describe(reason)}"))
+            if self._error is None:
+                self._error = reason  # a confirm that never came: start over on a new connection
+        return self._failures
+
+    def close(self) -> None:
+        if self._connection.is_open:
+            self._connection.close()
+            self._run(until=lambda: self._connection.is_closed, timeout=5)

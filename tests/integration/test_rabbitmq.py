@@ -1,0 +1,209 @@
+"""RabbitMQ native delays against the real broker (a vhost of this run's own)."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections import Counter
+from datetime import timedelta
+
+import pika
+import pytest
+
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.errors import DestinationNotFoundError, InvalidNameError, UnavailableError
+from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.core.pump import Pump, PumpConfig, hand_over
+from airflow_delay_provider.transports.rabbitmq import RabbitMQTransport, routing_key
+from tests.conftest import _rabbitmqctl
+from tests.helpers import make_store, messages
+
+
+def listing(kind: str, vhost: str, *columns: str) -> list[dict]:
+    out = _rabbitmqctl(f"list_{kind}", "-p", vhost, *columns, "--formatter", "json")
+    return json.loads("\n".join(line for line in out.splitlines() if line.strip() != ":terminated"))
+
+
+def args_of(item: dict) -> dict:
+    return {key: value for key, _type, value in item["arguments"]}
+
+
+def collect(transport: RabbitMQTransport, queue: str, expected: int, timeout: float) -> list:
+    """Consume until `expected` distinct messages arrived and the queue is empty, or `timeout`;
+    returns (arrival time, message) for every delivery, duplicates included."""
+    got, seen = [], set()
+    deadline = time.monotonic() + timeout
+    while (len(seen) < expected or transport.depth(queue)) and time.monotonic() < deadline:
+        batch = transport.receive(queue, max_messages=500)
+        now = utcnow()
+        got.extend((now, m) for m in batch)
+        seen.update(m.message_id for m in batch)
+        if batch:
+            transport.ack(queue, [m.receipt for m in batch])
+        else:
+            time.sleep(0.02)
+    return got
+
+
+def test_declared_topology_is_the_seeds(rabbit, rabbit_vhost):
+    rabbit.provision("orders")
+    rabbit.provision("orders")  # idempotent
+    p = rabbit.names.prefix
+    exchanges = {e["name"]: e for e in listing("exchanges", rabbit_vhost, "name", "type", "durable", "arguments")}
+    queues = {q["name"]: q for q in listing("queues", rabbit_vhost, "name", "durable", "arguments")}
+    bindings = {(b["source_name"], b["destination_name"], b["destination_kind"], b["routing_key"])
+                for b in listing("bindings", rabbit_vhost, "source_name", "destination_name", "destination_kind", "routing_key")}
+    for level in range(27, -1, -1):
+        name = f"{p}.level-{level:02d}"
+        onward = f"{p}.level-{level - 1:02d}" if level else f"{p}.delivery"
+        assert exchanges[name]["type"] == "topic" and exchanges[name]["durable"]
+        assert queues[name]["durable"]
+        assert args_of(queues[name]) == {
+            "x-queue-type": "quorum",
+            "x-message-ttl": (1 << level) * 1000,
+            "x-dead-letter-exchange": onward,
+            "x-dead-letter-strategy": "at-least-once",
+            "x-overflow": "reject-publish",
+        }
+        wildcards = "".join("*." for _ in range(27 - level))
+        assert (name, name, "queue", wildcards + "1.#") in bindings
+        assert (name, onward, "exchange", wildcards + "0.#") in bindings
+    assert exchanges[f"{p}.delivery"]["type"] == "topic"
+    assert args_of(exchanges[f"{p}.delivery"]) == {"alternate-exchange": f"{p}.unroutable"}
+    assert exchanges[f"{p}.unroutable"]["type"] == "fanout"
+    assert (f"{p}.unroutable", f"{p}.unroutable", "queue", "") in bindings
+    assert (f"{p}.delivery", "orders", "queue", "#.orders") in bindings
+    ours = {b for b in bindings if b[0].startswith(p)}
+    assert len(ours) == 28 * 2 + 1 + 1  # nothing more than the seed's plus ours
+    report = rabbit.verify(["orders"])
+    assert report["complete"] and report["unroutable_depth"] == 0
+
+
+def test_verify_reports_missing_and_different_and_changes_nothing(rabbit, rabbit_vhost):
+    report = rabbit.verify(["orders"])
+    assert not report["complete"] and f"{rabbit.names.prefix}.level-27" in report["missing"]
+    assert "orders" in report["missing"]
+    assert not [q for q in listing("queues", rabbit_vhost, "name") if q["name"].startswith(rabbit.names.prefix)]
+    rabbit.provision("orders")
+    channel = rabbit._channel()
+    channel.queue_delete(f"{rabbit.names.prefix}.level-05")
+    channel.queue_declare(f"{rabbit.names.prefix}.level-05", durable=True, arguments={"x-message-ttl": 1})
+    report = rabbit.verify(["orders"])
+    assert [d["name"] for d in report["different"]] == [f"{rabbit.names.prefix}.level-05"]
+    assert "x-message-ttl" in report["different"][0]["broker_says"] or "x-queue-type" in report["different"][0]["broker_says"]
+    with pytest.raises(InvalidNameError, match="other arguments"):
+        rabbit.provision("orders")
+
+
+def test_real_delays_arrive_on_time_and_in_order(rabbit):
+    rabbit.provision("timed")
+    rng = random.Random(3)
+    now = utcnow()
+    batch = [DelayedMessage("timed", b"x", now + timedelta(seconds=rng.randint(1, 6)), {"i": str(i)}, f"t-{i}")
+             for i in range(300)]
+    assert rabbit.send(batch) == {}
+    got = collect(rabbit, "timed", 300, timeout=15)
+    assert Counter(m.message_id for _, m in got) == Counter(m.message_id for m in batch)
+    due = {m.message_id: m.due_at for m in batch}
+    lateness = sorted((arrived - due[m.message_id]).total_seconds() for arrived, m in got)
+    assert lateness[0] >= -0.02, "a message arrived before its delay"  # 20 ms: receive-time clock granularity
+    assert lateness[int(0.99 * len(lateness)) - 1] <= 1.0, lateness[-5:]
+    delays = [round((due[m.message_id] - now).total_seconds()) for _, m in sorted(got, key=lambda g: g[0])]
+    assert delays == sorted(delays), "a later due time overtook an earlier one"
+    sample = next(m for _, m in got if m.message_id == "t-7")
+    assert sample.headers == {"i": "7"} and sample.due_at == due["t-7"]
+
+
+def test_unbound_destination_ends_in_unroutable_not_lost(rabbit):
+    rabbit.provision("orders")
+    due = utcnow() + timedelta(seconds=1)
+    assert rabbit.send([DelayedMessage("ghost", b"boo", due, {}, "ghost-1")]) == {}
+    deadline = time.monotonic() + 10
+    while rabbit.depth(rabbit.names.unroutable) < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    [m] = rabbit.receive(rabbit.names.unroutable)
+    assert m.message_id == "ghost-1" and m.body == b"boo"
+    # Due now (no delay) to a queue that does not exist: returned to the sender, never silently dropped.
+    failures = rabbit.send([DelayedMessage("ghost", b"now", utcnow(), {}, "ghost-2")])
+    assert isinstance(failures["ghost-2"], DestinationNotFoundError)
+
+
+def test_pump_dispatches_store_to_rabbitmq_and_dead_letters_unknown(rabbit, tmp_path):
+    rabbit.provision("orders")
+    rabbit.provision("error")
+    store = make_store(f"sqlite:///{tmp_path / 's.db'}", None, "delayed")
+    store.store(messages(2000) + messages(1, destination="nowhere", start=2000))
+    result = Pump(store, rabbit, PumpConfig(batch_size=500)).run(stop_when_idle=True)
+    assert (result.stats.dispatched, result.stats.dead_lettered) == (2000, 1)
+    got = collect(rabbit, "orders", 2000, timeout=10)
+    assert sorted(m.message_id for _, m in got) == sorted(f"m-{i}" for i in range(2000))
+    [(_, dead)] = collect(rabbit, "error", 1, timeout=5)
+    assert dead.message_id == "m-2000" and dead.headers["x-delay-failed-destination"] == "nowhere"
+    assert store.count_scheduled() == {}
+
+
+def test_connection_closed_by_server_mid_batch_loses_nothing(rabbit, rabbit_vhost, tmp_path):
+    rabbit.provision("orders")
+    rabbit.provision("error")
+    store = make_store(f"sqlite:///{tmp_path / 's.db'}", None, "delayed")
+    total = 30_000
+    store.store(messages(total))
+    pump = Pump(store, rabbit, PumpConfig(batch_size=1000))
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(r=pump.run(stop_when_idle=True)))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while rabbit.depth("orders") < 3000 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    _rabbitmqctl("close_all_connections", "-p", rabbit_vhost, "test: closed mid-batch")
+    worker.join(120)
+    assert not worker.is_alive()
+    stats = result["r"].stats
+    assert result["r"].reason == "drained" and stats.dead_lettered == 0
+    assert stats.released > 0, "the close should have caught a batch in flight"
+    ids = Counter(m.message_id for _, m in collect(rabbit, "orders", total, timeout=60))
+    assert set(ids) == {f"m-{i}" for i in range(total)}  # nothing lost; unconfirmed ones may repeat
+    assert sum(ids.values()) - total <= stats.released <= 1000  # duplicates only from the unconfirmed batch
+    assert store.count_scheduled() == {}
+
+
+def test_migration_both_ways_keeps_due_times(rabbit, tmp_path):
+    rabbit.provision("orders")
+    store = make_store(f"sqlite:///{tmp_path / 's.db'}", None, "delayed")
+    now = utcnow()
+    future = [DelayedMessage("orders", b"m", now + timedelta(seconds=3 + i % 3), {"k": "v"}, f"mig-{i}") for i in range(50)]
+    store.store(future)
+    assert hand_over(store, rabbit)["moved"] == 50 and store.count_scheduled() == {}
+    # ... and back: the levels drain into the store with the same ids and due times.
+    channel = rabbit._channel()
+    channel.basic_publish(rabbit.names.level(20), routing_key(2**20, "orders"), b"no headers",
+                          pika.BasicProperties(message_id="bad-1"))
+    moved = rabbit.drain_levels(store)
+    assert moved == {"moved": 50, "poisoned": 1}
+    back = store.get("mig-4")
+    assert back.due_at == future[4].due_at and back.destination == "orders" and back.headers == {"k": "v"}
+    assert rabbit.depth(rabbit.names.poison) == 1
+    # Once more to the levels: delivered at the original due times, not later.
+    assert hand_over(store, rabbit)["moved"] == 50
+    got = collect(rabbit, "orders", 50, timeout=12)
+    assert len(got) == 50
+    due = {m.message_id: m.due_at for m in future}
+    assert all(-0.02 <= (t - due[m.message_id]).total_seconds() <= 1.0 for t, m in got)
+
+
+def test_bad_input_and_unreachable_broker(rabbit):
+    with pytest.raises(InvalidNameError, match="no '\\*' or '#'"):
+        rabbit.provision("orders.*")
+    failures = rabbit.send([DelayedMessage("a..b", b"", utcnow(), {}, "bad-name")])
+    assert isinstance(failures["bad-name"], InvalidNameError)
+    params = pika.ConnectionParameters("127.0.0.1", 1, "/", pika.PlainCredentials("guest", "SecretPw123"),
+                                       connection_attempts=1)
+    broken = RabbitMQTransport(params)
+    with pytest.raises(UnavailableError, match="could not connect to RabbitMQ at 127.0.0.1:1") as err:
+        broken.provision("orders")
+    assert "SecretPw123" not in str(err.value)
+    with pytest.raises(UnavailableError) as err:
+        broken.send([DelayedMessage("orders", b"", utcnow(), {}, "x")])
+    assert "SecretPw123" not in str(err.value)
