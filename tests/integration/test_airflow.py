@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -44,6 +45,9 @@ def test_provider_info_matches_airflow_schema_and_is_registered(airflow_home):
     for group in ("hooks", "operators", "sensors", "triggers"):
         for module in info[group][0]["python-modules"]:
             assert importlib.util.find_spec(module), module
+    for conn_type in info["connection-types"]:
+        module, _, name = conn_type["hook-class-name"].rpartition(".")
+        assert getattr(importlib.import_module(module), name).conn_type == conn_type["connection-type"]
     listing = subprocess.run(
         [str(Path(sys.executable).parent / "airflow"), "providers", "list", "-o", "json"],
         capture_output=True, text=True, check=True, env=os.environ.copy(),
@@ -54,7 +58,8 @@ def test_provider_info_matches_airflow_schema_and_is_registered(airflow_home):
         [str(Path(sys.executable).parent / "airflow"), "providers", "hooks", "-o", "json"],
         capture_output=True, text=True, check=True, env=os.environ.copy(),
     )
-    assert any(h.get("connection_type") == "delay_store" for h in json.loads(hooks.stdout))
+    declared = {h.get("connection_type") for h in json.loads(hooks.stdout)}
+    assert {"delay_store", "rabbitmq"} <= declared
 
 
 def test_demo_dag_delivers_every_message_exactly_once(run_dag):
@@ -237,3 +242,60 @@ def test_triggers_serialize_to_their_class_path_and_fire():
     # No table: the trigger reports the error (execute_complete then fails the task with it).
     event = asyncio.run(first_event(rebuilt))
     assert event["status"] == "error" and event["carry"] == {"k": [1]}
+
+
+def _rabbit_conn(monkeypatch, vhost: str, prefix: str) -> str:
+    conn_id = f"rabbit_{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps({
+        "conn_type": "rabbitmq", "host": "127.0.0.1", "port": 5672, "login": "guest", "password": "guest",
+        "schema": vhost, "extra": {"prefix": prefix, "heartbeat": "30"}}))
+    return conn_id
+
+
+def test_rabbitmq_operators_provision_verify_send_dispatch_migrate(run_dag, rabbit_vhost, monkeypatch, tmp_path):
+    from airflow.sdk import DAG
+
+    from airflow_delay_provider.core.errors import DelayProviderError
+    from airflow_delay_provider.hooks.rabbitmq import RabbitMQDelayHook
+    from airflow_delay_provider.operators.delay import (
+        DispatchDueMessagesOperator,
+        MigrateDelayedMessagesOperator,
+        ProvisionDelayInfrastructureOperator,
+        SendDelayedMessageOperator,
+    )
+    from tests.integration.test_rabbitmq import collect
+
+    conn_id = _rabbit_conn(monkeypatch, rabbit_vhost, "dly")
+    monkeypatch.setenv("AIRFLOW_CONN_STORE_X", json.dumps(
+        {"conn_type": "delay_store", "schema": str(tmp_path / "store.db"), "extra": {"driver": "sqlite"}}))
+    rabbit = {"transport": "rabbitmq", "transport_conn_id": conn_id, "delay_store_conn_id": "store_x"}
+    hook = RabbitMQDelayHook(conn_id)
+    ok, message = hook.test_connection()
+    assert ok and "incomplete" in message and "guest" not in message
+    with pytest.raises(DelayProviderError, match="incomplete"):
+        ProvisionDelayInfrastructureOperator(task_id="v0", endpoints=["orders"], verify=True, **rabbit).execute({})
+    with DAG("t_rabbit", schedule=None, start_date=START) as dag:
+        provision = ProvisionDelayInfrastructureOperator(task_id="provision", endpoints=["orders"], **rabbit)
+        verify = ProvisionDelayInfrastructureOperator(task_id="verify", endpoints=["orders"], verify=True, **rabbit)
+        native = SendDelayedMessageOperator(task_id="native", destination="orders", body="n", delay_seconds=1, **rabbit)
+        stored = SendDelayedMessageOperator(task_id="stored", destination="orders", body="s", delay_seconds=1,
+                                            delay_store_conn_id="store_x")
+        dispatch = DispatchDueMessagesOperator(task_id="dispatch", due_before="{{ macros.datetime.now(macros.dateutil.tz.UTC) + macros.timedelta(seconds=30) }}",
+                                               deferrable=True, defer_threshold_seconds=0.5, poll_interval=0.2, **rabbit)
+        later = SendDelayedMessageOperator(task_id="later", destination="orders", body="l", delay_seconds=2,
+                                           delay_store_conn_id="store_x")
+        migrate = MigrateDelayedMessagesOperator(task_id="migrate", direction="store_to_rabbitmq", **rabbit)
+        provision >> verify >> [native, stored] >> dispatch >> later >> migrate
+    state, states, values = run_dag(dag)
+    assert state == "success", states
+    assert values["verify"]["complete"] is True
+    assert values["dispatch"]["dispatched"] == 1 and values["dispatch"]["exactly_once"] is False
+    assert values["migrate"]["moved"] == 1
+    transport = hook.get_transport()
+    got = collect(transport, "orders", 3, timeout=10)
+    assert sorted(m.body for _, m in got) == [b"l", b"n", b"s"]
+    assert {m.message_id for _, m in got} == {values["native"], values["stored"], values["later"]}
+    transport.close()
+    bad = SendDelayedMessageOperator(task_id="bad", destination="nowhere", delay_seconds=5, **rabbit)
+    with pytest.raises(Exception, match="nowhere"):
+        bad.execute({"ti": type("TI", (), {"dag_id": "d", "run_id": "r", "task_id": "bad", "map_index": -1})()})
