@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from airflow_delay_provider.core.message import DelayedMessage
 
@@ -33,6 +33,9 @@ class Claim(ABC):
 
 class DelayedMessageStore(ABC):
     """Durable home of messages until they are due."""
+
+    #: True when one process may hold two claims at once (row locks, not a database-wide write lock).
+    concurrent_claims: bool = False
 
     @abstractmethod
     def store(self, messages: Sequence[DelayedMessage]) -> int:
@@ -92,6 +95,17 @@ class Transport(ABC):
     @abstractmethod
     def ack(self, endpoint: str, receipts: Iterable[Any]) -> int:
         """Delete received messages; returns how many were deleted."""
+
+    #: True when send_start() really overlaps: the pump then keeps one batch in flight while it claims the next.
+    pipelined: bool = False
+
+    def send_start(self, messages: Sequence[DelayedMessage], connection: Any = None) -> Callable[[], dict[str, Exception]]:
+        """Start sending a batch; the returned function waits and gives the failures, like send().
+
+        Transports that keep several batches in flight override this; by default it sends at once.
+        """
+        failures = self.send(messages, connection=connection)
+        return lambda: failures
 
     def joins(self, store: DelayedMessageStore) -> bool:
         """True when sends can run inside the store's transaction, making dispatch exactly once."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import Callable
@@ -23,7 +24,7 @@ from airflow_delay_provider.core.errors import (
     UnavailableError,
 )
 from airflow_delay_provider.core.message import DelayedMessage, check_destination
-from airflow_delay_provider.core.ports import DelayedMessageStore, Transport
+from airflow_delay_provider.core.ports import Claim, DelayedMessageStore, Transport
 from airflow_delay_provider.core.stats import PumpStats
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,24 @@ class PumpResult:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass
+class _InFlight:
+    """A claimed batch whose sends have started: `wait` returns the failures, `stack` ends the claim."""
+
+    stack: ExitStack
+    claim: Claim
+    wait: Callable[[], dict[str, Exception]]
+
+
+_FAILED = object()
+
+
+def _outage(messages: list[DelayedMessage], exc: Exception) -> dict[str, Exception]:
+    """A whole batch failed: an outage, whatever the exception says; no message is to blame."""
+    outage = exc if isinstance(exc, UnavailableError) else UnavailableError(f"{type(exc).__name__}: {exc}")
+    return {m.message_id: outage for m in messages}
+
+
 class Pump:
     def __init__(
         self,
@@ -91,23 +110,70 @@ class Pump:
         self.fetch_breaker = CircuitBreaker("fetching due messages", c.time_to_trigger_fetch_circuit_breaker, sleep=sleep)
         self.dispatch_breaker = CircuitBreaker("dispatching", c.time_to_trigger_dispatch_circuit_breaker, sleep=sleep)
         self.recovery_breaker = RateBreaker("handling failed dispatches", c.maximum_recovery_failures_per_second)
+        # Two claims open at once need a store that allows it and a transport that can wait later.
+        self.pipelined = transport.pipelined and store.concurrent_claims and not self.exactly_once
+        self._inflight: _InFlight | None = None
 
     # -- one batch -------------------------------------------------------------------------
     def dispatch_batch(self, limit: int | None = None, due_before: datetime | None = None) -> PumpStats | None:
         """Claim, send and settle one batch. Returns its counts (batches == 0 when nothing was due),
         or None when the store failed and the batch was released (the fetch breaker counts it)."""
-        stats = PumpStats()
-        transient: Exception | None = None
+        inflight = self._begin(limit or self.config.batch_size, due_before)
+        if inflight is None:
+            return PumpStats()
+        if inflight is _FAILED:
+            return None
+        return self._finish(inflight)
+
+    def _begin(self, limit: int, due_before: datetime | None):
+        """Claim a batch and start sending it. None: nothing due; _FAILED: the store failed."""
+        stack = ExitStack()
         try:
-            with self.store.claim_due(self._clock(), limit or self.config.batch_size, due_before) as claim:
-                if not claim.messages:
-                    self.fetch_breaker.success()
-                    return stats
-                stats.batches = 1
-                transient = self._settle(claim, stats)
+            claim = stack.enter_context(self.store.claim_due(self._clock(), limit, due_before))
+            if not claim.messages:
+                stack.close()
+                self.fetch_breaker.success()
+                return None
+            connection = claim.connection if self.exactly_once else None
+            try:
+                wait = self.transport.send_start(claim.messages, connection=connection)
+            except CriticalError:
+                raise
+            except Exception as exc:
+                failures = _outage(claim.messages, exc)
+                wait = lambda: failures  # noqa: E731
+            return _InFlight(stack, claim, wait)
+        except BaseException as exc:
+            stack.__exit__(type(exc), exc, exc.__traceback__)  # releases the claim: the rows stay stored
+            if isinstance(exc, CriticalError) or not isinstance(exc, Exception):
+                raise
+            log.warning("could not claim a batch, nothing was taken: %s", exc)
+            self.fetch_breaker.failure(exc)
+            return _FAILED
+
+    def _finish(self, inflight: _InFlight) -> PumpStats | None:
+        """Wait for the batch's sends, settle every message, commit. None: the store failed."""
+        stats = PumpStats(batches=1)
+        try:
+            try:
+                failures = inflight.wait()
+            except CriticalError:
+                raise
+            except Exception as exc:
+                failures = _outage(inflight.claim.messages, exc)
+            transient = self._settle(inflight.claim, stats, failures)
+        except BaseException as exc:
+            inflight.stack.__exit__(type(exc), exc, exc.__traceback__)
+            if isinstance(exc, CriticalError) or not isinstance(exc, Exception):
+                raise
+            log.warning("batch released, its messages stay stored and are claimed again: %s", exc)
+            self.fetch_breaker.failure(exc)
+            return None
+        try:
+            inflight.stack.close()  # commits the claim
         except CriticalError:
             raise
-        except Exception as exc:  # the claim was released: every message in it stays stored
+        except Exception as exc:
             log.warning("batch released, its messages stay stored and are claimed again: %s", exc)
             self.fetch_breaker.failure(exc)
             return None
@@ -123,14 +189,12 @@ class Pump:
             return self.transport.send(messages, connection=connection)
         except CriticalError:
             raise
-        except Exception as exc:  # the whole batch failed: an outage, whatever the exception says
-            outage = exc if isinstance(exc, UnavailableError) else UnavailableError(f"{type(exc).__name__}: {exc}")
-            return {m.message_id: outage for m in messages}
+        except Exception as exc:
+            return _outage(messages, exc)
 
-    def _settle(self, claim, stats: PumpStats) -> Exception | None:
+    def _settle(self, claim, stats: PumpStats, failures: dict[str, Exception]) -> Exception | None:
         conn = claim.connection if self.exactly_once else None
         messages = claim.messages
-        failures = self._send(messages, conn)
         sent_at = self._clock()
         delivered = [m.message_id for m in messages if m.message_id not in failures]
         for m in messages:
@@ -196,17 +260,43 @@ class Pump:
         with the next due time, so a caller can defer instead of holding a worker.
         """
         stats = PumpStats()
+        try:
+            return self._run(stats, deadline, max_messages, due_before, max_wait, stop_when_idle)
+        finally:
+            if self._inflight is not None:  # stopped by an error: release the batch still in flight
+                inflight, self._inflight = self._inflight, None
+                error = CriticalError("the pump stopped with a batch in flight")
+                inflight.stack.__exit__(CriticalError, error, None)
+
+    def _step(self, limit: int, due_before: datetime | None) -> PumpStats | None:
+        """One batch; when pipelining, claim and start the next batch before settling the previous one,
+        so the broker confirms one batch while the store hands out the next."""
+        if not self.pipelined:
+            return self.dispatch_batch(limit, due_before)
+        upcoming = self._begin(limit, due_before)
+        previous, self._inflight = self._inflight, upcoming if isinstance(upcoming, _InFlight) else None
+        done = self._finish(previous) if previous is not None else PumpStats()
+        if upcoming is _FAILED or done is None:
+            return None
+        if self._inflight is not None:
+            done.batches = max(done.batches, 1)  # work is under way: do not go idle
+        return done
+
+    def _run(self, stats, deadline, max_messages, due_before, max_wait, stop_when_idle) -> PumpResult:
         started = time.monotonic()
         last_report = started
         while True:
             now = self._clock()
+            in_flight = len(self._inflight.claim.messages) if self._inflight else 0
             if deadline is not None and now >= deadline:
+                self._settle_inflight(stats)
                 return PumpResult(stats, "deadline", self._next_due(due_before))
-            handled = stats.dispatched + stats.dead_lettered
+            handled = stats.dispatched + stats.dead_lettered + in_flight
             if max_messages is not None and handled >= max_messages:
+                self._settle_inflight(stats)
                 return PumpResult(stats, "max_messages", self._next_due(due_before))
             limit = self.config.batch_size if max_messages is None else min(self.config.batch_size, max_messages - handled)
-            batch = self.dispatch_batch(limit, due_before)
+            batch = self._step(limit, due_before)
             if batch is None:
                 continue
             stats.merge(batch)
@@ -241,6 +331,13 @@ class Pump:
             if deadline is not None:
                 target = min(target, deadline)
             self.store.wait(target)
+
+    def _settle_inflight(self, stats: PumpStats) -> None:
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            done = self._finish(inflight)
+            if done is not None:
+                stats.merge(done)
 
     def _next_due(self, due_before: datetime | None) -> datetime | None:
         """The next due time for a result, where a store failure only means it is unknown."""

@@ -130,6 +130,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         self.table_name = check_identifier("table name", table)
         super().__init__(url, schema)
         self.table = store_table(MetaData(), self.table_name, self.schema)
+        self.concurrent_claims = self.is_postgres  # SQLite locks the whole database per write transaction
         qualified = f"{self.schema}.{self.table_name}" if self.schema else self.table_name
         # LISTEN takes an identifier of at most 63 bytes; a hash keeps any schema.table pair within it.
         self.channel = "delay_" + hashlib.sha1(qualified.encode()).hexdigest()[:24]

@@ -15,6 +15,7 @@ and every message is known to be queued, returned (no such queue) or nacked.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Iterable, Sequence
@@ -327,27 +328,47 @@ class RabbitMQTransport(Transport):
                 channel.close()
 
     # -- sending ------------------------------------------------------------------------------------
+    pipelined = True
+
     def send(self, messages: Sequence[DelayedMessage], connection: Any = None) -> dict[str, Exception]:
-        if not messages:
-            return {}
+        return self.send_start(messages, connection)()
+
+    def send_start(self, messages: Sequence[DelayedMessage], connection: Any = None):
+        """Publish a batch without waiting: the returned function waits for its confirms and gives the failures."""
         now = utcnow()
         failures: dict[str, Exception] = {}
         publishes = []
+        bad_names: dict[str, Exception | None] = {}
         for m in messages:
+            if m.destination not in bad_names:  # each name checked once per batch
+                try:
+                    bad_names[m.destination] = check_endpoint(m.destination, self.names.levels) and None
+                except InvalidNameError as exc:
+                    bad_names[m.destination] = exc
             try:
+                if bad_names[m.destination] is not None:
+                    raise bad_names[m.destination]
                 publishes.append(self._publication(m, now))
             except (DelayError, InvalidNameError) as exc:
                 failures[m.message_id] = exc
-        if publishes:
-            if self._publisher is None or not self._publisher.is_open:
-                self._publisher = ConfirmingPublisher(self.parameters, self.confirm_window, self.confirm_timeout)
-            failures.update(self._publisher.publish(publishes))
-        return failures
+        if not publishes:
+            return lambda: failures
+        if self._publisher is None or not self._publisher.is_open:
+            self._publisher = ConfirmingPublisher(self.parameters, self.confirm_window, self.confirm_timeout)
+        publisher = self._publisher
+        batch = publisher.start(publishes)
+
+        def wait() -> dict[str, Exception]:
+            failures.update(publisher.wait(batch))
+            return failures
+
+        return wait
 
     def _publication(self, m: DelayedMessage, now: datetime) -> Publication:
-        check_endpoint(m.destination, self.names.levels)
         delay = max(0, math.ceil((m.due_at - now).total_seconds()))
-        headers = {**m.headers, DELAY_HEADER: delay, HEADER_DUE_AT: m.due_at.isoformat()}
+        headers = {**m.headers, HEADER_DUE_AT: m.due_at.isoformat()}
+        if delay:
+            headers[DELAY_HEADER] = delay
         properties = pika.BasicProperties(message_id=m.message_id, headers=headers, delivery_mode=2)
         if delay == 0:
             # Due now: straight to the queue through the default exchange; `mandatory` makes a
@@ -481,11 +502,20 @@ class PublishNacked(DelayProviderError):
     a failure of this message, counted against its retries."""
 
 
-class ConfirmingPublisher:
-    """A SelectConnection channel in confirm mode, driven synchronously one batch at a time.
+class _Batch:
+    """Messages of one send: done when each is confirmed, returned or nacked (or the connection failed)."""
 
-    Up to `window` messages are in flight; each ends acked (queued), returned (no queue takes it)
-    or nacked. The I/O loop runs only inside `publish`, in the calling thread.
+    def __init__(self, size: int) -> None:
+        self.remaining = size
+        self.failures: dict[str, Exception] = {}
+
+
+class ConfirmingPublisher:
+    """A SelectConnection channel in confirm mode, driven from the calling thread.
+
+    Up to `window` messages are in flight, across batches: `start` queues a batch and returns at
+    once, `wait` runs the I/O loop until that batch is settled. Each message ends acked (queued),
+    returned (no queue takes it: acked after a return) or nacked.
     """
 
     def __init__(self, parameters: pika.ConnectionParameters, window: int = 1000, timeout: float = 30.0) -> None:
@@ -494,6 +524,11 @@ class ConfirmingPublisher:
         self._error: BaseException | None = None
         self._channel = None
         self._ready = False
+        self._tag = 0
+        self._outstanding: dict[int, tuple[_Batch, str]] = {}
+        self._pending: deque[tuple[_Batch, Publication]] = deque()
+        self._returned: dict[str, Exception] = {}
+        self._until = lambda: True
         self._connection = pika.SelectConnection(
             parameters,
             on_open_callback=lambda conn: conn.channel(on_open_callback=self._on_channel),
@@ -546,48 +581,69 @@ class ConfirmingPublisher:
         tags = [t for t in self._outstanding if t <= method.delivery_tag] if method.multiple else [method.delivery_tag]
         nacked = isinstance(method, pika.spec.Basic.Nack)
         for tag in tags:
-            mid = self._outstanding.pop(tag, None)
-            if mid is not None and nacked:
-                self._failures.setdefault(mid, PublishNacked(f"the broker nacked message {mid}"))
+            entry = self._outstanding.pop(tag, None)
+            if entry is None:
+                continue
+            batch, mid = entry
+            batch.remaining -= 1
+            returned = self._returned.pop(mid, None)
+            if returned is not None:
+                batch.failures[mid] = returned
+            elif nacked:
+                batch.failures[mid] = PublishNacked(f"the broker nacked message {mid}")
         self._fill()
         self._check_done()
 
     def _on_return(self, _channel, method, properties, _body) -> None:
-        mid = properties.message_id
-        self._failures[mid] = DestinationNotFoundError(
+        # A return comes before the ack of the same message: remember it until then.
+        self._returned[properties.message_id] = DestinationNotFoundError(
             f"no queue takes routing key {method.routing_key!r} ({method.reply_code} {method.reply_text}); "
             "provision the destination first"
         )
 
     def _fill(self) -> None:
         while self._pending and len(self._outstanding) < self.window:
-            p = self._pending.pop()
+            batch, p = self._pending.popleft()
             self._tag += 1
-            self._outstanding[self._tag] = p.message_id
+            self._outstanding[self._tag] = (batch, p.message_id)
             self._channel.basic_publish(p.exchange, p.routing_key, p.body, p.properties, mandatory=True)
 
-    def publish(self, publications: Sequence[Publication]) -> dict[str, Exception]:
-        """Publish all; returns failures by message id. Unconfirmed messages count as failed."""
+    def start(self, publications: Sequence[Publication]) -> _Batch:
+        """Queue a batch for publishing and push out what the window allows; returns at once."""
         if not self.is_open:
             raise UnavailableError(f"the RabbitMQ publisher connection is closed: {self._error}")
-        self._failures: dict[str, Exception] = {}
-        self._outstanding: dict[int, str] = {}
-        self._pending = list(reversed(publications))
-        self._tag = getattr(self, "_tag", 0)
+        batch = _Batch(len(publications))
+        self._pending.extend((batch, p) for p in publications)
         try:
             self._fill()
         except AMQPError as exc:
             self._error = exc
-        self._run(until=lambda: (not self._pending and not self._outstanding) or self._error is not None,
-                  timeout=self.timeout)
-        lost = list(self._outstanding.values()) + [p.message_id for p in self._pending]
-        if lost:
+        # Frames leave only while the I/O loop runs: give it a moment now, so the broker works on
+        # this batch while the caller prepares the next one.
+        self._run(until=lambda: self._error is not None, timeout=0.001)
+        return batch
+
+    def wait(self, batch: _Batch) -> dict[str, Exception]:
+        """Run the I/O loop until the batch is settled; returns its failures by message id.
+
+        On a lost connection or a missing confirm every unsettled message (of every batch) fails
+        as unavailable, and the publisher is done: the transport opens a new one.
+        """
+        self._run(until=lambda: batch.remaining == 0 or self._error is not None, timeout=self.timeout)
+        if batch.remaining:
             reason = self._error or TimeoutError(f"no confirm within {self.timeout:.0f} s")
-            for mid in lost:
-                self._failures.setdefault(mid, UnavailableError(f"not confirmed by RabbitMQ: {_describe(reason)}"))
-            if self._error is None:
-                self._error = reason  # a confirm that never came: start over on a new connection
-        return self._failures
+            self._error = reason
+            unsettled = list(self._outstanding.values()) + list(self._pending)
+            for owner, item in unsettled:
+                mid = item if isinstance(item, str) else item.message_id
+                owner.failures.setdefault(mid, UnavailableError(f"not confirmed by RabbitMQ: {_describe(reason)}"))
+                owner.remaining = 0
+            self._outstanding.clear()
+            self._pending.clear()
+        return batch.failures
+
+    def publish(self, publications: Sequence[Publication]) -> dict[str, Exception]:
+        return self.wait(self.start(publications))
 
     def close(self) -> None:
         if self._connection.is_open:

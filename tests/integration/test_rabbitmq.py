@@ -130,10 +130,10 @@ def test_unbound_destination_ends_in_unroutable_not_lost(rabbit):
     assert isinstance(failures["ghost-2"], DestinationNotFoundError)
 
 
-def test_pump_dispatches_store_to_rabbitmq_and_dead_letters_unknown(rabbit, tmp_path):
+def test_pump_dispatches_store_to_rabbitmq_and_dead_letters_unknown(rabbit, db):
     rabbit.provision("orders")
     rabbit.provision("error")
-    store = make_store(f"sqlite:///{tmp_path / 's.db'}", None, "delayed")
+    store = make_store(*db)
     store.store(messages(2000) + messages(1, destination="nowhere", start=2000))
     result = Pump(store, rabbit, PumpConfig(batch_size=500)).run(stop_when_idle=True)
     assert (result.stats.dispatched, result.stats.dead_lettered) == (2000, 1)
@@ -144,13 +144,14 @@ def test_pump_dispatches_store_to_rabbitmq_and_dead_letters_unknown(rabbit, tmp_
     assert store.count_scheduled() == {}
 
 
-def test_connection_closed_by_server_mid_batch_loses_nothing(rabbit, rabbit_vhost, tmp_path):
+def test_connection_closed_by_server_mid_batch_loses_nothing(rabbit, rabbit_vhost, db):
     rabbit.provision("orders")
     rabbit.provision("error")
-    store = make_store(f"sqlite:///{tmp_path / 's.db'}", None, "delayed")
+    store = make_store(*db)  # on PostgreSQL the pump keeps a second batch in flight (pipelined)
     total = 30_000
     store.store(messages(total))
     pump = Pump(store, rabbit, PumpConfig(batch_size=1000))
+    assert pump.pipelined == store.is_postgres
     result = {}
     worker = threading.Thread(target=lambda: result.update(r=pump.run(stop_when_idle=True)))
     worker.start()
@@ -165,7 +166,7 @@ def test_connection_closed_by_server_mid_batch_loses_nothing(rabbit, rabbit_vhos
     assert stats.released > 0, "the close should have caught a batch in flight"
     ids = Counter(m.message_id for _, m in collect(rabbit, "orders", total, timeout=60))
     assert set(ids) == {f"m-{i}" for i in range(total)}  # nothing lost; unconfirmed ones may repeat
-    assert sum(ids.values()) - total <= stats.released <= 1000  # duplicates only from the unconfirmed batch
+    assert sum(ids.values()) - total <= stats.released <= 2000  # duplicates only from unconfirmed batches (<= 2 in flight)
     assert store.count_scheduled() == {}
 
 
