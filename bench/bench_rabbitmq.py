@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from datetime import timedelta
@@ -47,7 +46,10 @@ def raw_windowed(params: pika.ConnectionParameters, queue: str, n: int, window: 
 
     def publish_more(channel):
         while state["sent"] < n and state["sent"] - state["acked"] < window:
-            channel.basic_publish("", queue, BODY, pika.BasicProperties(delivery_mode=2))
+            # The same message shape the pump sends: an id, one header, persistent.
+            properties = pika.BasicProperties(message_id=uuid.uuid4().hex, delivery_mode=2,
+                                              headers={"x-delay-due-at": "2026-01-01T00:00:00+00:00"})
+            channel.basic_publish("", queue, BODY, properties, mandatory=True)
             state["sent"] += 1
 
     def on_ack(frame):
@@ -88,17 +90,26 @@ def arrivals(params: pika.ConnectionParameters, queue: str, n: int, timeout: flo
     seen: dict[str, float] = {}
     connection = pika.BlockingConnection(params)
     channel = connection.channel()
-    channel.basic_qos(prefetch_count=1000)
     deadline = time.monotonic() + timeout
-    for method, properties, _body in channel.consume(queue, inactivity_timeout=0.5):
+    # auto_ack: a consumer acking one by one would be the bottleneck, not the delivery.
+    for method, properties, _body in channel.consume(queue, auto_ack=True, inactivity_timeout=0.5):
         if method is not None:
             seen[properties.message_id] = time.time()
-            channel.basic_ack(method.delivery_tag)
         if len(seen) >= n or time.monotonic() > deadline:
             break
     channel.cancel()
     connection.close()
     return seen
+
+
+def start_consumer(vhost: str, host: str, queue: str, n: int) -> subprocess.Popen:
+    """A consumer in its own process, so the sender's work does not delay the arrival times."""
+    return subprocess.Popen([sys.executable, __file__, "--consume", vhost, host, queue, str(n)],
+                            stdout=subprocess.PIPE, text=True)
+
+
+def consumer_result(proc: subprocess.Popen) -> dict[str, float]:
+    return json.loads(proc.communicate(timeout=120)[0])
 
 
 def lateness(due: dict[str, float], arrived: dict[str, float]) -> tuple[float, float, int]:
@@ -114,7 +125,13 @@ def main() -> None:
     parser.add_argument("--naive-messages", type=int, default=5_000)
     parser.add_argument("--lateness-messages", type=int, default=5_000)
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "rabbitmq.json")
+    parser.add_argument("--consume", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.consume:
+        vhost, host, queue, n = args.consume
+        params = pika.ConnectionParameters(host, 5672, vhost, pika.PlainCredentials("guest", "guest"))
+        print(json.dumps(arrivals(params, queue, int(n), 60)))
+        return
 
     vhost = f"adp_bench_{uuid.uuid4().hex[:8]}"
     rabbitmqctl("add_vhost", vhost)
@@ -144,27 +161,23 @@ def main() -> None:
         assert result.stats.dispatched == n, result.stats.summary()
 
         m = args.lateness_messages
-        due_at = (utcnow() + timedelta(seconds=4)).replace(microsecond=0)
+        # Exactly 4 s from now: the whole-second delays then carry no rounding of their own.
+        due_at = utcnow() + timedelta(seconds=4)
         log(f"lateness: {m} messages due at {due_at.time()} through the delay levels")
         native = [DelayedMessage("timed", BODY, due_at, {}, f"n-{i}") for i in range(m)]
-        consumer = {}
-        thread = threading.Thread(target=lambda: consumer.update(a=arrivals(params, "timed", m, 30)))
-        thread.start()
+        consumer = start_consumer(vhost, args.host, "timed", m)
         assert transport.send(native) == {}
-        thread.join()
         due = {msg.message_id: due_at.timestamp() for msg in native}
-        r["native_p50"], r["native_p99"], r["native_missing"] = lateness(due, consumer["a"])
+        r["native_p50"], r["native_p99"], r["native_missing"] = lateness(due, consumer_result(consumer))
 
         due_at = (utcnow() + timedelta(seconds=4)).replace(microsecond=0)
         log(f"lateness: {m} messages due at {due_at.time()} through the store and the pump")
         stored = [DelayedMessage("timed", BODY, due_at, {}, f"s-{i}") for i in range(m)]
         store.store(stored)
-        thread = threading.Thread(target=lambda: consumer.update(a=arrivals(params, "timed", m, 30)))
-        thread.start()
+        consumer = start_consumer(vhost, args.host, "timed", m)
         Pump(store, transport).run(due_before=due_at + timedelta(seconds=1))
-        thread.join()
         due = {msg.message_id: due_at.timestamp() for msg in stored}
-        r["pump_p50"], r["pump_p99"], r["pump_missing"] = lateness(due, consumer["a"])
+        r["pump_p50"], r["pump_p99"], r["pump_missing"] = lateness(due, consumer_result(consumer))
     finally:
         transport.close()
         store.close()

@@ -198,6 +198,7 @@ class RabbitMQTransport(Transport):
         self._publisher: ConfirmingPublisher | None = None
         self._admin: pika.BlockingConnection | None = None
         self._consumer = None  # the channel receive() and ack() share: delivery tags belong to it
+        self._levels_declared = False
 
     def __repr__(self) -> str:
         p = self.parameters
@@ -260,14 +261,15 @@ class RabbitMQTransport(Transport):
             "bindings": len(topology.bindings),
         }
 
-    def provision_delay_infrastructure(self) -> dict:
-        return self.declare(delay_topology(self.names))
-
     def provision(self, endpoint: str) -> dict:
-        declared = self.declare(delay_topology(self.names))
-        self.declare(endpoint_topology(self.names, endpoint))
+        """Declare the endpoint's queue and binding, and (once per transport) the delay levels."""
+        topology = endpoint_topology(self.names, endpoint)
+        if not self._levels_declared:
+            self.declare(delay_topology(self.names))
+            self._levels_declared = True
+        self.declare(topology)
         return {"transport": self.name, "endpoint": endpoint, "levels": self.names.levels,
-                "declared_exchanges": len(declared["exchanges"]), "declared_queues": len(declared["queues"]) + 1}
+                "queue": endpoint, "binding": topology.bindings[0].routing_key}
 
     def teardown(self, endpoint: str) -> dict:
         """Delete an endpoint's queue. Its delayed messages still in the levels land in `unroutable`."""

@@ -93,8 +93,10 @@ def test_verify_reports_missing_and_different_and_changes_nothing(rabbit, rabbit
     report = rabbit.verify(["orders"])
     assert [d["name"] for d in report["different"]] == [f"{rabbit.names.prefix}.level-05"]
     assert "x-message-ttl" in report["different"][0]["broker_says"] or "x-queue-type" in report["different"][0]["broker_says"]
+    fresh = RabbitMQTransport(rabbit.parameters, prefix=rabbit.names.prefix)  # declares the levels again
     with pytest.raises(InvalidNameError, match="other arguments"):
-        rabbit.provision("orders")
+        fresh.provision("orders")
+    fresh.close()
 
 
 def test_real_delays_arrive_on_time_and_in_order(rabbit):
@@ -148,7 +150,7 @@ def test_connection_closed_by_server_mid_batch_loses_nothing(rabbit, rabbit_vhos
     rabbit.provision("orders")
     rabbit.provision("error")
     store = make_store(*db)  # on PostgreSQL the pump keeps a second batch in flight (pipelined)
-    total = 30_000
+    total = 20_000
     store.store(messages(total))
     pump = Pump(store, rabbit, PumpConfig(batch_size=1000))
     assert pump.pipelined == store.is_postgres
@@ -208,3 +210,16 @@ def test_bad_input_and_unreachable_broker(rabbit):
     with pytest.raises(UnavailableError) as err:
         broken.send([DelayedMessage("orders", b"", utcnow(), {}, "x")])
     assert "SecretPw123" not in str(err.value)
+
+
+def test_teardown_of_an_endpoint_sends_its_pending_delays_to_unroutable(rabbit):
+    rabbit.provision("short_lived")
+    assert rabbit.send([DelayedMessage("short_lived", b"late", utcnow() + timedelta(seconds=1), {}, "gone-1")]) == {}
+    assert rabbit.teardown("short_lived") == {"endpoint": "short_lived", "deleted_messages": 0}
+    with pytest.raises(DestinationNotFoundError):
+        rabbit.depth("short_lived")
+    deadline = time.monotonic() + 10
+    while rabbit.depth(rabbit.names.unroutable) < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [m.message_id for m in rabbit.receive(rabbit.names.unroutable)] == ["gone-1"]
+    assert rabbit.depth(rabbit.names.level(0)) == 0  # nothing stalls in a level queue
