@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import Callable
 
@@ -69,7 +69,6 @@ class PumpResult:
     stats: PumpStats
     reason: str
     next_due: datetime | None = None
-    extra: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -275,12 +274,9 @@ class Pump:
             return self.dispatch_batch(limit, due_before)
         upcoming = self._begin(limit, due_before)
         previous, self._inflight = self._inflight, upcoming if isinstance(upcoming, _InFlight) else None
-        done = self._finish(previous) if previous is not None else PumpStats()
-        if upcoming is _FAILED or done is None:
-            return None
-        if self._inflight is not None:
-            done.batches = max(done.batches, 1)  # work is under way: do not go idle
-        return done
+        if previous is None:
+            return None if upcoming is _FAILED else PumpStats()
+        return self._finish(previous)
 
     def _run(self, stats, deadline, max_messages, due_before, max_wait, stop_when_idle) -> PumpResult:
         started = time.monotonic()
@@ -297,13 +293,13 @@ class Pump:
                 return PumpResult(stats, "max_messages", self._next_due(due_before))
             limit = self.config.batch_size if max_messages is None else min(self.config.batch_size, max_messages - handled)
             batch = self._step(limit, due_before)
-            if batch is None:
+            if batch is None:  # the store failed; the fetch breaker has waited
                 continue
             stats.merge(batch)
             if time.monotonic() - last_report >= self.config.progress_interval_seconds:
                 last_report = time.monotonic()
                 self._report(stats, started, due_before)
-            if batch.batches:
+            if batch.batches or self._inflight is not None:
                 continue
             try:
                 next_due = self.store.next_due(due_before=due_before)
