@@ -157,3 +157,56 @@ def rabbit(rabbit_vhost):
     transport = RabbitMQTransport(params, prefix=f"d{uuid.uuid4().hex[:6]}")
     yield transport
     transport.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    """moto's server (SQS, S3) on a free loopback port, for this run; its URL."""
+    import time
+    import urllib.request
+
+    port = _free_port()
+    binary = Path(sys.executable).parent / "moto_server"
+    proc = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            urllib.request.urlopen(url + "/moto-api/", timeout=0.5)
+            break
+        except OSError:
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail(f"moto_server did not start on port {port}; install the test extra (`make test` does)", pytrace=False)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+def aws_conn(moto_server, monkeypatch):
+    """An `aws` connection pointing at moto, reset before each test; its id."""
+    import json
+    import urllib.request
+
+    urllib.request.urlopen(urllib.request.Request(moto_server + "/moto-api/reset", method="POST"), timeout=5)
+    monkeypatch.setenv("AIRFLOW_CONN_AWS_MOTO", json.dumps({
+        "conn_type": "aws", "login": "testing", "password": "testing",
+        "extra": {"endpoint_url": moto_server, "region_name": "us-east-1"}}))
+    return "aws_moto"
+
+
+@pytest.fixture
+def sqs_client(aws_conn):
+    from airflow.providers.amazon.aws.hooks.sqs import SqsHook
+
+    return SqsHook(aws_conn_id=aws_conn).get_conn()

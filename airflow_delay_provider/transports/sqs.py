@@ -1,0 +1,440 @@
+"""Amazon SQS: native delays up to 15 minutes, and unrestricted delays through a `-delay.fifo` relay queue.
+
+Seed 000. A delay of at most `NATIVE_MAX_DELAY` (900 s, exactly 900 included) is SQS's own
+DelaySeconds on the destination. A longer one goes to the destination's FIFO delay queue, whose
+queue-level delay is Q (900 s by default), carrying the full delay in a message attribute; the
+relay (`relay_once`) receives it after Q and either sends it back with the remaining delay, or,
+once the remainder fits, hands it to the destination with DelaySeconds = remainder.
+
+The boto3 client comes from the amazon provider's SqsHook (an `aws` connection; `endpoint_url`
+in its extra points at moto in tests). Headers travel as one JSON message attribute, so any
+number of them fits SQS's limit of 10 attributes per message.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Iterable, Sequence
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.errors import (
+    DelayError,
+    DestinationNotFoundError,
+    InvalidInputError,
+    InvalidNameError,
+    UnavailableError,
+)
+from airflow_delay_provider.core.message import HEADER_DUE_AT, DelayedMessage
+from airflow_delay_provider.core.ports import ReceivedMessage, Transport
+
+NATIVE_MAX_DELAY = 900
+DELAY_QUEUE_SUFFIX = "-delay.fifo"
+DELAY_QUEUE_RETENTION = 345_600  # 4 days
+MAX_QUEUE_NAME = 80
+BATCH_SIZE = 10
+MAX_BATCH_BYTES = 1024 * 1024  # SQS's message and batch limit (1 MiB)
+#: Message attributes the provider writes; everything the caller gave travels in ATTR_HEADERS.
+ATTR_MESSAGE_ID = "x-message-id"
+ATTR_HEADERS = "x-headers"
+ATTR_DUE_AT = HEADER_DUE_AT
+ATTR_DELAY = "x-delay-seconds"
+ATTR_ENCODING = "x-body-encoding"
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def delay_queue_name(name: str, prefix: str = "") -> str:
+    """`<prefix><name>-delay.fifo`, characters outside [A-Za-z0-9_-] replaced by '-' (the `.fifo` kept).
+
+    Raises ValueError when the result would be longer than SQS's 80 characters.
+    """
+    full = f"{prefix}{name}{DELAY_QUEUE_SUFFIX}"
+    stem = full[: -len(".fifo")]
+    result = _UNSAFE.sub("-", stem) + ".fifo"
+    if len(result) > MAX_QUEUE_NAME:
+        raise InvalidNameError(
+            f"delay queue name {result!r} has {len(result)} characters; SQS allows {MAX_QUEUE_NAME}, so the endpoint "
+            f"name may have at most {MAX_QUEUE_NAME - len(prefix) - len(DELAY_QUEUE_SUFFIX)} characters with prefix {prefix!r}"
+        )
+    return result
+
+
+def check_queue_name(name: str) -> str:
+    if not isinstance(name, str) or not 1 <= len(name) <= MAX_QUEUE_NAME or _UNSAFE.search(name.removesuffix(".fifo")):
+        raise InvalidNameError(
+            f"SQS queue name {name!r} is not allowed: 1-{MAX_QUEUE_NAME} characters of A-Z, a-z, 0-9, '-' and '_' "
+            "(a FIFO queue ends in .fifo)"
+        )
+    return name
+
+
+def _whole_seconds(delay_seconds: object, field: str = "delay_seconds") -> int:
+    if isinstance(delay_seconds, bool) or not isinstance(delay_seconds, (int, float)) or math.isnan(delay_seconds):
+        raise DelayError(f"{field} must be a number of seconds, got {delay_seconds!r}")
+    if delay_seconds < 0:
+        raise DelayError(f"{field} must be >= 0, got {delay_seconds}")
+    return math.ceil(delay_seconds)
+
+
+def _check_queue_delay(queue_delay: object) -> int:
+    if isinstance(queue_delay, bool) or not isinstance(queue_delay, int) or not 1 <= queue_delay <= NATIVE_MAX_DELAY:
+        raise DelayError(f"queue_delay must be an int in 1..{NATIVE_MAX_DELAY} seconds (SQS's limit), got {queue_delay!r}")
+    return queue_delay
+
+
+@dataclass(frozen=True)
+class DelayPlan:
+    """How a delay is carried: natively, or `fifo_cycles` passes through the delay queue, then `final_delay`."""
+
+    delay: int
+    native: bool
+    fifo_cycles: int
+    final_delay: int
+
+    def requests(self) -> int:
+        """SQS requests the relay spends: a receive and a send per FIFO cycle."""
+        return 2 * self.fifo_cycles
+
+
+def delay_plan(delay_seconds: int | float, queue_delay: int = NATIVE_MAX_DELAY) -> DelayPlan:
+    """845 -> native, 0 cycles, 845 s; 1,925 (Q = 900) -> 2 cycles, then 125 s on the destination."""
+    delay = _whole_seconds(delay_seconds)
+    q = _check_queue_delay(queue_delay)
+    if delay <= q:  # Q is the threshold: 900 in production, a few seconds in tests
+        return DelayPlan(delay, True, 0, delay)
+    cycles = math.ceil((delay - q) / q)
+    return DelayPlan(delay, False, cycles, delay - cycles * q)
+
+
+def estimate_cost(delay_seconds: int | float, price_per_request: float = 0.0000005, queue_delay: int = NATIVE_MAX_DELAY) -> float:
+    """USD the relay spends on one message: two FIFO requests per cycle (long polling not counted)."""
+    if isinstance(price_per_request, bool) or not isinstance(price_per_request, (int, float)) or price_per_request < 0:
+        raise InvalidInputError(f"price_per_request must be a number >= 0, got {price_per_request!r}")
+    return delay_plan(delay_seconds, queue_delay).requests() * price_per_request
+
+
+# -- the transport ------------------------------------------------------------------------------
+def _aws_error(exc: Exception) -> str:
+    if isinstance(exc, ClientError):
+        err = exc.response.get("Error", {})
+        return f"{err.get('Code', 'ClientError')}: {err.get('Message', '')}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _not_found(exc: Exception) -> bool:
+    return isinstance(exc, ClientError) and exc.response.get("Error", {}).get("Code", "") in (
+        "AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist", "NonExistentQueue")
+
+
+class SqsTransport(Transport):
+    """Sends each message to arrive at its due time: natively up to 900 s, through `-delay.fifo` beyond."""
+
+    name = "sqs"
+
+    def __init__(self, client: Any, prefix: str = "", queue_delay: int = NATIVE_MAX_DELAY) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.queue_delay = _check_queue_delay(queue_delay)
+        self._urls: dict[str, str] = {}
+
+    def __repr__(self) -> str:
+        return f"SqsTransport(endpoint={self.client.meta.endpoint_url!r}, prefix={self.prefix!r})"
+
+    def queue_name(self, endpoint: str) -> str:
+        return check_queue_name(f"{self.prefix}{endpoint}")
+
+    def _url(self, queue: str) -> str:
+        if queue not in self._urls:
+            try:
+                self._urls[queue] = self.client.get_queue_url(QueueName=queue)["QueueUrl"]
+            except (ClientError, BotoCoreError) as exc:
+                if _not_found(exc):
+                    raise DestinationNotFoundError(f"SQS queue {queue!r} does not exist") from None
+                raise UnavailableError(f"could not reach SQS for queue {queue!r}: {_aws_error(exc)}") from None
+        return self._urls[queue]
+
+    # -- provisioning ------------------------------------------------------------------------------
+    def provision(self, endpoint: str, queue_delay_seconds: int | None = None, unrestricted: bool = True) -> dict:
+        """The endpoint queue (optionally with a queue-level delay) and, for unrestricted delays, its
+        `-delay.fifo` queue (FIFO, DelaySeconds = Q, retention 4 days). Idempotent."""
+        name = self.queue_name(endpoint)
+        attributes = {}
+        if queue_delay_seconds:
+            if isinstance(queue_delay_seconds, bool) or not isinstance(queue_delay_seconds, int) or not 0 <= queue_delay_seconds <= NATIVE_MAX_DELAY:
+                # moto accepts more; real SQS does not: check here so tests mean what production does
+                raise DelayError(f"queue_delay_seconds must be an int in 0..{NATIVE_MAX_DELAY} on SQS, got {queue_delay_seconds!r}")
+            attributes["DelaySeconds"] = str(queue_delay_seconds)
+        try:
+            self._urls[name] = self.client.create_queue(QueueName=name, Attributes=attributes)["QueueUrl"]
+            summary = {"transport": self.name, "endpoint": endpoint, "queue": name}
+            if unrestricted:
+                fifo = delay_queue_name(endpoint, self.prefix)
+                self._urls[fifo] = self.client.create_queue(QueueName=fifo, Attributes={
+                    "FifoQueue": "true",
+                    "DelaySeconds": str(self.queue_delay),
+                    "MessageRetentionPeriod": str(DELAY_QUEUE_RETENTION),
+                })["QueueUrl"]
+                summary["delay_queue"] = fifo
+        except ClientError as exc:
+            raise InvalidInputError(f"SQS refused to create the queues of {endpoint!r}: {_aws_error(exc)}") from None
+        except BotoCoreError as exc:
+            raise UnavailableError(f"could not reach SQS: {_aws_error(exc)}") from None
+        return summary
+
+    def verify(self, endpoint: str) -> dict:
+        """Start-up check of the delay queue: present, delay >= Q, retention >= 4 days, no redrive policy."""
+        fifo = delay_queue_name(endpoint, self.prefix)
+        try:
+            url = self._url(fifo)
+        except DestinationNotFoundError:
+            raise DestinationNotFoundError(
+                f"delay queue {fifo!r} is missing: {endpoint!r} cannot take delays over {NATIVE_MAX_DELAY} s; "
+                "provision it with unrestricted delays"
+            ) from None
+        attrs = self.client.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])["Attributes"]
+        problems = []
+        if int(attrs.get("DelaySeconds", 0)) < self.queue_delay:
+            problems.append(f"DelaySeconds is {attrs.get('DelaySeconds')}, must be at least {self.queue_delay}")
+        if int(attrs.get("MessageRetentionPeriod", 0)) < DELAY_QUEUE_RETENTION:
+            problems.append(f"MessageRetentionPeriod is {attrs.get('MessageRetentionPeriod')}, must be at least {DELAY_QUEUE_RETENTION} (4 days)")
+        if attrs.get("RedrivePolicy"):
+            problems.append("it has a RedrivePolicy; a delay queue must not dead-letter its messages")
+        if problems:
+            raise InvalidInputError(f"delay queue {fifo!r} is misconfigured: " + "; ".join(problems))
+        return {"delay_queue": fifo, "delay_seconds": int(attrs["DelaySeconds"]), "ok": True}
+
+    # -- sending ------------------------------------------------------------------------------------
+    def send(self, messages: Sequence[DelayedMessage], connection: Any = None) -> dict[str, Exception]:
+        now = utcnow()
+        failures: dict[str, Exception] = {}
+        by_queue: dict[str, list[tuple[DelayedMessage, dict]]] = {}
+        for m in messages:
+            try:
+                queue, entry = self._entry(m, now)
+            except (DelayError, InvalidNameError) as exc:
+                failures[m.message_id] = exc
+                continue
+            by_queue.setdefault(queue, []).append((m, entry))
+        for queue, entries in by_queue.items():
+            try:
+                url = self._url(queue)
+            except DestinationNotFoundError as missing:
+                error = missing
+                if queue.endswith(DELAY_QUEUE_SUFFIX):
+                    error = DestinationNotFoundError(
+                        f"destination {entries[0][0].destination!r} does not accept delays longer than 15 minutes: "
+                        f"its delay queue {queue!r} does not exist; provision it with unrestricted delays"
+                    )
+                failures.update({m.message_id: error for m, _ in entries})
+                continue
+            failures.update(self._send_batches(url, entries))
+        return failures
+
+    def _entry(self, m: DelayedMessage, now: datetime) -> tuple[str, dict]:
+        delay = max(0, math.ceil((m.due_at - now).total_seconds()))
+        attributes = {
+            ATTR_MESSAGE_ID: {"DataType": "String", "StringValue": m.message_id},
+            ATTR_DUE_AT: {"DataType": "String", "StringValue": m.due_at.isoformat()},
+        }
+        if m.headers:
+            attributes[ATTR_HEADERS] = {"DataType": "String", "StringValue": json.dumps(m.headers)}
+        entry = {"MessageBody": _encode_body(m.body, attributes), "MessageAttributes": attributes}
+        if delay <= self.queue_delay:
+            if delay:
+                entry["DelaySeconds"] = delay
+            return self.queue_name(m.destination), entry
+        # Beyond SQS's limit: the FIFO delay queue, full delay in an attribute, no per-message delay.
+        attributes[ATTR_DELAY] = {"DataType": "Number", "StringValue": str(delay)}
+        entry["MessageDeduplicationId"] = entry["MessageGroupId"] = _fifo_id(m.message_id)
+        return delay_queue_name(m.destination, self.prefix), entry
+
+    def _send_batches(self, url: str, entries: list[tuple[DelayedMessage, dict]]) -> dict[str, Exception]:
+        failures: dict[str, Exception] = {}
+        for chunk in _chunks(entries):
+            batch = [{"Id": str(i), **entry} for i, (_, entry) in enumerate(chunk)]
+            try:
+                result = self.client.send_message_batch(QueueUrl=url, Entries=batch)
+            except (ClientError, BotoCoreError) as exc:
+                raise UnavailableError(f"SQS send_message_batch failed: {_aws_error(exc)}") from None
+            for failed in result.get("Failed", []):
+                m = chunk[int(failed["Id"])][0]
+                error = f"{failed.get('Code')}: {failed.get('Message')}"
+                failures[m.message_id] = (UnavailableError if failed.get("SenderFault") is False else InvalidInputError)(
+                    f"SQS refused message {m.message_id}: {error}")
+        return failures
+
+    # -- receiving ----------------------------------------------------------------------------------
+    def receive(self, endpoint: str, max_messages: int = 10, visibility_timeout: float = 30.0) -> list[ReceivedMessage]:
+        url = self._url(self.queue_name(endpoint))
+        got = self.client.receive_message(
+            QueueUrl=url, MaxNumberOfMessages=min(max_messages, 10), VisibilityTimeout=int(visibility_timeout),
+            MessageAttributeNames=["All"], AttributeNames=["All"], WaitTimeSeconds=0,
+        ).get("Messages", [])
+        return [_received(endpoint, m) for m in got]
+
+    def ack(self, endpoint: str, receipts: Iterable[Any]) -> int:
+        url = self._url(self.queue_name(endpoint))
+        receipts = list(receipts)
+        deleted = 0
+        for i in range(0, len(receipts), BATCH_SIZE):
+            chunk = receipts[i : i + BATCH_SIZE]
+            result = self.client.delete_message_batch(
+                QueueUrl=url, Entries=[{"Id": str(n), "ReceiptHandle": r} for n, r in enumerate(chunk)])
+            deleted += len(result.get("Successful", []))
+        return deleted
+
+    # -- the relay (seed 000's delayed message consumer) ------------------------------------------
+    def relay_once(self, endpoint: str, wait_time_seconds: int = 20) -> RelayCounts:
+        """One long poll of the endpoint's delay queue; every message received is sent on and deleted.
+
+        remaining = delay - (ApproximateFirstReceiveTimestamp - SentTimestamp), both the broker's
+        clock (the local clock only for a redelivery). Above Q: back to the delay queue; else to the
+        destination with DelaySeconds = remaining. Sends are batched per queue, then the handled
+        messages deleted in one batch; a failed send is made visible again at once.
+        """
+        fifo_url = self._url(delay_queue_name(endpoint, self.prefix))
+        dest_url = self._url(self.queue_name(endpoint))
+        try:
+            got = self.client.receive_message(
+                QueueUrl=fifo_url, MaxNumberOfMessages=BATCH_SIZE, WaitTimeSeconds=wait_time_seconds,
+                MessageAttributeNames=["All"], AttributeNames=["All"],
+            ).get("Messages", [])
+        except (ClientError, BotoCoreError) as exc:
+            raise UnavailableError(f"could not receive from the delay queue of {endpoint!r}: {_aws_error(exc)}") from None
+        counts = RelayCounts()
+        if not got:
+            return counts
+        now_ms = utcnow().timestamp() * 1000
+        back, onward = [], []
+        for m in got:
+            attrs = m.get("Attributes", {})
+            sent = int(attrs["SentTimestamp"])
+            received = now_ms if int(attrs.get("ApproximateReceiveCount", "1")) > 1 else int(
+                attrs.get("ApproximateFirstReceiveTimestamp", sent))
+            remaining = float(_attr(m, ATTR_DELAY) or 0) - (received - sent) / 1000
+            attributes = dict(m.get("MessageAttributes", {}))
+            entry = {"MessageBody": m["Body"], "MessageAttributes": attributes}
+            if remaining > self.queue_delay:
+                # Milliseconds carried along, so rounding happens once, at the hand-over.
+                attributes[ATTR_DELAY] = {"DataType": "Number", "StringValue": f"{remaining:.3f}"}
+                dedup = _fifo_id(f"{_attr(m, ATTR_MESSAGE_ID) or m['MessageId']}")[:100] + f"-{int(remaining * 1000)}"
+                entry["MessageDeduplicationId"] = dedup  # a new id per cycle: FIFO dedups for 5 minutes
+                entry["MessageGroupId"] = attrs.get("MessageGroupId") or dedup
+                back.append((m, entry))
+            else:
+                attributes.pop(ATTR_DELAY, None)
+                if remaining > 0:
+                    entry["DelaySeconds"] = math.ceil(remaining)
+                onward.append((m, entry))
+        done = []
+        for url, entries, counter in ((fifo_url, back, "relayed"), (dest_url, onward, "handed_over")):
+            if not entries:
+                continue
+            batch = [{"Id": str(i), **entry} for i, (_, entry) in enumerate(entries)]
+            result = self.client.send_message_batch(QueueUrl=url, Entries=batch)
+            failed = {int(f["Id"]) for f in result.get("Failed", [])}
+            for i, (m, _) in enumerate(entries):
+                if i in failed:
+                    counts.failed += 1
+                    self.client.change_message_visibility(
+                        QueueUrl=fifo_url, ReceiptHandle=m["ReceiptHandle"], VisibilityTimeout=0)
+                else:
+                    setattr(counts, counter, getattr(counts, counter) + 1)
+                    done.append(m)
+        self._delete(fifo_url, done)
+        return counts
+
+    def _delete(self, url: str, messages: list[dict]) -> None:
+        """Delete in one batch; retry failures one by one (an expired receipt handle means it is gone)."""
+        if not messages:
+            return
+        result = self.client.delete_message_batch(
+            QueueUrl=url, Entries=[{"Id": str(i), "ReceiptHandle": m["ReceiptHandle"]} for i, m in enumerate(messages)])
+        for failed in result.get("Failed", []):
+            try:
+                self.client.delete_message(QueueUrl=url, ReceiptHandle=messages[int(failed["Id"])]["ReceiptHandle"])
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") != "ReceiptHandleIsInvalid":
+                    raise
+
+    def relay(self, endpoint: str, seconds: float, wait_time_seconds: int = 20) -> RelayCounts:
+        """Relay for about `seconds` (a bounded task try); returns the counts."""
+        counts = RelayCounts()
+        deadline = utcnow().timestamp() + seconds
+        while (left := deadline - utcnow().timestamp()) > 0:
+            counts.add(self.relay_once(endpoint, min(wait_time_seconds, max(0, int(left)))))
+        return counts
+
+
+@dataclass
+class RelayCounts:
+    relayed: int = 0  # back to the delay queue for another cycle
+    handed_over: int = 0  # to the destination with the rest of the delay
+    failed: int = 0  # made visible again, to be relayed on a later receive
+
+    def add(self, other: RelayCounts) -> None:
+        self.relayed += other.relayed
+        self.handed_over += other.handed_over
+        self.failed += other.failed
+
+
+def _encode_body(body: bytes, attributes: dict) -> str:
+    """SQS bodies are text: UTF-8 as is, anything else base64 with an attribute saying so."""
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError:
+        attributes[ATTR_ENCODING] = {"DataType": "String", "StringValue": "base64"}
+        return base64.b64encode(body).decode("ascii")
+
+
+def _decode_body(message: dict) -> bytes:
+    if _attr(message, ATTR_ENCODING) == "base64":
+        return base64.b64decode(message["Body"])
+    return message["Body"].encode("utf-8")
+
+
+def _fifo_id(message_id: str) -> str:
+    """FIFO dedup and group ids allow 128 characters of a limited set: keep the id when it fits."""
+    safe = re.sub(r"[^A-Za-z0-9!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~]", "_", message_id)
+    return safe[:128]
+
+
+def _chunks(entries: list[tuple[DelayedMessage, dict]]):
+    """Batches of at most 10 entries and at most 1 MiB of bodies."""
+    chunk, size = [], 0
+    for item in entries:
+        body = len(item[1]["MessageBody"].encode())
+        if chunk and (len(chunk) == BATCH_SIZE or size + body > MAX_BATCH_BYTES):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(item)
+        size += body
+    if chunk:
+        yield chunk
+
+
+def _attr(message: dict, name: str) -> str | None:
+    value = message.get("MessageAttributes", {}).get(name)
+    return None if value is None else value.get("StringValue")
+
+
+def _received(endpoint: str, m: dict) -> ReceivedMessage:
+    attrs = m.get("Attributes", {})
+    sent = int(attrs.get("SentTimestamp", "0")) / 1000
+    due = _attr(m, ATTR_DUE_AT)
+    return ReceivedMessage(
+        message_id=_attr(m, ATTR_MESSAGE_ID) or m["MessageId"],
+        destination=endpoint,
+        body=_decode_body(m),
+        headers=json.loads(_attr(m, ATTR_HEADERS) or "{}"),
+        receipt=m["ReceiptHandle"],
+        enqueued_at=datetime.fromtimestamp(sent, tz=timezone.utc),
+        due_at=datetime.fromisoformat(due) if due else None,
+        receive_count=int(attrs.get("ApproximateReceiveCount", "1")),
+    )

@@ -1,0 +1,153 @@
+"""Amazon SQS against moto's server: native and unrestricted delays, the -delay.fifo relay."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.errors import DelayError, DestinationNotFoundError, InvalidInputError, InvalidNameError
+from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.transports.sqs import (
+    SqsTransport,
+    delay_plan,
+    delay_queue_name,
+    estimate_cost,
+)
+
+
+def test_delay_queue_names_and_limits():
+    assert delay_queue_name("orders") == "orders-delay.fifo"
+    assert delay_queue_name("destination-delay.blurb") == "destination-delay-blurb-delay.fifo"
+    assert delay_queue_name("a.b c", prefix="dev.") == "dev-a-b-c-delay.fifo"
+    name69 = "n" * 69
+    assert len(delay_queue_name(name69)) == 80
+    with pytest.raises(ValueError, match="81 characters; SQS allows 80"):
+        delay_queue_name(name69 + "x")
+
+
+def test_seed_worked_examples_and_the_cost_of_a_year():
+    assert delay_plan(845) == delay_plan(845.0)
+    p = delay_plan(845)
+    assert (p.native, p.fifo_cycles, p.final_delay) == (True, 0, 845)
+    p = delay_plan(1925)
+    assert (p.native, p.fifo_cycles, p.final_delay) == (False, 2, 125)
+    assert delay_plan(900).native and not delay_plan(901).native
+    assert delay_plan(1800).fifo_cycles == 1 and delay_plan(1800).final_delay == 900
+    assert estimate_cost(31_536_000) == pytest.approx(0.035, abs=0.0002)
+    assert estimate_cost(845) == 0
+    with pytest.raises(DelayError):
+        delay_plan(-1)
+    with pytest.raises(DelayError, match="1..900"):
+        delay_plan(10, queue_delay=1000)
+
+
+def make(client, q: int = 2, *endpoints: str) -> SqsTransport:
+    transport = SqsTransport(client, queue_delay=q)
+    for e in endpoints:
+        transport.provision(e)
+    return transport
+
+
+def wait_for(transport: SqsTransport, endpoint: str, n: int, timeout: float) -> list:
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        batch = transport.receive(endpoint, 10, visibility_timeout=30)
+        got.extend((utcnow(), m) for m in batch)
+        if batch:
+            transport.ack(endpoint, [m.receipt for m in batch])
+        else:
+            time.sleep(0.1)
+    return got
+
+
+@pytest.mark.parametrize("cycles", [2, 3])
+def test_multi_cycle_delay_arrives_intact_and_not_early(sqs_client, cycles):
+    q = 1
+    t = make(sqs_client, q, "orders")
+    delay = cycles * q + 1
+    due = utcnow() + timedelta(seconds=delay)
+    message = DelayedMessage("orders", b"\xff binary \x00", due, {"k": "v"}, "mc-1")
+    assert t.send([message]) == {}
+    assert t.receive("orders") == []  # not native: it waits in the delay queue
+    relayed = handed = 0
+    deadline = time.monotonic() + 20
+    got = []
+    while not got and time.monotonic() < deadline:
+        counts = t.relay_once("orders", wait_time_seconds=1)
+        relayed, handed = relayed + counts.relayed, handed + counts.handed_over
+        got = wait_for(t, "orders", 1, 0.2)
+    assert got, "the message never arrived"
+    arrived, m = got[0]
+    assert (m.message_id, m.body, m.headers) == ("mc-1", b"\xff binary \x00", {"k": "v"})
+    assert arrived >= due
+    assert handed == 1 and relayed >= cycles - 1
+
+
+def test_native_delay_and_missing_delay_queue(sqs_client):
+    t = make(sqs_client, 900)
+    t.provision("plain", unrestricted=False)
+    due = utcnow() + timedelta(seconds=2)
+    assert t.send([DelayedMessage("plain", b"n", due, {}, "n-1")]) == {}
+    assert t.receive("plain") == []
+    [(arrived, m)] = wait_for(t, "plain", 1, 6)
+    assert m.message_id == "n-1" and arrived >= due - timedelta(milliseconds=50)
+    failures = t.send([DelayedMessage("plain", b"x", utcnow() + timedelta(seconds=901), {}, "long-1")])
+    assert isinstance(failures["long-1"], DestinationNotFoundError)
+    assert "does not accept delays longer than 15 minutes" in str(failures["long-1"])
+    with pytest.raises(DestinationNotFoundError, match="provision it with unrestricted delays"):
+        t.verify("plain")
+
+
+def test_mixed_batch_split_per_destination(sqs_client):
+    t = make(sqs_client, 1, "a", "b")
+    now = utcnow()
+    batch = [DelayedMessage(d, f"{d}{i}".encode(), now + timedelta(seconds=s), {}, f"{d}-{i}")
+             for i, (d, s) in enumerate([("a", 0), ("b", 0), ("a", 3), ("b", 2), ("a", 1)])]
+    assert t.send(batch) == {}
+    got = {m.message_id for _, m in wait_for(t, "a", 1, 3) + wait_for(t, "b", 1, 3)}
+    assert {"a-0", "b-1"} <= got
+    deadline = time.monotonic() + 15
+    while len(got) < 5 and time.monotonic() < deadline:
+        t.relay_once("a", 1)
+        t.relay_once("b", 1)
+        got |= {m.message_id for _, m in wait_for(t, "a", 1, 0.2) + wait_for(t, "b", 1, 0.2)}
+    assert got == {m.message_id for m in batch}
+
+
+def test_verify_catches_misconfigured_delay_queue(sqs_client):
+    t = make(sqs_client, 900, "orders")
+    assert t.verify("orders")["ok"]
+    url = sqs_client.get_queue_url(QueueName="orders-delay.fifo")["QueueUrl"]
+    sqs_client.set_queue_attributes(QueueUrl=url, Attributes={"DelaySeconds": "60", "MessageRetentionPeriod": "60"})
+    with pytest.raises(InvalidInputError, match="DelaySeconds is 60, must be at least 900.*MessageRetentionPeriod is 60"):
+        t.verify("orders")
+
+
+def test_bad_input(sqs_client):
+    t = make(sqs_client, 900)
+    with pytest.raises(DelayError, match="0..900"):
+        t.provision("slow", queue_delay_seconds=901)
+    with pytest.raises(InvalidNameError):
+        t.provision("bad name!")
+    with pytest.raises(InvalidNameError, match="at most 69 characters"):
+        t.provision("x" * 70)
+    failures = t.send([DelayedMessage("nowhere", b"", utcnow(), {}, "nw")])
+    assert isinstance(failures["nw"], DestinationNotFoundError)
+
+
+def test_pump_dispatches_store_to_sqs(sqs_client, tmp_path):
+    from airflow_delay_provider.core.pump import Pump
+    from tests.helpers import make_store, messages
+
+    t = make(sqs_client, 900, "orders", "error")
+    store = make_store(f"sqlite:///{tmp_path / 's.db'}", None, "delayed")
+    store.store(messages(25) + messages(1, destination="nowhere", start=25))
+    result = Pump(store, t).run(stop_when_idle=True)
+    assert (result.stats.dispatched, result.stats.dead_lettered) == (25, 1)
+    got = wait_for(t, "orders", 25, 10)
+    assert sorted(m.message_id for _, m in got) == sorted(f"m-{i}" for i in range(25))
+    [(_, dead)] = wait_for(t, "error", 1, 5)
+    assert dead.message_id == "m-25" and dead.headers["x-delay-failed-destination"] == "nowhere"
