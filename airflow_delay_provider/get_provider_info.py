@@ -16,10 +16,12 @@ def get_provider_info() -> dict:
         "versions": [__version__],
         "integrations": [{"integration-name": INTEGRATION, "tags": ["service"]}],
         "hooks": [{"integration-name": INTEGRATION, "python-modules": [
-            "airflow_delay_provider.hooks.delay_store", "airflow_delay_provider.hooks.rabbitmq"]}],
+            "airflow_delay_provider.hooks.delay_store", "airflow_delay_provider.hooks.rabbitmq",
+            "airflow_delay_provider.hooks.sqs"]}],
         "operators": [{"integration-name": INTEGRATION, "python-modules": ["airflow_delay_provider.operators.delay"]}],
         "sensors": [{"integration-name": INTEGRATION, "python-modules": ["airflow_delay_provider.sensors.delay_store"]}],
-        "triggers": [{"integration-name": INTEGRATION, "python-modules": ["airflow_delay_provider.triggers.delay_store"]}],
+        "triggers": [{"integration-name": INTEGRATION, "python-modules": [
+            "airflow_delay_provider.triggers.delay_store", "airflow_delay_provider.triggers.sqs"]}],
         "connection-types": [
             {
                 "hook-class-name": "airflow_delay_provider.hooks.delay_store.DelayStoreHook",

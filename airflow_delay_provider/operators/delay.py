@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from datetime import datetime, timedelta
 from typing import Any, Sequence
 
@@ -18,11 +19,14 @@ from airflow_delay_provider.core.requests import build_message, parse_moment
 from airflow_delay_provider.core.stats import PumpStats
 from airflow_delay_provider.hooks.delay_store import DelayStoreHook
 from airflow_delay_provider.hooks.rabbitmq import RabbitMQDelayHook
+from airflow_delay_provider.hooks.sqs import SqsDelayHook
 from airflow_delay_provider.transports.rabbitmq import RabbitMQTransport
+from airflow_delay_provider.transports.sqs import SqsTransport, delay_plan, estimate_cost
 from airflow_delay_provider.triggers.delay_store import DueTimeoutTrigger
+from airflow_delay_provider.triggers.sqs import SqsDelayQueueTrigger
 
-#: Transports a destination can be reached through. SQS joins this list in its issue.
-TRANSPORTS = ("sql", "rabbitmq")
+#: Transports a destination can be reached through.
+TRANSPORTS = ("sql", "rabbitmq", "sqs")
 
 
 def _check_transport(transport: str) -> str:
@@ -36,7 +40,9 @@ class _StoreOperator(BaseOperator):
 
     `transport="sql"`: queues as tables, in the store's database unless `transport_conn_id` names
     another `delay_store` connection. `transport="rabbitmq"`: the broker of the `rabbitmq`
-    connection `transport_conn_id` (default `rabbitmq_default`).
+    connection `transport_conn_id` (default `rabbitmq_default`). `transport="sqs"`: Amazon SQS
+    through the `aws` connection `transport_conn_id` (default `aws_default`), with
+    `transport_options` such as `prefix`, `queue_delay` (Q, default 900) and `large_body_bucket`.
     """
 
     def __init__(
@@ -47,6 +53,7 @@ class _StoreOperator(BaseOperator):
         db_schema: str | None = None,
         transport: str = "sql",
         transport_conn_id: str | None = None,
+        transport_options: dict | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -55,6 +62,7 @@ class _StoreOperator(BaseOperator):
         self.db_schema = db_schema
         self.transport = _check_transport(transport)
         self.transport_conn_id = transport_conn_id
+        self.transport_options = dict(transport_options or {})
 
     @property
     def hook(self) -> DelayStoreHook:
@@ -63,6 +71,9 @@ class _StoreOperator(BaseOperator):
     def get_transport(self) -> Transport:
         if self.transport == "rabbitmq":
             return RabbitMQDelayHook(self.transport_conn_id or RabbitMQDelayHook.default_conn_name).get_transport()
+        if self.transport == "sqs":
+            hook = SqsDelayHook(aws_conn_id=self.transport_conn_id or SqsDelayHook.default_conn_name)
+            return hook.get_transport(**self.transport_options)
         if self.transport_conn_id is None:
             return self.hook.get_transport()
         return DelayStoreHook(self.transport_conn_id, db_schema=self.db_schema).get_transport()
@@ -234,9 +245,21 @@ class SendDelayedMessageOperator(_StoreOperator):
                 pending = [m for m in pending if m.message_id in failures]
                 if pending:
                     breaker.failure(next(iter(failures.values())))
+            if isinstance(transport, SqsTransport):
+                self._log_sqs_plans(transport, batch)
             self.log.info("Sent %d message(s) natively through %s", len(batch), transport)
         finally:
             transport.close()
+
+
+    def _log_sqs_plans(self, transport: SqsTransport, batch: list[DelayedMessage]) -> None:
+        now = utcnow()
+        for m in batch[:20]:
+            seconds = max(0, math.ceil((m.due_at - now).total_seconds()))
+            plan = delay_plan(seconds, transport.queue_delay)
+            how = "native DelaySeconds" if plan.native else f"{plan.fifo_cycles} cycle(s) through the delay queue, then {plan.final_delay} s"
+            self.log.info("%s: %d s = %s; relay cost about $%.6f", m.message_id, seconds, how,
+                          estimate_cost(seconds, queue_delay=transport.queue_delay))
 
 
 class DispatchDueMessagesOperator(_StoreOperator):
@@ -380,3 +403,68 @@ class MigrateDelayedMessagesOperator(_StoreOperator):
             transport.close()
         self.log.info("Migrated (%s): %s", self.direction, json.dumps(result))
         return {"direction": self.direction, **result}
+
+
+class RelayDelayedMessagesOperator(_StoreOperator):
+    """Run the SQS relay of one endpoint for a bounded time (seed 000's delayed message consumer).
+
+    Checks the delay queue first (present, delay >= Q, retention >= 4 days, no redrive policy), then
+    long-polls it, sending each message back for another cycle or on to the endpoint with the rest
+    of its delay. With `deferrable=True`, while the delay queue has nothing to relay the task waits
+    on SqsDelayQueueTrigger instead of a worker (and pays for no empty polls). Returns counts:
+    relayed, handed_over, failed.
+    """
+
+    template_fields: Sequence[str] = ("endpoint",)
+
+    def __init__(
+        self,
+        *,
+        endpoint: str,
+        max_runtime: timedelta | float = timedelta(minutes=5),
+        wait_time_seconds: int = 20,
+        deferrable: bool = False,
+        poll_interval: float = 30.0,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("transport", "sqs")
+        super().__init__(**kwargs)
+        if self.transport != "sqs":
+            raise InvalidInputError("the relay serves SQS delay queues: use transport='sqs'")
+        self.endpoint = endpoint
+        self.max_runtime = max_runtime if isinstance(max_runtime, timedelta) else timedelta(seconds=max_runtime)
+        self.wait_time_seconds = wait_time_seconds
+        self.deferrable = deferrable
+        self.poll_interval = poll_interval
+
+    def execute(self, context: Context) -> dict:
+        transport = self.get_transport()
+        self.log.info("Delay queue checked: %s", transport.verify(self.endpoint))
+        return self._relay(transport, {"relayed": 0, "handed_over": 0, "failed": 0}, utcnow() + self.max_runtime)
+
+    def execute_complete(self, context: Context, event: dict) -> dict:
+        if event.get("status") == "error":
+            raise UnavailableError(f"waiting on the delay queue failed: {event.get('message')}")
+        state = event["carry"]
+        return self._relay(self.get_transport(), state["counts"], datetime.fromisoformat(state["deadline"]))
+
+    def _relay(self, transport: SqsTransport, totals: dict, deadline: datetime) -> dict:
+        while (left := (deadline - utcnow()).total_seconds()) > 0:
+            if self.deferrable and transport.lifecycle(self.endpoint, delay_queue=True)["visible"] == 0:
+                self.log.info("Nothing to relay now (%s so far): deferring", totals)
+                self.defer(
+                    trigger=SqsDelayQueueTrigger(
+                        endpoint=self.endpoint,
+                        aws_conn_id=self.transport_conn_id or SqsDelayHook.default_conn_name,
+                        transport_options=self.transport_options,
+                        deadline=deadline.isoformat(),
+                        poll_interval=self.poll_interval,
+                        carry={"counts": totals, "deadline": deadline.isoformat()},
+                    ),
+                    method_name="execute_complete",
+                )
+            counts = transport.relay_once(self.endpoint, min(self.wait_time_seconds, max(0, int(left))))
+            for key, value in counts.__dict__.items():
+                totals[key] += value
+        self.log.info("Relay finished: %s", json.dumps(totals))
+        return totals

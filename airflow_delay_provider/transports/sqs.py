@@ -209,6 +209,22 @@ class SqsTransport(Transport):
             raise InvalidInputError(f"delay queue {fifo!r} is misconfigured: " + "; ".join(problems))
         return {"delay_queue": fifo, "delay_seconds": int(attrs["DelaySeconds"]), "ok": True}
 
+    def depth(self, endpoint: str) -> int:
+        """Visible messages in the endpoint's queue (raises DestinationNotFoundError when it is missing)."""
+        return self.lifecycle(endpoint)["visible"]
+
+    def lifecycle(self, endpoint: str, delay_queue: bool = False) -> dict[str, int]:
+        """Seed 004's states as SQS counts them: scheduled (delayed), visible, in flight."""
+        name = delay_queue_name(endpoint, self.prefix) if delay_queue else self.queue_name(endpoint)
+        attrs = self.client.get_queue_attributes(QueueUrl=self._url(name), AttributeNames=[
+            "ApproximateNumberOfMessagesDelayed", "ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible",
+        ])["Attributes"]
+        return {
+            "scheduled": int(attrs.get("ApproximateNumberOfMessagesDelayed", 0)),
+            "visible": int(attrs.get("ApproximateNumberOfMessages", 0)),
+            "in_flight": int(attrs.get("ApproximateNumberOfMessagesNotVisible", 0)),
+        }
+
     # -- sending ------------------------------------------------------------------------------------
     def send(self, messages: Sequence[DelayedMessage], connection: Any = None) -> dict[str, Exception]:
         now = utcnow()

@@ -151,3 +151,39 @@ def test_pump_dispatches_store_to_sqs(sqs_client, tmp_path):
     assert sorted(m.message_id for _, m in got) == sorted(f"m-{i}" for i in range(25))
     [(_, dead)] = wait_for(t, "error", 1, 5)
     assert dead.message_id == "m-25" and dead.headers["x-delay-failed-destination"] == "nowhere"
+
+
+def test_sqs_operators_provision_send_relay_dispatch(run_dag, aws_conn, sqs_client, monkeypatch, tmp_path):
+    import json
+    from datetime import datetime
+
+    from airflow.sdk import DAG
+
+    from airflow_delay_provider.operators.delay import (
+        DispatchDueMessagesOperator,
+        ProvisionDelayInfrastructureOperator,
+        RelayDelayedMessagesOperator,
+        SendDelayedMessageOperator,
+    )
+
+    monkeypatch.setenv("AIRFLOW_CONN_STORE_SQS", json.dumps(
+        {"conn_type": "delay_store", "schema": str(tmp_path / "store.db"), "extra": {"driver": "sqlite"}}))
+    sqs = {"transport": "sqs", "transport_conn_id": aws_conn, "transport_options": {"queue_delay": 1},
+           "delay_store_conn_id": "store_sqs"}
+    with DAG("t_sqs", schedule=None, start_date=datetime(2026, 1, 1)) as dag:
+        provision = ProvisionDelayInfrastructureOperator(task_id="provision", endpoints=["orders"], **sqs)
+        native = SendDelayedMessageOperator(task_id="native", destination="orders", body="long", delay_seconds=4, **sqs)
+        stored = SendDelayedMessageOperator(task_id="stored", destination="orders", body="stored", delay_seconds=1,
+                                            delay_store_conn_id="store_sqs")
+        dispatch = DispatchDueMessagesOperator(task_id="dispatch", max_runtime=10, max_messages=1, **sqs)
+        relay = RelayDelayedMessagesOperator(task_id="relay", endpoint="orders", max_runtime=8, wait_time_seconds=1,
+                                             deferrable=True, poll_interval=0.3, **sqs)
+        provision >> [native, stored] >> dispatch >> relay
+    state, states, values = run_dag(dag)
+    assert state == "success", states
+    assert values["relay"]["handed_over"] == 1 and values["relay"]["failed"] == 0
+    assert values["dispatch"]["dispatched"] == 1
+    transport = SqsTransport(sqs_client, queue_delay=1)
+    got = wait_for(transport, "orders", 2, 8)
+    assert sorted(m.body for _, m in got) == [b"long", b"stored"]
+    assert {m.message_id for _, m in got} == {values["native"], values["stored"]}
