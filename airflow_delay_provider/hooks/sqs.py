@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
 from airflow.providers.amazon.aws.hooks.sqs import SqsHook
 
 from airflow_delay_provider.transports.sqs import NATIVE_MAX_DELAY, SqsTransport
@@ -12,5 +13,11 @@ from airflow_delay_provider.transports.sqs import NATIVE_MAX_DELAY, SqsTransport
 class SqsDelayHook(SqsHook):
     """An SqsHook (same `aws` connection: credentials, region, `endpoint_url`) that also builds the transport."""
 
-    def get_transport(self, prefix: str = "", queue_delay: int = NATIVE_MAX_DELAY, **options: Any) -> SqsTransport:
-        return SqsTransport(self.get_conn(), prefix=prefix, queue_delay=queue_delay, **options)
+    def get_transport(
+        self, prefix: str = "", queue_delay: int = NATIVE_MAX_DELAY, large_body_bucket: str | None = None, **options: Any
+    ) -> SqsTransport:
+        s3 = None
+        if large_body_bucket:
+            s3 = AwsBaseHook(aws_conn_id=self.aws_conn_id, client_type="s3").get_conn()
+        return SqsTransport(self.get_conn(), prefix=prefix, queue_delay=queue_delay,
+                            large_body_bucket=large_body_bucket, s3_client=s3, **options)

@@ -17,6 +17,7 @@ import base64
 import json
 import math
 import re
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Iterable, Sequence
@@ -46,6 +47,9 @@ ATTR_HEADERS = "x-headers"
 ATTR_DUE_AT = HEADER_DUE_AT
 ATTR_DELAY = "x-delay-seconds"
 ATTR_ENCODING = "x-body-encoding"
+ATTR_BODY_S3 = "x-body-s3"
+#: Bodies above this go to S3: SQS's old 256 KiB limit, which every SQS (and moto) accepts.
+MAX_BODY_BYTES = 256 * 1024 - 8 * 1024  # room left for the attributes
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 
@@ -137,11 +141,25 @@ class SqsTransport(Transport):
 
     name = "sqs"
 
-    def __init__(self, client: Any, prefix: str = "", queue_delay: int = NATIVE_MAX_DELAY) -> None:
+    def __init__(
+        self,
+        client: Any,
+        prefix: str = "",
+        queue_delay: int = NATIVE_MAX_DELAY,
+        large_body_bucket: str | None = None,
+        s3_client: Any = None,
+        max_body_bytes: int = MAX_BODY_BYTES,
+    ) -> None:
         self.client = client
         self.prefix = prefix
         self.queue_delay = _check_queue_delay(queue_delay)
+        self.large_body_bucket = large_body_bucket
+        self.s3 = s3_client
+        self.max_body_bytes = max_body_bytes
+        if large_body_bucket and s3_client is None:
+            raise InvalidInputError("large_body_bucket needs an S3 client (SqsDelayHook.get_transport makes one)")
         self._urls: dict[str, str] = {}
+        self._s3_objects: dict[str, str] = {}  # receipt handle -> key of a received large body
 
     def __repr__(self) -> str:
         return f"SqsTransport(endpoint={self.client.meta.endpoint_url!r}, prefix={self.prefix!r})"
@@ -233,7 +251,7 @@ class SqsTransport(Transport):
         for m in messages:
             try:
                 queue, entry = self._entry(m, now)
-            except (DelayError, InvalidNameError) as exc:
+            except (InvalidInputError, UnavailableError) as exc:  # bad name or size; S3 unreachable
                 failures[m.message_id] = exc
                 continue
             by_queue.setdefault(queue, []).append((m, entry))
@@ -260,7 +278,7 @@ class SqsTransport(Transport):
         }
         if m.headers:
             attributes[ATTR_HEADERS] = {"DataType": "String", "StringValue": json.dumps(m.headers)}
-        entry = {"MessageBody": _encode_body(m.body, attributes), "MessageAttributes": attributes}
+        entry = {"MessageBody": self._body(m, attributes), "MessageAttributes": attributes}
         if delay <= self.queue_delay:
             if delay:
                 entry["DelaySeconds"] = delay
@@ -269,6 +287,25 @@ class SqsTransport(Transport):
         attributes[ATTR_DELAY] = {"DataType": "Number", "StringValue": str(delay)}
         entry["MessageDeduplicationId"] = entry["MessageGroupId"] = _fifo_id(m.message_id)
         return delay_queue_name(m.destination, self.prefix), entry
+
+    def _body(self, m: DelayedMessage, attributes: dict) -> str:
+        """The SQS body; one over the size limit goes to S3 and the message carries a pointer (seed 000)."""
+        body = _encode_body(m.body, attributes)
+        if len(body.encode()) <= self.max_body_bytes:
+            return body
+        if not self.large_body_bucket:
+            raise InvalidInputError(
+                f"message {m.message_id} has a body of {len(body.encode())} bytes; SQS takes {self.max_body_bytes}: "
+                "set large_body_bucket to carry larger bodies through S3"
+            )
+        key = f"{self.prefix}delay-bodies/{uuid.uuid4().hex}"
+        try:
+            self.s3.put_object(Bucket=self.large_body_bucket, Key=key, Body=m.body)
+        except (ClientError, BotoCoreError) as exc:
+            raise UnavailableError(f"could not store the large body of {m.message_id} in S3: {_aws_error(exc)}") from None
+        attributes.pop(ATTR_ENCODING, None)
+        attributes[ATTR_BODY_S3] = {"DataType": "String", "StringValue": f"{self.large_body_bucket}/{key}"}
+        return json.dumps({"s3": f"{self.large_body_bucket}/{key}"})
 
     def _send_batches(self, url: str, entries: list[tuple[DelayedMessage, dict]]) -> dict[str, Exception]:
         failures: dict[str, Exception] = {}
@@ -292,7 +329,16 @@ class SqsTransport(Transport):
             QueueUrl=url, MaxNumberOfMessages=min(max_messages, 10), VisibilityTimeout=int(visibility_timeout),
             MessageAttributeNames=["All"], AttributeNames=["All"], WaitTimeSeconds=0,
         ).get("Messages", [])
-        return [_received(endpoint, m) for m in got]
+        received = []
+        for m in got:
+            pointer = _attr(m, ATTR_BODY_S3)
+            body = None
+            if pointer:
+                bucket, key = pointer.split("/", 1)
+                body = self.s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+                self._s3_objects[m["ReceiptHandle"]] = pointer
+            received.append(_received(endpoint, m, body))
+        return received
 
     def ack(self, endpoint: str, receipts: Iterable[Any]) -> int:
         url = self._url(self.queue_name(endpoint))
@@ -303,6 +349,11 @@ class SqsTransport(Transport):
             result = self.client.delete_message_batch(
                 QueueUrl=url, Entries=[{"Id": str(n), "ReceiptHandle": r} for n, r in enumerate(chunk)])
             deleted += len(result.get("Successful", []))
+            for ok in result.get("Successful", []):
+                pointer = self._s3_objects.pop(chunk[int(ok["Id"])], None)
+                if pointer:  # delivered: its large body is no longer needed
+                    bucket, key = pointer.split("/", 1)
+                    self.s3.delete_object(Bucket=bucket, Key=key)
         return deleted
 
     # -- the relay (seed 000's delayed message consumer) ------------------------------------------
@@ -440,14 +491,14 @@ def _attr(message: dict, name: str) -> str | None:
     return None if value is None else value.get("StringValue")
 
 
-def _received(endpoint: str, m: dict) -> ReceivedMessage:
+def _received(endpoint: str, m: dict, body: bytes | None = None) -> ReceivedMessage:
     attrs = m.get("Attributes", {})
     sent = int(attrs.get("SentTimestamp", "0")) / 1000
     due = _attr(m, ATTR_DUE_AT)
     return ReceivedMessage(
         message_id=_attr(m, ATTR_MESSAGE_ID) or m["MessageId"],
         destination=endpoint,
-        body=_decode_body(m),
+        body=_decode_body(m) if body is None else body,
         headers=json.loads(_attr(m, ATTR_HEADERS) or "{}"),
         receipt=m["ReceiptHandle"],
         enqueued_at=datetime.fromtimestamp(sent, tz=timezone.utc),

@@ -187,3 +187,85 @@ def test_sqs_operators_provision_send_relay_dispatch(run_dag, aws_conn, sqs_clie
     got = wait_for(transport, "orders", 2, 8)
     assert sorted(m.body for _, m in got) == [b"long", b"stored"]
     assert {m.message_id for _, m in got} == {values["native"], values["stored"]}
+
+
+@pytest.mark.parametrize("delay", [0, 3], ids=["native", "through-relay"])
+def test_large_body_round_trips_through_s3_and_is_deleted(aws_conn, sqs_client, delay):
+    from airflow_delay_provider.hooks.sqs import SqsDelayHook
+
+    hook = SqsDelayHook(aws_conn_id=aws_conn)
+    t = hook.get_transport(queue_delay=1, large_body_bucket="delay-bodies")
+    t.s3.create_bucket(Bucket="delay-bodies")
+    t.provision("orders")
+    body = bytes(range(256)) * 1200  # 300 KiB, not UTF-8
+    assert t.send([DelayedMessage("orders", body, utcnow() + timedelta(seconds=delay), {"k": "v"}, "big-1")]) == {}
+    assert len(t.s3.list_objects_v2(Bucket="delay-bodies").get("Contents", [])) == 1
+    deadline = time.monotonic() + 15
+    got = []
+    while not got and time.monotonic() < deadline:
+        if delay:
+            t.relay_once("orders", 1)
+        got = t.receive("orders")
+    [m] = got
+    assert m.body == body and m.message_id == "big-1" and m.headers == {"k": "v"}
+    assert t.ack("orders", [m.receipt]) == 1
+    assert t.s3.list_objects_v2(Bucket="delay-bodies").get("KeyCount", 0) == 0
+    small = SqsTransport(sqs_client, queue_delay=1)
+    failures = small.send([DelayedMessage("orders", body, utcnow(), {}, "big-2")])
+    assert "set large_body_bucket" in str(failures["big-2"])
+
+
+class FaultyClient:
+    """The real moto client, with chosen calls answering as if part of a batch failed."""
+
+    def __init__(self, client, fail_deletes: bool = False, fail_sends: int = 0):
+        self._client = client
+        self.fail_deletes = fail_deletes
+        self.fail_sends = fail_sends
+        self.calls = []
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def delete_message_batch(self, QueueUrl, Entries):
+        self.calls.append("delete_message_batch")
+        if self.fail_deletes:
+            return {"Successful": [], "Failed": [{"Id": e["Id"], "Code": "InternalError", "SenderFault": False}
+                                                 for e in Entries]}
+        return self._client.delete_message_batch(QueueUrl=QueueUrl, Entries=Entries)
+
+    def delete_message(self, **kwargs):
+        self.calls.append("delete_message")
+        return self._client.delete_message(**kwargs)
+
+    def send_message_batch(self, QueueUrl, Entries):
+        if self.fail_sends and QueueUrl.endswith("/orders"):
+            self.fail_sends -= 1
+            return {"Successful": [], "Failed": [{"Id": e["Id"], "Code": "InternalError", "SenderFault": False}
+                                                 for e in Entries]}
+        return self._client.send_message_batch(QueueUrl=QueueUrl, Entries=Entries)
+
+    def change_message_visibility(self, **kwargs):
+        self.calls.append("change_message_visibility")
+        return self._client.change_message_visibility(**kwargs)
+
+
+def test_relay_falls_back_to_single_deletes_and_makes_failed_sends_visible(sqs_client):
+    make(sqs_client, 1, "orders")
+    t = SqsTransport(FaultyClient(sqs_client, fail_deletes=True, fail_sends=1), queue_delay=1)
+    assert t.send([DelayedMessage("orders", b"x", utcnow() + timedelta(seconds=2), {}, "r-1")]) == {}
+    counts = None
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        counts = t.relay_once("orders", 1)
+        if counts.failed:
+            break
+    assert counts.failed == 1 and "change_message_visibility" in t.client.calls  # visible again at once
+    handed = 0
+    while not handed and time.monotonic() < deadline:
+        handed = t.relay_once("orders", 1).handed_over
+    assert handed == 1
+    assert "delete_message" in t.client.calls  # the failed batch delete was retried singly
+    assert t.lifecycle("orders", delay_queue=True) == {"scheduled": 0, "visible": 0, "in_flight": 0}
+    [(_, m)] = wait_for(t, "orders", 1, 5)
+    assert m.message_id == "r-1"
