@@ -26,6 +26,8 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -c constraints.txt matplotlib
 	$(BIN)/python bench/bench_store.py --plot docs/bench_store.png
+	$(BIN)/python bench/bench_rabbitmq.py
+	$(BIN)/python bench/bench_sqs.py
 
 clean:
 	rm -rf $(VENV) .airflow

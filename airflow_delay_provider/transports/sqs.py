@@ -149,8 +149,10 @@ class SqsTransport(Transport):
         large_body_bucket: str | None = None,
         s3_client: Any = None,
         max_body_bytes: int = MAX_BODY_BYTES,
+        unrestricted: bool = True,
     ) -> None:
         self.client = client
+        self.unrestricted = unrestricted
         self.prefix = prefix
         self.queue_delay = _check_queue_delay(queue_delay)
         self.large_body_bucket = large_body_bucket
@@ -283,6 +285,11 @@ class SqsTransport(Transport):
             if delay:
                 entry["DelaySeconds"] = delay
             return self.queue_name(m.destination), entry
+        if not self.unrestricted:
+            raise DelayError(
+                f"a delay of {delay} s exceeds {self.queue_delay} s and this sender has unrestricted delays disabled; "
+                "enable them (unrestricted=True) and provision the destination's delay queue"
+            )
         # Beyond SQS's limit: the FIFO delay queue, full delay in an attribute, no per-message delay.
         attributes[ATTR_DELAY] = {"DataType": "Number", "StringValue": str(delay)}
         entry["MessageDeduplicationId"] = entry["MessageGroupId"] = _fifo_id(m.message_id)
@@ -357,7 +364,7 @@ class SqsTransport(Transport):
         return deleted
 
     # -- the relay (seed 000's delayed message consumer) ------------------------------------------
-    def relay_once(self, endpoint: str, wait_time_seconds: int = 20) -> RelayCounts:
+    def relay_once(self, endpoint: str, wait_time_seconds: int = 20, visibility_timeout: int = 30) -> RelayCounts:
         """One long poll of the endpoint's delay queue; every message received is sent on and deleted.
 
         remaining = delay - (ApproximateFirstReceiveTimestamp - SentTimestamp), both the broker's
@@ -370,7 +377,7 @@ class SqsTransport(Transport):
         try:
             got = self.client.receive_message(
                 QueueUrl=fifo_url, MaxNumberOfMessages=BATCH_SIZE, WaitTimeSeconds=wait_time_seconds,
-                MessageAttributeNames=["All"], AttributeNames=["All"],
+                VisibilityTimeout=visibility_timeout, MessageAttributeNames=["All"], AttributeNames=["All"],
             ).get("Messages", [])
         except (ClientError, BotoCoreError) as exc:
             raise UnavailableError(f"could not receive from the delay queue of {endpoint!r}: {_aws_error(exc)}") from None

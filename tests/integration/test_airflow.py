@@ -190,7 +190,7 @@ def test_unknown_transport_and_bad_table_fail_at_parse_time():
     from airflow_delay_provider.hooks.delay_store import DelayStoreHook
     from airflow_delay_provider.operators.delay import DispatchDueMessagesOperator, SendDelayedMessageOperator
 
-    with pytest.raises(InvalidInputError, match=r"transport 'kafka' is not supported; choose one of \['sql', 'rabbitmq'\]"):
+    with pytest.raises(InvalidInputError, match=r"transport 'kafka' is not supported; choose one of \['sql', 'rabbitmq', 'sqs'\]"):
         SendDelayedMessageOperator(task_id="a", destination="q", transport="kafka")
     with pytest.raises(InvalidInputError, match="batch_size must be an int in 1..10000"):
         DispatchDueMessagesOperator(task_id="b", batch_size=0)

@@ -269,3 +269,42 @@ def test_relay_falls_back_to_single_deletes_and_makes_failed_sends_visible(sqs_c
     assert t.lifecycle("orders", delay_queue=True) == {"scheduled": 0, "visible": 0, "in_flight": 0}
     [(_, m)] = wait_for(t, "orders", 1, 5)
     assert m.message_id == "r-1"
+
+
+class Crash(BaseException):
+    """Stands for the relay process dying: not an Exception, nothing catches it."""
+
+
+def test_relay_crashing_between_send_and_delete_loses_nothing(sqs_client):
+    make(sqs_client, 1, "orders")
+    crashing = FaultyClient(sqs_client)
+
+    def crash(**_kwargs):
+        raise Crash()
+
+    crashing.delete_message_batch = crash
+    t = SqsTransport(crashing, queue_delay=1)
+    assert t.send([DelayedMessage("orders", b"x", utcnow() + timedelta(seconds=2), {}, f"k-{i}") for i in range(5)]) == {}
+    deadline = time.monotonic() + 10
+    with pytest.raises(Crash):
+        while time.monotonic() < deadline:
+            t.relay_once("orders", 1, visibility_timeout=2)
+    # A new relay (the task retried) picks the undeleted messages up again after their visibility timeout.
+    survivor = SqsTransport(sqs_client, queue_delay=1)
+    while survivor.lifecycle("orders", delay_queue=True) != {"scheduled": 0, "visible": 0, "in_flight": 0}:
+        survivor.relay_once("orders", 1, visibility_timeout=2)
+        assert time.monotonic() < deadline + 20
+    ids = [m.message_id for _, m in wait_for(survivor, "orders", 10, 3)]
+    assert set(ids) == {f"k-{i}" for i in range(5)}  # none lost; the crashed batch may come twice
+
+
+@pytest.mark.parametrize(("sender", "receiver", "long_ok"), [
+    (False, False, False), (False, True, False), (True, False, False), (True, True, True)])
+def test_seed_matrix_of_unrestricted_delays(sqs_client, sender, receiver, long_ok):
+    t = SqsTransport(sqs_client, queue_delay=2, unrestricted=sender)
+    t.provision("orders", unrestricted=receiver)
+    now = utcnow()
+    short = t.send([DelayedMessage("orders", b"s", now + timedelta(seconds=1), {}, "short")])
+    long = t.send([DelayedMessage("orders", b"l", now + timedelta(seconds=5), {}, "long")])
+    assert short == {}  # delays up to Q always work
+    assert (long == {}) == long_ok
