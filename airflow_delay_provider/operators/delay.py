@@ -97,10 +97,14 @@ class ProvisionDelayInfrastructureOperator(_StoreOperator):
         error_queue: str = "error",
         create_store: bool = True,
         verify: bool = False,
+        endpoint_options: dict | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.endpoints = endpoints
+        #: Passed to the transport's provision() for each endpoint (not the error queue), e.g. SQS's
+        #: queue_delay_seconds and unrestricted.
+        self.endpoint_options = dict(endpoint_options or {})
         self.error_queue = error_queue
         self.create_store = create_store
         self.verify = verify
@@ -116,7 +120,9 @@ class ProvisionDelayInfrastructureOperator(_StoreOperator):
                 store = self.hook.get_store()
                 store.create_schema()
                 summary["store"] = repr(store)
-            summary["queues"] = [transport.provision(e) for e in endpoints]
+            summary["queues"] = [
+                transport.provision(e, **(self.endpoint_options if e != self.error_queue else {})) for e in endpoints
+            ]
         finally:
             transport.close()
         self.log.info("Provisioned: %s", json.dumps(summary))

@@ -172,17 +172,23 @@ def test_sqs_operators_provision_send_relay_dispatch(run_dag, aws_conn, sqs_clie
            "delay_store_conn_id": "store_sqs"}
     with DAG("t_sqs", schedule=None, start_date=datetime(2026, 1, 1)) as dag:
         provision = ProvisionDelayInfrastructureOperator(task_id="provision", endpoints=["orders"], **sqs)
+        slow = ProvisionDelayInfrastructureOperator(task_id="slow", endpoints=["slow"], create_store=False,
+                                                    endpoint_options={"queue_delay_seconds": 600}, **sqs)
         native = SendDelayedMessageOperator(task_id="native", destination="orders", body="long", delay_seconds=4, **sqs)
         stored = SendDelayedMessageOperator(task_id="stored", destination="orders", body="stored", delay_seconds=1,
                                             delay_store_conn_id="store_sqs")
         dispatch = DispatchDueMessagesOperator(task_id="dispatch", max_runtime=10, max_messages=1, **sqs)
         relay = RelayDelayedMessagesOperator(task_id="relay", endpoint="orders", max_runtime=8, wait_time_seconds=1,
                                              deferrable=True, poll_interval=0.3, **sqs)
-        provision >> [native, stored] >> dispatch >> relay
+        provision >> slow >> [native, stored] >> dispatch >> relay
     state, states, values = run_dag(dag)
     assert state == "success", states
     assert values["relay"]["handed_over"] == 1 and values["relay"]["failed"] == 0
     assert values["dispatch"]["dispatched"] == 1
+    assert values["slow"]["queues"][0]["delay_queue"] == "slow-delay.fifo"
+    slow_url = sqs_client.get_queue_url(QueueName="slow")["QueueUrl"]
+    assert sqs_client.get_queue_attributes(QueueUrl=slow_url, AttributeNames=["DelaySeconds"])["Attributes"] == {
+        "DelaySeconds": "600"}
     transport = SqsTransport(sqs_client, queue_delay=1)
     got = wait_for(transport, "orders", 2, 8)
     assert sorted(m.body for _, m in got) == [b"long", b"stored"]
