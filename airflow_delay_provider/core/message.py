@@ -21,6 +21,7 @@ HEADER_FAILED_AT = "x-delay-failed-at"
 HEADER_FAILURE_REASON = "x-delay-failure-reason"
 HEADER_FAILURES = "x-delay-failures"
 HEADER_DUE_AT = "x-delay-due-at"
+HEADER_FIRST_FAILED_AT = "x-delay-first-failed-at"
 
 
 def new_message_id() -> str:
@@ -118,6 +119,7 @@ class DelayedMessage:
     def dead_lettered(self, error_queue: str, reason: str, failed_at: datetime) -> DelayedMessage:
         """This message addressed to the error queue, with headers saying where it came from, when and why."""
         headers = dict(self.headers)
+        headers.setdefault(HEADER_FIRST_FAILED_AT, failed_at.astimezone(timezone.utc).isoformat())
         headers.update(
             {
                 HEADER_FAILED_DESTINATION: self.destination,

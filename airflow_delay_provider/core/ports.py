@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 from airflow_delay_provider.core.message import DelayedMessage
 
@@ -27,8 +27,9 @@ class Claim(ABC):
         """Delete delivered or dead-lettered messages; returns how many rows went."""
 
     @abstractmethod
-    def retry(self, next_due: Mapping[str, datetime]) -> None:
-        """Count one more failure for each message and make it due again at the given time."""
+    def retry(self, next_due: Mapping[str, datetime], headers: Mapping[str, dict[str, str]] | None = None) -> None:
+        """Count one more failure for each message and make it due again at the given time
+        (replacing its headers where `headers` has new ones)."""
 
 
 class DelayedMessageStore(ABC):
@@ -42,8 +43,11 @@ class DelayedMessageStore(ABC):
         """Store messages atomically (all or none); ids already stored are skipped. Returns how many were new."""
 
     @abstractmethod
-    def claim_due(self, now: datetime, limit: int, due_before: datetime | None = None) -> AbstractContextManager[Claim]:
-        """Claim up to `limit` messages due at `now` (and before `due_before`), oldest first."""
+    def claim_due(
+        self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = ()
+    ) -> AbstractContextManager[Claim]:
+        """Claim up to `limit` messages due at `now` (and before `due_before`), oldest first,
+        leaving out the destinations in `exclude`."""
 
     @abstractmethod
     def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:

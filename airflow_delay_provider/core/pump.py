@@ -13,7 +13,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
-from typing import Callable
+from typing import Callable, Mapping
 
 from airflow_delay_provider.core.breakers import CircuitBreaker, RateBreaker
 from airflow_delay_provider.core.delays import utcnow
@@ -23,19 +23,13 @@ from airflow_delay_provider.core.errors import (
     InvalidInputError,
     UnavailableError,
 )
-from airflow_delay_provider.core.message import DelayedMessage, check_destination
+from airflow_delay_provider.core.message import HEADER_FIRST_FAILED_AT, DelayedMessage, check_destination
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore, Transport
+from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.core.stats import PumpStats
+from airflow_delay_provider.core.throttle import TokenBucket
 
 log = logging.getLogger(__name__)
-
-#: Seconds to wait before the n-th retry (n starts at 1). Seed 001 retries at once.
-RetryDelay = Callable[[int], float]
-
-
-def immediate(_attempt: int) -> float:
-    return 0.0
-
 
 @dataclass
 class PumpConfig:
@@ -77,6 +71,7 @@ class _InFlight:
 
     stack: ExitStack
     claim: Claim
+    messages: list[DelayedMessage]  # those sent; the claim's others were held back by a throttle
     wait: Callable[[], dict[str, Exception]]
 
 
@@ -95,14 +90,18 @@ class Pump:
         store: DelayedMessageStore,
         transport: Transport,
         config: PumpConfig | None = None,
-        retry_delay: RetryDelay = immediate,
+        policy: DeliveryPolicy | None = None,
+        policies: Mapping[str, DeliveryPolicy] | None = None,
         clock: Callable[[], datetime] = utcnow,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.store = store
         self.transport = transport
         self.config = config or PumpConfig()
-        self.retry_delay = retry_delay
+        # Seed 001's flat number_of_retries is the shorthand for that many immediate retries.
+        self.policy = policy or DeliveryPolicy.immediate(self.config.number_of_retries)
+        self.policies = dict(policies or {})
+        self._buckets: dict[str, TokenBucket] = {}
         self._clock = clock
         self.exactly_once = transport.joins(store)
         c = self.config
@@ -112,6 +111,37 @@ class Pump:
         # Two claims open at once need a store that allows it and a transport that can wait later.
         self.pipelined = transport.pipelined and store.concurrent_claims and not self.exactly_once
         self._inflight: _InFlight | None = None
+
+    def policy_for(self, destination: str) -> DeliveryPolicy:
+        return self.policies.get(destination, self.policy)
+
+    def _bucket(self, destination: str) -> TokenBucket | None:
+        rate = self.policy_for(destination).max_receives_per_second
+        if rate is None:
+            return None
+        if destination not in self._buckets:
+            self._buckets[destination] = TokenBucket(rate, clock=lambda: self._clock().timestamp())
+        return self._buckets[destination]
+
+    def _throttled_out(self) -> set[str]:
+        """Destinations with no token left: not even claimed until their bucket refills."""
+        return {d for d, bucket in self._buckets.items() if bucket.empty()}
+
+    def _within_throttle(self, messages: list[DelayedMessage]) -> list[DelayedMessage]:
+        """The messages that may go now; the rest stay in the claim unsettled and are restored."""
+        allowed: dict[str, int] = {}
+        wanted: dict[str, int] = {}
+        for m in messages:
+            wanted[m.destination] = wanted.get(m.destination, 0) + 1
+        for destination, n in wanted.items():
+            bucket = self._bucket(destination)
+            allowed[destination] = n if bucket is None else bucket.take_up_to(n)
+        sendable = []
+        for m in messages:
+            if allowed[m.destination] > 0:
+                allowed[m.destination] -= 1
+                sendable.append(m)
+        return sendable
 
     # -- one batch -------------------------------------------------------------------------
     def dispatch_batch(self, limit: int | None = None, due_before: datetime | None = None) -> PumpStats | None:
@@ -128,20 +158,21 @@ class Pump:
         """Claim a batch and start sending it. None: nothing due; _FAILED: the store failed."""
         stack = ExitStack()
         try:
-            claim = stack.enter_context(self.store.claim_due(self._clock(), limit, due_before))
+            claim = stack.enter_context(self.store.claim_due(self._clock(), limit, due_before, self._throttled_out()))
             if not claim.messages:
                 stack.close()
                 self.fetch_breaker.success()
                 return None
+            sending = self._within_throttle(claim.messages)
             connection = claim.connection if self.exactly_once else None
             try:
-                wait = self.transport.send_start(claim.messages, connection=connection)
+                wait = self.transport.send_start(sending, connection=connection) if sending else (lambda: {})
             except CriticalError:
                 raise
             except Exception as exc:
-                failures = _outage(claim.messages, exc)
+                failures = _outage(sending, exc)
                 wait = lambda: failures  # noqa: E731
-            return _InFlight(stack, claim, wait)
+            return _InFlight(stack, claim, sending, wait)
         except BaseException as exc:
             stack.__exit__(type(exc), exc, exc.__traceback__)  # releases the claim: the rows stay stored
             if isinstance(exc, CriticalError) or not isinstance(exc, Exception):
@@ -159,8 +190,8 @@ class Pump:
             except CriticalError:
                 raise
             except Exception as exc:
-                failures = _outage(inflight.claim.messages, exc)
-            transient = self._settle(inflight.claim, stats, failures)
+                failures = _outage(inflight.messages, exc)
+            transient = self._settle(inflight.claim, inflight.messages, stats, failures)
         except BaseException as exc:
             inflight.stack.__exit__(type(exc), exc, exc.__traceback__)
             if isinstance(exc, CriticalError) or not isinstance(exc, Exception):
@@ -191,9 +222,9 @@ class Pump:
         except Exception as exc:
             return _outage(messages, exc)
 
-    def _settle(self, claim, stats: PumpStats, failures: dict[str, Exception]) -> Exception | None:
+    def _settle(self, claim, messages: list[DelayedMessage], stats: PumpStats,
+                failures: dict[str, Exception]) -> Exception | None:
         conn = claim.connection if self.exactly_once else None
-        messages = claim.messages
         sent_at = self._clock()
         delivered = [m.message_id for m in messages if m.message_id not in failures]
         for m in messages:
@@ -201,6 +232,7 @@ class Pump:
                 stats.lateness.add((sent_at - m.due_at).total_seconds())
         transient: Exception | None = None
         retries: dict[str, datetime] = {}
+        first_failures: dict[str, dict[str, str]] = {}
         dead: list[DelayedMessage] = []
         for m in messages:
             exc = failures.get(m.message_id)
@@ -217,11 +249,15 @@ class Pump:
                 dead.append(failed.dead_lettered(self.config.error_queue, f"destination not found: {exc}", sent_at))
                 continue
             transient = exc
-            if failed.failures > self.config.number_of_retries:
+            policy = self.policy_for(m.destination)
+            if failed.failures > policy.num_retries:
                 reason = f"{type(exc).__name__}: {exc} (after {failed.failures} attempt(s))"
                 dead.append(failed.dead_lettered(self.config.error_queue, reason, sent_at))
             else:
-                retries[m.message_id] = sent_at + timedelta(seconds=self.retry_delay(failed.failures))
+                # A retry is itself a delayed message: stored, it survives restarts and holds no worker.
+                retries[m.message_id] = sent_at + timedelta(seconds=policy.delay_before(failed.failures))
+                if HEADER_FIRST_FAILED_AT not in m.headers:
+                    first_failures[m.message_id] = {**m.headers, HEADER_FIRST_FAILED_AT: sent_at.isoformat()}
         if dead:
             dead_failures = self._send(dead, conn)
             for d in dead:
@@ -238,7 +274,7 @@ class Pump:
                     self.recovery_breaker.failure(f"could not dead-letter {d.message_id} to {d.destination}: {error}")
         claim.remove(delivered)
         if retries:
-            claim.retry(retries)
+            claim.retry(retries, first_failures)
         stats.dispatched += len(delivered) - stats.dead_lettered
         stats.retried += len(retries)
         return transient
@@ -283,7 +319,7 @@ class Pump:
         last_report = started
         while True:
             now = self._clock()
-            in_flight = len(self._inflight.claim.messages) if self._inflight else 0
+            in_flight = len(self._inflight.messages) if self._inflight else 0
             if deadline is not None and now >= deadline:
                 self._settle_inflight(stats)
                 return PumpResult(stats, "deadline", self._next_due(due_before))

@@ -16,6 +16,7 @@ from airflow_delay_provider.core.message import DelayedMessage, check_destinatio
 from airflow_delay_provider.core.ports import Transport
 from airflow_delay_provider.core.pump import Pump, PumpConfig, hand_over
 from airflow_delay_provider.core.requests import build_message, parse_moment
+from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.core.stats import PumpStats
 from airflow_delay_provider.hooks.delay_store import DelayStoreHook
 from airflow_delay_provider.hooks.rabbitmq import RabbitMQDelayHook
@@ -276,6 +277,11 @@ class DispatchDueMessagesOperator(_StoreOperator):
     gaps longer than `defer_threshold_seconds` until the next due time are spent deferred on a
     DueTimeoutTrigger instead of holding a worker slot; shorter gaps are slept through, which keeps
     lateness low. Returns counts: dispatched, failed, dead_lettered and lateness p50/p99.
+
+    Failed dispatches are retried by `delivery_policy` (seed 003's JSON, a dict, or a built-in
+    name such as "sqs" or "smtp"; `destination_policies` sets one per destination), each retry
+    stored as a delayed message; `number_of_retries` is the shorthand for that many immediate
+    retries. A policy's `throttlePolicy.maxReceivesPerSecond` caps deliveries per destination.
     """
 
     template_fields: Sequence[str] = ("due_before", "max_messages")
@@ -295,9 +301,14 @@ class DispatchDueMessagesOperator(_StoreOperator):
         time_to_trigger_fetch_circuit_breaker: float = 30.0,
         time_to_trigger_dispatch_circuit_breaker: float = 30.0,
         maximum_recovery_failures_per_second: float = 1.0,
+        delivery_policy: DeliveryPolicy | dict | str | None = None,
+        destination_policies: dict[str, DeliveryPolicy | dict | str] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        # Checked at parse time: a malformed policy fails the DAG import, not a run.
+        self.delivery_policy = None if delivery_policy is None else DeliveryPolicy.parse(delivery_policy)
+        self.destination_policies = {d: DeliveryPolicy.parse(p) for d, p in (destination_policies or {}).items()}
         self.due_before = due_before
         self.max_messages = max_messages
         self.max_runtime = max_runtime if isinstance(max_runtime, timedelta) else timedelta(seconds=max_runtime)
@@ -315,10 +326,15 @@ class DispatchDueMessagesOperator(_StoreOperator):
         )
 
     def _pump(self) -> Pump:
-        return Pump(self.hook.get_store(), self.get_transport(), self.pump_config)
+        return Pump(self.hook.get_store(), self.get_transport(), self.pump_config,
+                    policy=self.delivery_policy, policies=self.destination_policies)
 
     def execute(self, context: Context) -> dict:
         deadline = utcnow() + self.max_runtime
+        policy = self.delivery_policy or DeliveryPolicy.immediate(self.pump_config.number_of_retries)
+        self.log.info("Delivery policy %s:\n%s", json.dumps(policy.to_dict()), policy.phase_table())
+        for destination, p in self.destination_policies.items():
+            self.log.info("Delivery policy for %s %s:\n%s", destination, json.dumps(p.to_dict()), p.phase_table())
         return self._run(PumpStats(), deadline, deferrals=0)
 
     def execute_complete(self, context: Context, event: dict) -> dict:

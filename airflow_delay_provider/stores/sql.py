@@ -12,7 +12,7 @@ import logging
 import time
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Collection, Iterable, Iterator, Mapping, Sequence
 
 from sqlalchemy import (
     BigInteger,
@@ -103,8 +103,11 @@ class _SqlClaim(Claim):
         self._unsettled.difference_update(message_ids)
         return before - len(self._unsettled)
 
-    def retry(self, next_due: Mapping[str, datetime]) -> None:
-        self._write_back({m: {"failures": self._rows[m].failures + 1, "due_at_us": to_us(d)} for m, d in next_due.items()})
+    def retry(self, next_due: Mapping[str, datetime], headers: Mapping[str, dict[str, str]] | None = None) -> None:
+        changes = {m: {"failures": self._rows[m].failures + 1, "due_at_us": to_us(d)} for m, d in next_due.items()}
+        for m, h in (headers or {}).items():
+            changes[m]["headers"] = json.dumps(h, separators=(",", ":"))
+        self._write_back(changes)
 
     def restore_unsettled(self) -> None:
         if self._unsettled:
@@ -193,11 +196,15 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         return len(conn.execute(stmt, rows).all())
 
     @contextmanager
-    def claim_due(self, now: datetime, limit: int, due_before: datetime | None = None) -> Iterator[Claim]:
+    def claim_due(
+        self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = ()
+    ) -> Iterator[Claim]:
         t = self.table
         due = select(t.c.id).where(t.c.due_at_us <= to_us(now))
         if due_before is not None:
             due = due.where(t.c.due_at_us < to_us(due_before))
+        if exclude:
+            due = due.where(t.c.destination.not_in(list(exclude)))
         # Oldest first; rows another claim holds are skipped, never waited for or handed out twice.
         due = due.order_by(t.c.due_at_us, t.c.id).limit(limit).with_for_update(skip_locked=True)
         claim_rows = delete(t).where(t.c.id.in_(due.scalar_subquery())).returning(*t.c)

@@ -1,0 +1,36 @@
+"""Token buckets: at most `rate` deliveries per second per destination (seed 003's maxReceivesPerSecond)."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+
+class TokenBucket:
+    """Up to `rate` tokens (one second's worth), refilled continuously, starting empty so that no
+    second ever sees more than `rate` deliveries. Never blocks: the pump holds back what it may not
+    send yet and claims it again later."""
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if rate <= 0:
+            raise ValueError(f"rate must be > 0 deliveries per second, got {rate}")
+        self.rate = float(rate)
+        self._clock = clock
+        self._tokens = 1.0 if rate >= 1 else rate
+        self._last = clock()
+
+    def _refill(self) -> None:
+        now = self._clock()
+        self._tokens = min(self.rate, self._tokens + (now - self._last) * self.rate)
+        self._last = now
+
+    def take_up_to(self, n: int) -> int:
+        """Take as many whole tokens as are there, at most `n`; returns how many were taken."""
+        self._refill()
+        taken = min(n, int(self._tokens))
+        self._tokens -= taken
+        return taken
+
+    def empty(self) -> bool:
+        self._refill()
+        return self._tokens < 1

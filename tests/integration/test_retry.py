@@ -1,0 +1,134 @@
+"""Delivery retry policies in the pump: scheduled retries, dead-lettering, throttling."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.core.pump import Pump, PumpConfig
+from airflow_delay_provider.core.retry_policy import DeliveryPolicy
+from tests.helpers import drain, make_store, make_transport, messages
+from tests.integration.test_pump import FlakyTransport
+
+T0 = datetime(2030, 1, 1, tzinfo=timezone.utc)
+POLICY = DeliveryPolicy(5, 20, 6, num_no_delay_retries=1, num_min_delay_retries=2, num_max_delay_retries=1)
+
+
+class Clock:
+    def __init__(self):
+        self.now = T0
+
+    def __call__(self):
+        return self.now
+
+
+class Recording(FlakyTransport):
+    def __init__(self, inner, fail, clock):
+        super().__init__(inner, fail)
+        self.clock = clock
+        self.times = []
+
+    def send(self, batch, connection=None):
+        self.times.extend((self.clock() - T0).total_seconds() for m in batch if m.destination == "orders")
+        return super().send(batch, connection)
+
+
+def drive(pump: Pump, clock: Clock, until: float, step: float = 0.5) -> None:
+    while (clock.now - T0).total_seconds() <= until:
+        while (stats := pump.dispatch_batch()) is not None and stats.batches:
+            pass
+        clock.now += timedelta(seconds=step)
+
+
+def test_policy_schedules_retries_then_delivers(tmp_path):
+    assert POLICY.retry_delays() == [0, 5, 5, 5, 20, 20]
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    store = make_store(url, None, "delayed")
+    clock = Clock()
+    transport = Recording(make_transport(url, None, "delayed", "orders", "error"), {"orders": 4}, clock)
+    store.store([DelayedMessage("orders", b"x", T0, {}, "p-1")])
+    pump = Pump(store, transport, policy=POLICY, clock=clock, sleep=lambda s: None)
+    drive(pump, clock, 60)
+    assert transport.times == [0, 0, 5, 10, 15]  # first try, 1 immediate, 2 at 5 s, first backoff step 5 s
+    [got] = drain(transport, "orders")
+    assert got.message_id == "p-1" and store.count_scheduled() == {}
+
+
+def test_exhausted_policy_dead_letters_after_exactly_its_attempts(tmp_path):
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    store = make_store(url, None, "delayed")
+    clock = Clock()
+    transport = Recording(make_transport(url, None, "delayed", "orders", "error"), {"orders": -1}, clock)
+    store.store([DelayedMessage("orders", b"x", T0, {"k": "v"}, "p-2")])
+    pump = Pump(store, transport, policy=POLICY, clock=clock, sleep=lambda s: None)
+    drive(pump, clock, 120)
+    assert transport.times == [0, 0, 5, 10, 15, 35, 55]  # 1 + numRetries attempts
+    [dead] = drain(transport, "error")
+    h = dead.headers
+    assert h["x-delay-failures"] == "7" and h["k"] == "v"
+    assert h["x-delay-first-failed-at"] == T0.isoformat()
+    assert h["x-delay-failed-at"] == (T0 + timedelta(seconds=55)).isoformat()
+    assert "orders refused" in h["x-delay-failure-reason"]
+    assert store.count_scheduled() == {}  # nothing lost: delivered to the error queue
+
+
+def test_per_destination_policy_and_shorthand(tmp_path):
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    store = make_store(url, None, "delayed")
+    clock = Clock()
+    inner = make_transport(url, None, "delayed", "orders", "other", "error")
+    transport = Recording(inner, {"orders": -1, "other": -1}, clock)
+    store.store([DelayedMessage("orders", b"x", T0, {}, "a"), DelayedMessage("other", b"x", T0, {}, "b")])
+    pump = Pump(store, transport, PumpConfig(number_of_retries=2), policies={"orders": DeliveryPolicy.immediate(0)},
+                clock=clock, sleep=lambda s: None)
+    drive(pump, clock, 5)
+    dead = {m.message_id: m.headers["x-delay-failures"] for m in drain(transport, "error")}
+    assert dead == {"a": "1", "b": "3"}  # orders: no retry; other: the shorthand's 2 immediate retries
+
+
+def test_retries_on_postgres_with_second_scale_delays(pg):
+    url, schema, table = pg
+    store = make_store(url, schema, table)
+    inner = make_transport(url, schema, table, "orders", "error")
+    transport = FlakyTransport(inner, {"orders": 2})
+    policy = DeliveryPolicy(1, 2, 3, num_min_delay_retries=1, num_max_delay_retries=1)
+    due = utcnow()
+    store.store([DelayedMessage("orders", b"x", due, {}, "pg-1")])
+    result = Pump(store, transport, policy=policy).run(deadline=due + timedelta(seconds=15), max_messages=1)
+    assert result.stats.dispatched == 1 and result.stats.retried == 2
+    [got] = drain(transport, "orders")
+    assert 2.0 <= (got.enqueued_at - due).total_seconds() < 3.0  # retries at +1 s and +1 s more
+
+
+def test_throttle_holds_the_rate(pg):
+    url, schema, table = pg
+    store = make_store(url, schema, table)
+    transport = make_transport(url, schema, table, "slow", "fast", "error")
+    store.store(messages(50, "slow") + messages(200, "fast", start=50))
+    slow = DeliveryPolicy(0, 0, 0).with_throttle(10)
+    started = time.monotonic()
+    result = Pump(store, transport, policies={"slow": slow}).run(stop_when_idle=False, max_messages=250,
+                                                                  deadline=utcnow() + timedelta(seconds=30))
+    assert result.stats.dispatched == 250
+    got = drain(transport, "slow")
+    times = sorted(m.enqueued_at for m in got)
+    rate = (len(times) - 1) / (times[-1] - times[0]).total_seconds()
+    assert 9.0 <= rate <= 11.0, rate
+    fast = drain(transport, "fast")
+    assert max(m.enqueued_at for m in fast) < times[10]  # the unthrottled destination did not wait behind it
+    assert time.monotonic() - started < 10
+
+
+def test_operator_takes_policies_and_refuses_malformed_ones(airflow_home):
+    from airflow_delay_provider.core.retry_policy import PolicyError
+    from airflow_delay_provider.operators.delay import DispatchDueMessagesOperator
+
+    op = DispatchDueMessagesOperator(task_id="d", delivery_policy="smtp",
+                                     destination_policies={"orders": '{"healthyRetryPolicy": {"numRetries": 1}}'})
+    assert op.delivery_policy.total_attempts == 50 and op.destination_policies["orders"].num_retries == 1
+    with pytest.raises(PolicyError, match="maxDelayTarget is 4000; allowed: 0..3600"):
+        DispatchDueMessagesOperator(task_id="e", delivery_policy={"healthyRetryPolicy": {"maxDelayTarget": 4000}})
