@@ -52,7 +52,9 @@ with DAG(
 
     dispatch = DispatchDueMessagesOperator(
         task_id="dispatch",
-        due_before="{{ macros.datetime.now(macros.dateutil.tz.UTC) + macros.timedelta(seconds=params.max_delay + 2) }}",
+        # A fixed window: the run's start plus the longest delay. Rendered from the run, it stays the
+        # same when the task resumes after a deferral (a "now" would move the window along).
+        due_before="{{ dag_run.start_date + macros.timedelta(seconds=params.max_delay + 60) }}",
         deferrable=True,
         defer_threshold_seconds=0.5,
         poll_interval=0.5,
