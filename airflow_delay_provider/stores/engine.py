@@ -7,8 +7,7 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-from sqlalchemy import BigInteger, Engine, MetaData, any_, bindparam, create_engine, event
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy import Engine, MetaData, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.schema import CreateSchema
@@ -28,13 +27,6 @@ def check_identifier(kind: str, name: object) -> str:
             "starting with a letter or underscore"
         )
     return name
-
-
-def id_in(column, ids: list[int], postgres: bool):
-    """`column = ANY(:ids)` on PostgreSQL: one array parameter instead of one per id, so 1000 ids stay cheap."""
-    if postgres:
-        return column == any_(bindparam("ids", ids, type_=ARRAY(BigInteger)))
-    return column.in_(ids)
 
 
 class SqlDatabase:
@@ -89,13 +81,6 @@ def get_engine(url: URL | str) -> Engine:
         if engine is None:
             engine = _engines[key] = _create(url)
         return engine
-
-
-def dispose_engines() -> None:
-    with _lock:
-        for engine in _engines.values():
-            engine.dispose()
-        _engines.clear()
 
 
 def _create(url: URL) -> Engine:

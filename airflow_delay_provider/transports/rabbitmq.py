@@ -644,9 +644,6 @@ class ConfirmingPublisher:
             self._pending.clear()
         return batch.failures
 
-    def publish(self, publications: Sequence[Publication]) -> dict[str, Exception]:
-        return self.wait(self.start(publications))
-
     def close(self) -> None:
         if self._connection.is_open:
             self._connection.close()
