@@ -57,6 +57,10 @@ class DelayedMessageStore(ABC):
     def count_scheduled(self, due_before: datetime | None = None) -> dict[str, int]:
         """Messages still stored per destination (seed 004's NumberOfMessagesDelayed)."""
 
+    def policies(self) -> dict[str, dict]:
+        """Delivery policies stored per destination (seed 003 JSON); none by default."""
+        return {}
+
     @abstractmethod
     def wait(self, until: datetime) -> None:
         """Sleep until `until`, returning earlier when a message due sooner is stored."""

@@ -25,7 +25,7 @@ from airflow_delay_provider.core.errors import (
 )
 from airflow_delay_provider.core.message import HEADER_FIRST_FAILED_AT, DelayedMessage, check_destination
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore, Transport
-from airflow_delay_provider.core.retry_policy import DeliveryPolicy
+from airflow_delay_provider.core.retry_policy import DeliveryPolicy, PolicyError
 from airflow_delay_provider.core.stats import PumpStats
 from airflow_delay_provider.core.throttle import TokenBucket
 
@@ -101,6 +101,7 @@ class Pump:
         # Seed 001's flat number_of_retries is the shorthand for that many immediate retries.
         self.policy = policy or DeliveryPolicy.immediate(self.config.number_of_retries)
         self.policies = dict(policies or {})
+        self._stored_policies: dict[str, DeliveryPolicy] = {}
         self._buckets: dict[str, TokenBucket] = {}
         self._clock = clock
         self.exactly_once = transport.joins(store)
@@ -113,7 +114,21 @@ class Pump:
         self._inflight: _InFlight | None = None
 
     def policy_for(self, destination: str) -> DeliveryPolicy:
-        return self.policies.get(destination, self.policy)
+        """The task's policy for the destination, else the one stored for it, else the task's default."""
+        return self.policies.get(destination) or self._stored_policies.get(destination, self.policy)
+
+    def _load_stored_policies(self) -> None:
+        try:
+            stored = self.store.policies()
+        except Exception as exc:  # the claims will meet the same problem, under the fetch breaker
+            log.warning("could not read stored delivery policies: %s", exc)
+            return
+        self._stored_policies = {}
+        for destination, data in stored.items():
+            try:
+                self._stored_policies[destination] = DeliveryPolicy.from_dict(data)
+            except PolicyError as exc:
+                log.error("ignoring the stored delivery policy of %s: %s", destination, exc)
 
     def _bucket(self, destination: str) -> TokenBucket | None:
         rate = self.policy_for(destination).max_receives_per_second
@@ -295,6 +310,7 @@ class Pump:
         with the next due time, so a caller can defer instead of holding a worker.
         """
         stats = PumpStats()
+        self._load_stored_policies()
         try:
             return self._run(stats, deadline, max_messages, due_before, max_wait, stop_when_idle)
         finally:

@@ -99,9 +99,12 @@ class ProvisionDelayInfrastructureOperator(_StoreOperator):
         create_store: bool = True,
         verify: bool = False,
         endpoint_options: dict | None = None,
+        destination_policies: dict[str, DeliveryPolicy | dict | str] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        # Stored with the messages: every dispatch task then retries these destinations this way.
+        self.destination_policies = {d: DeliveryPolicy.parse(p) for d, p in (destination_policies or {}).items()}
         self.endpoints = endpoints
         #: Passed to the transport's provision() for each endpoint (not the error queue), e.g. SQS's
         #: queue_delay_seconds and unrestricted.
@@ -117,10 +120,12 @@ class ProvisionDelayInfrastructureOperator(_StoreOperator):
             if self.verify:
                 return self._verify(transport, endpoints)
             summary: dict[str, Any] = {"transport": self.transport}
-            if self.create_store:
+            if self.create_store or self.destination_policies:
                 store = self.hook.get_store()
                 store.create_schema()
+                store.set_policies({d: p.to_dict() for d, p in self.destination_policies.items()})
                 summary["store"] = repr(store)
+                summary["policies"] = sorted(self.destination_policies)
             summary["queues"] = [
                 transport.provision(e, **(self.endpoint_options if e != self.error_queue else {})) for e in endpoints
             ]

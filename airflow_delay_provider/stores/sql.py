@@ -133,6 +133,15 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         self.table_name = check_identifier("table name", table)
         super().__init__(url, schema)
         self.table = store_table(MetaData(), self.table_name, self.schema)
+        # Delivery policies per destination live beside the messages, so every pump sees the same.
+        check_identifier("table name", f"{self.table_name}_policies")
+        self.policy_table = Table(
+            f"{self.table_name}_policies",
+            self.table.metadata,
+            Column("destination", String(255), primary_key=True),
+            Column("policy", Text, nullable=False),
+            schema=self.schema,
+        )
         self.concurrent_claims = self.is_postgres  # SQLite locks the whole database per write transaction
         qualified = f"{self.schema}.{self.table_name}" if self.schema else self.table_name
         # LISTEN takes an identifier of at most 63 bytes; a hash keeps any schema.table pair within it.
@@ -144,8 +153,21 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
 
     # -- schema --------------------------------------------------------------------------------
     def create_schema(self) -> None:
-        """Create the schema, table and index if missing (idempotent, safe to run concurrently)."""
-        self._create_tables(self.table.metadata, "the delay store table")
+        """Create the schema, tables and index if missing (idempotent, safe to run concurrently)."""
+        self._create_tables(self.table.metadata, "the delay store tables")
+
+    def set_policies(self, policies: Mapping[str, dict]) -> None:
+        """Store each destination's delivery policy (seed 003 JSON), replacing what was there."""
+        t = self.policy_table
+        with self._errors("store delivery policies"), self.engine.begin() as conn:
+            if policies:
+                conn.execute(delete(t).where(t.c.destination.in_(list(policies))))
+                conn.execute(insert(t), [{"destination": d, "policy": json.dumps(p)} for d, p in policies.items()])
+
+    def policies(self) -> dict[str, dict]:
+        t = self.policy_table
+        with self._errors("read delivery policies"), self.engine.connect() as conn:
+            return {d: json.loads(p) for d, p in conn.execute(select(t.c.destination, t.c.policy)).all()}
 
     def exists(self) -> bool:
         with self._errors("inspect the delay store"), self.engine.connect() as conn:

@@ -132,3 +132,20 @@ def test_operator_takes_policies_and_refuses_malformed_ones(airflow_home):
     assert op.delivery_policy.total_attempts == 50 and op.destination_policies["orders"].num_retries == 1
     with pytest.raises(PolicyError, match="maxDelayTarget is 4000; allowed: 0..3600"):
         DispatchDueMessagesOperator(task_id="e", delivery_policy={"healthyRetryPolicy": {"maxDelayTarget": 4000}})
+
+
+def test_policies_stored_per_destination_are_used_by_every_pump(db, airflow_home):
+    from airflow_delay_provider.operators.delay import ProvisionDelayInfrastructureOperator
+
+    url, schema, table = db
+    store = make_store(url, schema, table)
+    store.set_policies({"orders": DeliveryPolicy.immediate(1).to_dict()})
+    store.set_policies({"orders": DeliveryPolicy.immediate(3).to_dict()})  # replaced, not added
+    assert store.policies() == {"orders": DeliveryPolicy.immediate(3).to_dict()}
+    transport = FlakyTransport(make_transport(url, schema, table, "orders", "error"), {"orders": -1})
+    store.store(messages(1))
+    Pump(store, transport, sleep=lambda s: None).run(stop_when_idle=True)
+    [dead] = drain(transport, "error")
+    assert dead.headers["x-delay-failures"] == "4"  # the stored policy's 3 retries, not the default 0
+    with pytest.raises(ValueError, match="numRetries is 500"):
+        ProvisionDelayInfrastructureOperator(task_id="p", destination_policies={"x": {"healthyRetryPolicy": {"numRetries": 500}}})
