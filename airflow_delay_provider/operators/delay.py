@@ -18,6 +18,7 @@ from airflow_delay_provider.core.pump import Pump, PumpConfig, hand_over
 from airflow_delay_provider.core.requests import build_message, parse_moment
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.core.stats import PumpStats
+from airflow_delay_provider.core.throttle import TokenBucket
 from airflow_delay_provider.hooks.delay_store import DelayStoreHook
 from airflow_delay_provider.hooks.rabbitmq import RabbitMQDelayHook
 from airflow_delay_provider.hooks.sqs import SqsDelayHook
@@ -438,8 +439,9 @@ class RelayDelayedMessagesOperator(_StoreOperator):
     Checks the delay queue first (present, delay >= Q, retention >= 4 days, no redrive policy), then
     long-polls it, sending each message back for another cycle or on to the endpoint with the rest
     of its delay. With `deferrable=True`, while the delay queue has nothing to relay the task waits
-    on SqsDelayQueueTrigger instead of a worker (and pays for no empty polls). Returns counts:
-    relayed, handed_over, failed.
+    on SqsDelayQueueTrigger instead of a worker (and pays for no empty polls). A `delivery_policy`
+    with `throttlePolicy.maxReceivesPerSecond` caps the hand-overs to the endpoint. Returns counts:
+    relayed, handed_over, failed, held (by the throttle, for a later receive).
     """
 
     template_fields: Sequence[str] = ("endpoint",)
@@ -452,10 +454,13 @@ class RelayDelayedMessagesOperator(_StoreOperator):
         wait_time_seconds: int = 20,
         deferrable: bool = False,
         poll_interval: float = 30.0,
+        delivery_policy: DeliveryPolicy | dict | str | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("transport", "sqs")
         super().__init__(**kwargs)
+        # Only its throttlePolicy applies here: SQS itself redelivers what the relay fails to move.
+        self.delivery_policy = None if delivery_policy is None else DeliveryPolicy.parse(delivery_policy)
         if self.transport != "sqs":
             raise InvalidInputError("the relay serves SQS delay queues: use transport='sqs'")
         self.endpoint = endpoint
@@ -467,7 +472,8 @@ class RelayDelayedMessagesOperator(_StoreOperator):
     def execute(self, context: Context) -> dict:
         transport = self.get_transport()
         self.log.info("Delay queue checked: %s", transport.verify(self.endpoint))
-        return self._relay(transport, {"relayed": 0, "handed_over": 0, "failed": 0}, utcnow() + self.max_runtime)
+        return self._relay(transport, {"relayed": 0, "handed_over": 0, "failed": 0, "held": 0},
+                           utcnow() + self.max_runtime)
 
     def execute_complete(self, context: Context, event: dict) -> dict:
         if event.get("status") == "error":
@@ -476,6 +482,8 @@ class RelayDelayedMessagesOperator(_StoreOperator):
         return self._relay(self.get_transport(), state["counts"], datetime.fromisoformat(state["deadline"]))
 
     def _relay(self, transport: SqsTransport, totals: dict, deadline: datetime) -> dict:
+        rate = self.delivery_policy.max_receives_per_second if self.delivery_policy else None
+        throttle = TokenBucket(rate) if rate else None
         while (left := (deadline - utcnow()).total_seconds()) > 0:
             if self.deferrable and transport.lifecycle(self.endpoint, delay_queue=True)["visible"] == 0:
                 self.log.info("Nothing to relay now (%s so far): deferring", totals)
@@ -490,7 +498,7 @@ class RelayDelayedMessagesOperator(_StoreOperator):
                     ),
                     method_name="execute_complete",
                 )
-            counts = transport.relay_once(self.endpoint, min(self.wait_time_seconds, max(0, int(left))))
+            counts = transport.relay_once(self.endpoint, min(self.wait_time_seconds, max(0, int(left))), throttle=throttle)
             for key, value in counts.__dict__.items():
                 totals[key] += value
         self.log.info("Relay finished: %s", json.dumps(totals))

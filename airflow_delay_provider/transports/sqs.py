@@ -34,6 +34,7 @@ from airflow_delay_provider.core.errors import (
 )
 from airflow_delay_provider.core.message import HEADER_DUE_AT, DelayedMessage
 from airflow_delay_provider.core.ports import ReceivedMessage, Transport
+from airflow_delay_provider.core.throttle import TokenBucket
 
 NATIVE_MAX_DELAY = 900
 DELAY_QUEUE_SUFFIX = "-delay.fifo"
@@ -364,7 +365,8 @@ class SqsTransport(Transport):
         return deleted
 
     # -- the relay (seed 000's delayed message consumer) ------------------------------------------
-    def relay_once(self, endpoint: str, wait_time_seconds: int = 20, visibility_timeout: int = 30) -> RelayCounts:
+    def relay_once(self, endpoint: str, wait_time_seconds: int = 20, visibility_timeout: int = 30,
+                   throttle: TokenBucket | None = None) -> RelayCounts:
         """One long poll of the endpoint's delay queue; every message received is sent on and deleted.
 
         remaining = delay - (ApproximateFirstReceiveTimestamp - SentTimestamp), both the broker's
@@ -406,6 +408,14 @@ class SqsTransport(Transport):
                 if remaining > 0:
                     entry["DelaySeconds"] = math.ceil(remaining)
                 onward.append((m, entry))
+        if throttle is not None and onward:
+            # The destination's maxReceivesPerSecond: what may not go yet comes back in a second.
+            allowed = throttle.take_up_to(len(onward))
+            for m, _ in onward[allowed:]:
+                self.client.change_message_visibility(QueueUrl=fifo_url, ReceiptHandle=m["ReceiptHandle"],
+                                                      VisibilityTimeout=1)
+                counts.held += 1
+            onward = onward[:allowed]
         done = []
         for url, entries, counter in ((fifo_url, back, "relayed"), (dest_url, onward, "handed_over")):
             if not entries:
@@ -451,11 +461,13 @@ class RelayCounts:
     relayed: int = 0  # back to the delay queue for another cycle
     handed_over: int = 0  # to the destination with the rest of the delay
     failed: int = 0  # made visible again, to be relayed on a later receive
+    held: int = 0  # held back by the destination's throttle, back in a second
 
     def add(self, other: RelayCounts) -> None:
         self.relayed += other.relayed
         self.handed_over += other.handed_over
         self.failed += other.failed
+        self.held += other.held
 
 
 def _encode_body(body: bytes, attributes: dict) -> str:

@@ -314,3 +314,25 @@ def test_seed_matrix_of_unrestricted_delays(sqs_client, sender, receiver, long_o
     long = t.send([DelayedMessage("orders", b"l", now + timedelta(seconds=5), {}, "long")])
     assert short == {}  # delays up to Q always work
     assert (long == {}) == long_ok
+
+
+def test_relay_throttles_hand_overs(sqs_client):
+    from airflow_delay_provider.core.throttle import TokenBucket
+
+    t = make(sqs_client, 1, "orders")
+    assert t.send([DelayedMessage("orders", b"x", utcnow() + timedelta(seconds=2), {}, f"th-{i}") for i in range(8)]) == {}
+    throttle = TokenBucket(2)
+    held = handed = 0
+    first = last = None
+    deadline = time.monotonic() + 25
+    while handed < 8 and time.monotonic() < deadline:
+        counts = t.relay_once("orders", 1, throttle=throttle)
+        if counts.handed_over:
+            now = time.monotonic()
+            first = first or now
+            last = now
+        handed += counts.handed_over
+        held += counts.held
+    assert handed == 8 and held > 0
+    assert last - first >= 2.5  # 8 messages at 2/s cannot all go within 3 s
+    assert len(wait_for(t, "orders", 8, 5)) == 8
