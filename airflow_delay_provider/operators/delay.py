@@ -62,7 +62,8 @@ class _StoreOperator(BaseOperator):
         self.delay_store_conn_id = delay_store_conn_id
         self.table = table
         self.db_schema = db_schema
-        self.transport = _check_transport(transport)
+        # A template ("{{ params.transport }}") is checked once rendered, when the task runs.
+        self.transport = transport if "{{" in str(transport) else _check_transport(transport)
         self.transport_conn_id = transport_conn_id
         self.transport_options = dict(transport_options or {})
 
@@ -163,6 +164,7 @@ class SendDelayedMessageOperator(_StoreOperator):
     """
 
     template_fields: Sequence[str] = (
+        "transport",
         "destination",
         "body",
         "headers",
@@ -199,6 +201,7 @@ class SendDelayedMessageOperator(_StoreOperator):
         self.time_to_trigger_store_circuit_breaker = time_to_trigger_store_circuit_breaker
 
     def execute(self, context: Context) -> str | list[str]:
+        _check_transport(self.transport)
         ti = context["ti"]
         origin = (ti.dag_id, ti.run_id, ti.task_id, getattr(ti, "map_index", -1))
         defaults = {
@@ -227,6 +230,8 @@ class SendDelayedMessageOperator(_StoreOperator):
         breaker = CircuitBreaker("storing delayed messages", self.time_to_trigger_store_circuit_breaker)
         if self.transport == "sql":
             store = self.hook.get_store()
+            # Idempotent and cheap; a missing table would otherwise look like an unreachable database.
+            call_with_breaker(breaker, store.create_schema, retry_on=(UnavailableError,))
             stored = call_with_breaker(breaker, lambda: store.store(batch), retry_on=(UnavailableError,))
             self.log.info("Stored %d new message(s) of %d (the rest were stored by an earlier try)", stored, len(batch))
         else:

@@ -1,0 +1,48 @@
+"""Send a delayed message from the Airflow UI: the trigger form asks for everything and checks it."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from airflow.sdk import DAG, Param
+
+from airflow_delay_provider.operators.delay import SendDelayedMessageOperator
+
+with DAG(
+    dag_id="delay_manual_send",
+    schedule=None,
+    start_date=datetime(2026, 1, 1),
+    catchup=False,
+    tags=["delay", "manual"],
+    params={
+        "transport": Param("sql", enum=["sql", "rabbitmq", "sqs"], title="Transport",
+                           description="sql: the delayed-message store; rabbitmq/sqs: the broker's own delays"),
+        "destination": Param("demo.orders", type="string", minLength=1, maxLength=199,
+                             pattern=r"^[^\s*#]+$", title="Destination queue"),
+        "body": Param('{"order": 1}', type="string", title="Body", description="Sent as UTF-8 text"),
+        "delay_seconds": Param(60, type="integer", minimum=0, maximum=604800, title="Delay (seconds)",
+                               description="0..604800 (7 days); ignored when Deliver at is set"),
+        "deliver_at": Param(None, type=["null", "string"], format="date-time", title="Deliver at",
+                            description="An ISO timestamp with a timezone; in the past means now"),
+        "queue_delay_seconds": Param(None, type=["null", "integer"], minimum=0, maximum=604800,
+                                     title="Queue-level delay", description="Applies when the message has none"),
+    },
+    doc_md="""
+### Send a delayed message by hand
+
+Trigger this DAG from the UI: the form refuses a delay outside 0..604,800 s, an empty destination or
+one with spaces, `*` or `#`, an unknown transport, and a deliver-at that is not a timestamp. The task
+returns the message id. With `transport=sql`, a dispatch task (e.g. `delay_scheduled_sweep`) sends it
+when due; with `rabbitmq` or `sqs` the broker delays it itself (connections `rabbitmq_default`,
+`aws_default`).
+""",
+) as dag:
+    SendDelayedMessageOperator(
+        task_id="send",
+        transport="{{ params.transport }}",
+        destination="{{ params.destination }}",
+        body="{{ params.body }}",
+        delay_seconds="{{ '' if params.deliver_at else params.delay_seconds }}",
+        deliver_at="{{ params.deliver_at or '' }}",
+        queue_delay_seconds="{{ params.queue_delay_seconds if params.queue_delay_seconds is not none else '' }}",
+    )

@@ -1,0 +1,99 @@
+"""Seed 004's order timeout: place an order, send a delayed cancellation check, cancel only if still unpaid."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta
+
+from airflow.sdk import DAG, Param, task
+
+from airflow_delay_provider.operators.delay import (
+    DispatchDueMessagesOperator,
+    ProvisionDelayInfrastructureOperator,
+    SendDelayedMessageOperator,
+)
+
+QUEUE = "orders.cancel-check"
+
+
+def _orders():
+    """The shop's order table, here in the embedded database beside the delay store."""
+    from sqlalchemy import Column, MetaData, String, Table
+
+    from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+
+    store = DelayStoreHook().get_store()
+    table = Table("demo_orders", MetaData(), Column("order_id", String(64), primary_key=True),
+                  Column("status", String(16), nullable=False))
+    table.metadata.create_all(store.engine)
+    return store.engine, table
+
+
+with DAG(
+    dag_id="delay_order_timeout",
+    schedule=None,
+    start_date=datetime(2026, 1, 1),
+    catchup=False,
+    tags=["delay", "example"],
+    params={
+        "timeout_seconds": Param(5, type="integer", minimum=1, maximum=604800, title="Payment timeout (s)"),
+        "pay": Param(False, type="boolean", title="Pay the order before the timeout"),
+    },
+    doc_md="""
+### Cancel an unpaid order after a timeout (seed 004's use case)
+
+1. **place_order** records an order as `unpaid` (and pays it at once when `pay` is set).
+2. **schedule_check** sends a cancellation check for the order, delayed by `timeout_seconds`.
+3. **dispatch** delivers the check when it is due, deferring meanwhile.
+4. **cancel_if_unpaid** consumes the check and cancels the order only if it is still unpaid: a paid
+   order is left alone. The check carries the order id, so handling it twice changes nothing.
+""",
+) as dag:
+    provision = ProvisionDelayInfrastructureOperator(task_id="provision", endpoints=[QUEUE])
+
+    @task
+    def place_order(params: dict | None = None, run_id: str | None = None) -> str:
+        engine, orders = _orders()
+        order_id = f"order-{abs(hash(run_id)) % 10**8}"
+        with engine.begin() as conn:
+            conn.execute(orders.delete().where(orders.c.order_id == order_id))
+            conn.execute(orders.insert().values(order_id=order_id, status="paid" if params["pay"] else "unpaid"))
+        return order_id
+
+    order = place_order()
+    check = SendDelayedMessageOperator(
+        task_id="schedule_check",
+        destination=QUEUE,
+        body='{"order_id": "{{ ti.xcom_pull(task_ids=\'place_order\') }}"}',
+        delay_seconds="{{ params.timeout_seconds }}",
+    )
+    dispatch = DispatchDueMessagesOperator(
+        task_id="dispatch",
+        due_before="{{ dag_run.start_date + macros.timedelta(seconds=params.timeout_seconds + 60) }}",
+        deferrable=True,
+        defer_threshold_seconds=2,
+        max_runtime=timedelta(hours=1),
+    )
+
+    @task
+    def cancel_if_unpaid(order_id: str) -> dict:
+        from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+
+        engine, orders = _orders()
+        transport = DelayStoreHook().get_transport()
+        outcome = None
+        for message in transport.receive(QUEUE, max_messages=100):
+            checked = json.loads(message.body)["order_id"]
+            with engine.begin() as conn:
+                cancelled = conn.execute(
+                    orders.update().where(orders.c.order_id == checked, orders.c.status == "unpaid")
+                    .values(status="cancelled")
+                ).rowcount
+            transport.ack(QUEUE, [message.receipt])
+            if checked == order_id:
+                outcome = "cancelled" if cancelled else "left alone"
+        with engine.connect() as conn:
+            status = conn.execute(orders.select().where(orders.c.order_id == order_id)).one().status
+        return {"order_id": order_id, "check": outcome, "status": status}
+
+    provision >> order >> check >> dispatch >> cancel_if_unpaid(order)
