@@ -180,14 +180,7 @@ class Pump:
                 return None
             sending = self._within_throttle(claim.messages)
             connection = claim.connection if self.exactly_once else None
-            try:
-                wait = self.transport.send_start(sending, connection=connection) if sending else (lambda: {})
-            except CriticalError:
-                raise
-            except Exception as exc:
-                failures = _outage(sending, exc)
-                wait = lambda: failures  # noqa: E731
-            return _InFlight(stack, claim, sending, wait)
+            return _InFlight(stack, claim, sending, self._start_send(sending, connection))
         except BaseException as exc:
             stack.__exit__(type(exc), exc, exc.__traceback__)  # releases the claim: the rows stay stored
             if isinstance(exc, CriticalError) or not isinstance(exc, Exception):
@@ -200,13 +193,7 @@ class Pump:
         """Wait for the batch's sends, settle every message, commit. None: the store failed."""
         stats = PumpStats(batches=1)
         try:
-            try:
-                failures = inflight.wait()
-            except CriticalError:
-                raise
-            except Exception as exc:
-                failures = _outage(inflight.messages, exc)
-            transient = self._settle(inflight.claim, inflight.messages, stats, failures)
+            transient = self._settle(inflight.claim, inflight.messages, stats, inflight.wait())
         except BaseException as exc:
             inflight.stack.__exit__(type(exc), exc, exc.__traceback__)
             if isinstance(exc, CriticalError) or not isinstance(exc, Exception):
@@ -229,22 +216,34 @@ class Pump:
             self.dispatch_breaker.success()
         return stats
 
-    def _send(self, messages: list[DelayedMessage], connection) -> dict[str, Exception]:
+    def _start_send(self, messages: list[DelayedMessage], connection) -> Callable[[], dict[str, Exception]]:
+        """Start sending; the returned function gives the failures. A batch that fails as a whole,
+        when started or while waited for, counts as an outage for each of its messages."""
+        if not messages:
+            return dict
         try:
-            return self.transport.send(messages, connection=connection)
+            wait = self.transport.send_start(messages, connection=connection)
         except CriticalError:
             raise
         except Exception as exc:
-            return _outage(messages, exc)
+            failures = _outage(messages, exc)
+            return lambda: failures
+
+        def outcome() -> dict[str, Exception]:
+            try:
+                return wait()
+            except CriticalError:
+                raise
+            except Exception as exc:
+                return _outage(messages, exc)
+
+        return outcome
 
     def _settle(self, claim, messages: list[DelayedMessage], stats: PumpStats,
                 failures: dict[str, Exception]) -> Exception | None:
         conn = claim.connection if self.exactly_once else None
         sent_at = self._clock()
-        delivered = [m.message_id for m in messages if m.message_id not in failures]
-        for m in messages:
-            if m.message_id not in failures:
-                stats.lateness.add((sent_at - m.due_at).total_seconds())
+        removed: list[str] = []  # delivered or dead-lettered: gone from the store
         transient: Exception | None = None
         retries: dict[str, datetime] = {}
         first_failures: dict[str, dict[str, str]] = {}
@@ -252,6 +251,9 @@ class Pump:
         for m in messages:
             exc = failures.get(m.message_id)
             if exc is None:
+                removed.append(m.message_id)
+                stats.dispatched += 1
+                stats.lateness.add((sent_at - m.due_at).total_seconds())
                 continue
             if isinstance(exc, UnavailableError):
                 # An outage is not the message's fault: it stays stored as it was (the claim
@@ -274,11 +276,11 @@ class Pump:
                 if HEADER_FIRST_FAILED_AT not in m.headers:
                     first_failures[m.message_id] = {**m.headers, HEADER_FIRST_FAILED_AT: sent_at.isoformat()}
         if dead:
-            dead_failures = self._send(dead, conn)
+            dead_failures = self._start_send(dead, conn)()
             for d in dead:
                 error = dead_failures.get(d.message_id)
                 if error is None:
-                    delivered.append(d.message_id)
+                    removed.append(d.message_id)
                     stats.dead_lettered += 1
                     log.warning("message %s for %s dead-lettered to %s: %s", d.message_id,
                                 d.headers.get("x-delay-failed-destination"), d.destination,
@@ -287,10 +289,9 @@ class Pump:
                     # Keep it stored and due again: losing it is worse than retrying the dead-letter.
                     retries[d.message_id] = sent_at
                     self.recovery_breaker.failure(f"could not dead-letter {d.message_id} to {d.destination}: {error}")
-        claim.remove(delivered)
+        claim.remove(removed)
         if retries:
             claim.retry(retries, first_failures)
-        stats.dispatched += len(delivered) - stats.dead_lettered
         stats.retried += len(retries)
         return transient
 
