@@ -69,23 +69,21 @@ class DelayStoreHook(BaseHook):
         self._db_schema = db_schema
         self._resolved: tuple[URL, str, str | None] | None = None
 
+    def _locate(self, conn: Any | None) -> tuple[URL, str, str | None]:
+        if conn is None:
+            return resolve_location(embedded_url(), {}, self._table, self._db_schema)
+        return resolve_location(url_from_connection(conn), conn.extra_dejson or {}, self._table, self._db_schema)
+
     def _resolve(self) -> tuple[URL, str, str | None]:
         if self._resolved is None:
-            if self.delay_store_conn_id is None:
-                url, extra = embedded_url(), {}
-            else:
-                conn = self.get_connection(self.delay_store_conn_id)
-                url, extra = url_from_connection(conn), conn.extra_dejson or {}
-            self._resolved = resolve_location(url, extra, self._table, self._db_schema)
+            conn_id = self.delay_store_conn_id
+            self._resolved = self._locate(None if conn_id is None else self.get_connection(conn_id))
         return self._resolved
 
     async def aget_store(self) -> SqlDelayedMessageStore:
         """The store, resolving the connection the async way (for triggers)."""
         if self._resolved is None and self.delay_store_conn_id is not None:
-            conn = await self.aget_connection(self.delay_store_conn_id)
-            self._resolved = resolve_location(
-                url_from_connection(conn), conn.extra_dejson or {}, self._table, self._db_schema
-            )
+            self._resolved = self._locate(await self.aget_connection(self.delay_store_conn_id))
         return self.get_store()
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 from datetime import datetime, timedelta
 from typing import Any, Sequence
 
@@ -23,7 +24,7 @@ from airflow_delay_provider.hooks.delay_store import DelayStoreHook
 from airflow_delay_provider.hooks.rabbitmq import RabbitMQDelayHook
 from airflow_delay_provider.hooks.sqs import SqsDelayHook
 from airflow_delay_provider.transports.rabbitmq import RabbitMQTransport
-from airflow_delay_provider.transports.sqs import SqsTransport, delay_plan, estimate_cost
+from airflow_delay_provider.transports.sqs import RelayCounts, SqsTransport, delay_plan, estimate_cost
 from airflow_delay_provider.triggers.delay_store import DueTimeoutTrigger
 from airflow_delay_provider.triggers.sqs import SqsDelayQueueTrigger
 
@@ -477,16 +478,15 @@ class RelayDelayedMessagesOperator(_StoreOperator):
     def execute(self, context: Context) -> dict:
         transport = self.get_transport()
         self.log.info("Delay queue checked: %s", transport.verify(self.endpoint))
-        return self._relay(transport, {"relayed": 0, "handed_over": 0, "failed": 0, "held": 0},
-                           utcnow() + self.max_runtime)
+        return self._relay(transport, RelayCounts(), utcnow() + self.max_runtime)
 
     def execute_complete(self, context: Context, event: dict) -> dict:
         if event.get("status") == "error":
             raise UnavailableError(f"waiting on the delay queue failed: {event.get('message')}")
         state = event["carry"]
-        return self._relay(self.get_transport(), state["counts"], datetime.fromisoformat(state["deadline"]))
+        return self._relay(self.get_transport(), RelayCounts(**state["counts"]), datetime.fromisoformat(state["deadline"]))
 
-    def _relay(self, transport: SqsTransport, totals: dict, deadline: datetime) -> dict:
+    def _relay(self, transport: SqsTransport, totals: RelayCounts, deadline: datetime) -> dict:
         rate = self.delivery_policy.max_receives_per_second if self.delivery_policy else None
         throttle = TokenBucket(rate) if rate else None
         while (left := (deadline - utcnow()).total_seconds()) > 0:
@@ -499,12 +499,10 @@ class RelayDelayedMessagesOperator(_StoreOperator):
                         transport_options=self.transport_options,
                         deadline=deadline.isoformat(),
                         poll_interval=self.poll_interval,
-                        carry={"counts": totals, "deadline": deadline.isoformat()},
+                        carry={"counts": asdict(totals), "deadline": deadline.isoformat()},
                     ),
                     method_name="execute_complete",
                 )
-            counts = transport.relay_once(self.endpoint, min(self.wait_time_seconds, max(0, int(left))), throttle=throttle)
-            for key, value in counts.__dict__.items():
-                totals[key] += value
-        self.log.info("Relay finished: %s", json.dumps(totals))
-        return totals
+            totals.add(transport.relay_once(self.endpoint, min(self.wait_time_seconds, max(0, int(left))), throttle=throttle))
+        self.log.info("Relay finished: %s", json.dumps(asdict(totals)))
+        return asdict(totals)

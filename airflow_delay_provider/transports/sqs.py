@@ -447,13 +447,6 @@ class SqsTransport(Transport):
                 if exc.response.get("Error", {}).get("Code") != "ReceiptHandleIsInvalid":
                     raise
 
-    def relay(self, endpoint: str, seconds: float, wait_time_seconds: int = 20) -> RelayCounts:
-        """Relay for about `seconds` (a bounded task try); returns the counts."""
-        counts = RelayCounts()
-        deadline = utcnow().timestamp() + seconds
-        while (left := deadline - utcnow().timestamp()) > 0:
-            counts.add(self.relay_once(endpoint, min(wait_time_seconds, max(0, int(left)))))
-        return counts
 
 
 @dataclass
