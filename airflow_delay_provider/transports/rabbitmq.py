@@ -448,25 +448,28 @@ class RabbitMQTransport(Transport):
 
     def _stored_form(self, key: str, properties, body: bytes) -> DelayedMessage | None:
         words = key.split(".", self.names.levels)
-        raw = dict(properties.headers or {})
-        if len(words) <= self.names.levels or not properties.message_id or HEADER_DUE_AT not in raw:
+        if len(words) <= self.names.levels or not properties.message_id:
             return None
         try:
-            return DelayedMessage(
-                destination=words[-1],
-                body=body,
-                due_at=datetime.fromisoformat(_text(raw[HEADER_DUE_AT])),
-                headers={k: _text(v) for k, v in raw.items() if k not in STRIPPED_HEADERS},
-                message_id=properties.message_id,
-            )
+            headers, due = _unwrap(properties)
+            if due is None:
+                return None
+            return DelayedMessage(destination=words[-1], body=body, due_at=due, headers=headers,
+                                  message_id=properties.message_id)
         except (ValueError, DelayProviderError):
             return None
 
 
-def _received(endpoint: str, method, properties, body: bytes) -> ReceivedMessage:
+def _unwrap(properties) -> tuple[dict[str, str], datetime | None]:
+    """The caller's headers (the delay mechanics' own stripped) and the due time, as published."""
     raw = dict(properties.headers or {})
     due = raw.get(HEADER_DUE_AT)
     headers = {k: _text(v) for k, v in raw.items() if k not in STRIPPED_HEADERS}
+    return headers, datetime.fromisoformat(_text(due)) if due else None
+
+
+def _received(endpoint: str, method, properties, body: bytes) -> ReceivedMessage:
+    headers, due = _unwrap(properties)
     return ReceivedMessage(
         message_id=properties.message_id or "",
         destination=endpoint,
@@ -474,7 +477,7 @@ def _received(endpoint: str, method, properties, body: bytes) -> ReceivedMessage
         headers=headers,
         receipt=method.delivery_tag,
         enqueued_at=utcnow(),  # RabbitMQ does not say when a message arrived: the receive time
-        due_at=datetime.fromisoformat(_text(due)) if due else None,
+        due_at=due,
         receive_count=2 if method.redelivered else 1,
         extra={"routing_key": method.routing_key, "exchange": method.exchange},
     )
