@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+JDBC_JAR := /usr/share/java/postgresql.jar
 export AIRFLOW_HOME := $(CURDIR)/.airflow
 
 .PHONY: demo test bench install clean
@@ -15,15 +16,19 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet --no-deps --force-reinstall -c constraints.txt pyspark
 	touch $(STAMP)
 
+# Spark reads a PostgreSQL store through this jar: Debian's, since nothing may be downloaded at run time.
+$(JDBC_JAR):
+	apt-get install -y -q libpostgresql-jdbc-java || (apt-get update -q && apt-get install -y -q libpostgresql-jdbc-java)
+
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
-test: $(STAMP)
+test: $(STAMP) $(JDBC_JAR)
 	$(BIN)/python -m pytest
 
-bench: $(STAMP)
+bench: $(STAMP) $(JDBC_JAR)
 	$(BIN)/pip install --quiet -c constraints.txt matplotlib
 	$(BIN)/python bench/bench_store.py --plot docs/bench_store.png
 	$(BIN)/python bench/bench_rabbitmq.py

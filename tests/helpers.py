@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 from airflow_delay_provider.core.delays import utcnow
@@ -34,3 +35,20 @@ def drain(transport: SqlTableTransport, queue: str) -> list:
         received.extend(batch)
         transport.ack(queue, [m.receipt for m in batch])
     return received
+
+
+def collect(transport, queue: str, expected: int, timeout: float) -> list:
+    """Consume until `expected` distinct messages arrived and the queue is empty, or `timeout`;
+    returns (arrival time, message) for every delivery, duplicates included."""
+    got, seen = [], set()
+    deadline = time.monotonic() + timeout
+    while (len(seen) < expected or transport.depth(queue)) and time.monotonic() < deadline:
+        batch = transport.receive(queue, max_messages=500)
+        now = utcnow()
+        got.extend((now, m) for m in batch)
+        seen.update(m.message_id for m in batch)
+        if batch:
+            transport.ack(queue, [m.receipt for m in batch])
+        else:
+            time.sleep(0.02)
+    return got

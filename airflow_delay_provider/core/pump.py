@@ -23,7 +23,12 @@ from airflow_delay_provider.core.errors import (
     InvalidInputError,
     UnavailableError,
 )
-from airflow_delay_provider.core.message import HEADER_FIRST_FAILED_AT, DelayedMessage, check_destination
+from airflow_delay_provider.core.message import (
+    HEADER_FAILED_DESTINATION,
+    HEADER_FIRST_FAILED_AT,
+    DelayedMessage,
+    check_destination,
+)
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore, Transport
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy, PolicyError
 from airflow_delay_provider.core.stats import PumpStats
@@ -94,8 +99,11 @@ class Pump:
         policies: Mapping[str, DeliveryPolicy] | None = None,
         clock: Callable[[], datetime] = utcnow,
         sleep: Callable[[float], None] = time.sleep,
+        throttle_share: float = 1.0,
     ) -> None:
         self.store = store
+        # Several pumps splitting one destination's rate (a sweep's partitions) each take a share.
+        self.throttle_share = throttle_share
         self.transport = transport
         self.config = config or PumpConfig()
         # Seed 001's flat number_of_retries is the shorthand for that many immediate retries.
@@ -135,7 +143,7 @@ class Pump:
         if rate is None:
             return None
         if destination not in self._buckets:
-            self._buckets[destination] = TokenBucket(rate, clock=lambda: self._clock().timestamp())
+            self._buckets[destination] = TokenBucket(rate * self.throttle_share, clock=lambda: self._clock().timestamp())
         return self._buckets[destination]
 
     def _throttled_out(self) -> set[str]:
@@ -253,6 +261,7 @@ class Pump:
             if exc is None:
                 removed.append(m.message_id)
                 stats.dispatched += 1
+                stats.count(m.destination, "dispatched")
                 stats.lateness.add((sent_at - m.due_at).total_seconds())
                 continue
             if isinstance(exc, UnavailableError):
@@ -260,8 +269,10 @@ class Pump:
                 # restores it) and the dispatch breaker decides how long to keep trying.
                 transient = exc
                 stats.released += 1
+                stats.count(m.destination, "released")
                 continue
             failed = replace(m, failures=m.failures + 1)
+            stats.count(m.destination, "failed")
             if isinstance(exc, DestinationNotFoundError):
                 dead.append(failed.dead_lettered(self.config.error_queue, f"destination not found: {exc}", sent_at))
                 continue
@@ -282,6 +293,7 @@ class Pump:
                 if error is None:
                     removed.append(d.message_id)
                     stats.dead_lettered += 1
+                    stats.count(d.headers.get(HEADER_FAILED_DESTINATION, d.destination), "dead_lettered")
                     log.warning("message %s for %s dead-lettered to %s: %s", d.message_id,
                                 d.headers.get("x-delay-failed-destination"), d.destination,
                                 d.headers.get("x-delay-failure-reason"))

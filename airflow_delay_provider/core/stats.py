@@ -68,8 +68,19 @@ class PumpStats:
     released: int = 0
     batches: int = 0
     lateness: LatenessHistogram = field(default_factory=LatenessHistogram)
+    #: Per destination: outcome -> count (outcomes: dispatched, failed, dead_lettered, released).
+    destinations: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def count(self, destination: str, outcome: str, n: int = 1) -> None:
+        outcomes = self.destinations.get(destination)
+        if outcomes is None:
+            outcomes = self.destinations[destination] = {}
+        outcomes[outcome] = outcomes.get(outcome, 0) + n
 
     def merge(self, other: PumpStats) -> None:
+        for destination, outcomes in other.destinations.items():
+            for outcome, n in outcomes.items():
+                self.count(destination, outcome, n)
         self.dispatched += other.dispatched
         self.retried += other.retried
         self.dead_lettered += other.dead_lettered
@@ -89,6 +100,7 @@ class PumpStats:
             "lateness_p50_seconds": None if p50 is None else round(p50, 4),
             "lateness_p99_seconds": None if p99 is None else round(p99, 4),
             "lateness_max_seconds": round(self.lateness.max_seconds, 4) if self.lateness.count else None,
+            "destinations": {d: dict(o) for d, o in sorted(self.destinations.items())},
         }
 
     def to_dict(self) -> dict:
@@ -105,4 +117,5 @@ class PumpStats:
             released=int(data.get("released", 0)),
             batches=int(data["batches"]),
             lateness=LatenessHistogram.from_dict(data.get("lateness")),
+            destinations={d: dict(o) for d, o in (data.get("destinations") or {}).items()},
         )

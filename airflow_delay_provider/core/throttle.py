@@ -21,7 +21,7 @@ class TokenBucket:
 
     def _refill(self) -> None:
         now = self._clock()
-        self._tokens = min(self.rate, self._tokens + (now - self._last) * self.rate)
+        self._tokens = min(max(self.rate, 1.0), self._tokens + (now - self._last) * self.rate)
         self._last = now
 
     def take_up_to(self, n: int) -> int:

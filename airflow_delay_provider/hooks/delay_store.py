@@ -99,6 +99,16 @@ class DelayStoreHook(BaseHook):
         url, _, schema = self._resolve()
         return SqlTableTransport(url, schema=schema)
 
+    def store_spec(self) -> dict:
+        """Where the store is, as plain data for a process without Airflow (a Spark sweep); holds the password."""
+        url, table, schema = self._resolve()
+        return {"url": url.render_as_string(hide_password=False), "table": table, "schema": schema}
+
+    def transport_spec(self) -> dict:
+        """The SQL-table transport of get_transport() as plain data; holds the password."""
+        url, _, schema = self._resolve()
+        return {"kind": "sql", "url": url.render_as_string(hide_password=False), "schema": schema}
+
     def get_conn(self) -> SqlDelayedMessageStore:
         return self.get_store()
 

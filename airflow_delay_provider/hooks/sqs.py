@@ -21,3 +21,18 @@ class SqsDelayHook(SqsHook):
             s3 = AwsBaseHook(aws_conn_id=self.aws_conn_id, client_type="s3").get_conn()
         return SqsTransport(self.get_conn(), prefix=prefix, queue_delay=queue_delay,
                             large_body_bucket=large_body_bucket, s3_client=s3, **options)
+
+    def transport_spec(self, **options: Any) -> dict:
+        """The connection's resolved credentials and the transport options as plain data, for a process
+        without Airflow (a Spark sweep); holds secrets."""
+        credentials = self.get_credentials()
+        return {
+            **options,
+            "client": {
+                "region_name": self.conn_region_name,
+                "endpoint_url": self.conn_config.endpoint_url,
+                "aws_access_key_id": credentials.access_key,
+                "aws_secret_access_key": credentials.secret_key,
+                "aws_session_token": credentials.token,
+            },
+        }

@@ -9,7 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import time
+from collections import deque
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import Collection, Iterable, Iterator, Mapping, Sequence
@@ -24,16 +26,21 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    bindparam,
     delete,
     func,
     insert,
     inspect,
+    or_,
     select,
+    text,
+    update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection
 
 from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
 from airflow_delay_provider.stores.engine import (
@@ -78,7 +85,28 @@ def store_table(metadata: MetaData, name: str, schema: str | None) -> Table:
         Column("due_at_us", BigInteger, nullable=False),
         Column("stored_at_us", BigInteger, nullable=False),
         Column("failures", Integer, nullable=False, server_default="0"),
+        # Set while a bulk sweep holds the row; the lease in the sweeps table says until when.
+        Column("claim_id", String(64), nullable=True),
         Index(f"ix_{name}_due", "due_at_us", "id"),
+        schema=schema,
+    )
+
+
+def sweeps_table(metadata: MetaData, name: str, schema: str | None) -> Table:
+    """One row per bulk sweep: its window, its lease (renewed while it runs) and its outcome."""
+    return Table(
+        name,
+        metadata,
+        Column("claim_id", String(64), primary_key=True),
+        Column("lease_until_us", BigInteger, nullable=False),
+        Column("due_from_us", BigInteger, nullable=True),
+        Column("due_before_us", BigInteger, nullable=False),
+        Column("status", String(16), nullable=False),
+        Column("started_at_us", BigInteger, nullable=False),
+        Column("finished_at_us", BigInteger, nullable=True),
+        Column("claimed", BigInteger, nullable=False, server_default="0"),
+        Column("taken_over", BigInteger, nullable=False, server_default="0"),
+        Column("summary", Text, nullable=True),
         schema=schema,
     )
 
@@ -114,16 +142,159 @@ class _SqlClaim(Claim):
             self._write_back({m: {} for m in self._unsettled})
 
     def _write_back(self, changes: Mapping[str, dict]) -> None:
-        rows = [{**self._rows[m]._asdict(), **change} for m, change in changes.items()]
+        rows = [{**self._rows[m]._asdict(), "claim_id": None, **change} for m, change in changes.items()]
         self.connection.execute(insert(self._table), rows)
         self._unsettled.difference_update(changes)
 
 
 def _message(row) -> DelayedMessage:
-    headers = {} if row.headers == "{}" else json.loads(row.headers)
+    return _rebuild(row.message_id, row.destination, row.body, row.headers, row.due_at_us, row.failures)
+
+
+def _rebuild(message_id: str, destination: str, body, headers: str, due_at_us: int, failures: int) -> DelayedMessage:
     return DelayedMessage.trusted(
-        row.destination, bytes(row.body), from_us(row.due_at_us), headers, row.message_id, row.failures
+        destination, bytes(body), from_us(due_at_us), {} if headers == "{}" else json.loads(headers), message_id, failures
     )
+
+
+#: Columns a sweep reads, in this order, as tuples (the Spark readers produce the same).
+SWEEP_COLUMNS = ("id", "message_id", "destination", "body", "headers", "due_at_us", "failures")
+_CLAIM_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_claim_id(claim_id: object) -> str:
+    """Claim ids go into Spark JDBC predicates as literals: only letters, digits, '-' and '_'."""
+    if not isinstance(claim_id, str) or not _CLAIM_ID.match(claim_id):
+        raise InvalidInputError(f"claim id {claim_id!r} is not allowed: use 1-64 ASCII letters, digits, '-' and '_'")
+    return claim_id
+
+
+class _LeasedClaim(Claim):
+    """A batch of rows a sweep holds, locked again in this transaction; settled rows are deleted or
+    rescheduled in it, unsettled ones go back to the sweep's queue (still under its lease)."""
+
+    def __init__(self, conn: Connection, table: Table, rows: list[tuple], hand_back) -> None:
+        self.connection = conn
+        self._table = table
+        self._rows = {row[1]: row for row in rows}
+        self._unsettled = set(self._rows)
+        self._hand_back = hand_back
+        self.messages = [_rebuild(*row[1:]) for row in rows]
+
+    def remove(self, message_ids: Iterable[str]) -> int:
+        ids = [self._rows[m][0] for m in message_ids if m in self._unsettled]
+        self._unsettled.difference_update(message_ids)
+        if ids:
+            self.connection.execute(delete(self._table).where(self._table.c.id.in_(ids)))
+        return len(ids)
+
+    def retry(self, next_due: Mapping[str, datetime], headers: Mapping[str, dict[str, str]] | None = None) -> None:
+        t = self._table
+        headers = headers or {}
+        rows = [
+            {
+                "rid": self._rows[m][0],
+                "f": self._rows[m][6] + 1,
+                "d": to_us(due),
+                "h": json.dumps(headers[m], separators=(",", ":")) if m in headers else self._rows[m][4],
+            }
+            for m, due in next_due.items()
+        ]
+        # A retry leaves the sweep: it is an ordinary delayed message again, for whoever dispatches it when due.
+        stmt = (update(t).where(t.c.id == bindparam("rid"))
+                .values(failures=bindparam("f"), due_at_us=bindparam("d"), headers=bindparam("h"), claim_id=None))
+        self.connection.execute(stmt, rows)
+        self._unsettled.difference_update(next_due)
+
+    def restore_unsettled(self) -> None:
+        if self._unsettled:
+            self._hand_back(self._rows[m] for m in self._unsettled)
+            self._unsettled.clear()
+
+
+class LeasedRows(DelayedMessageStore):
+    """The rows one part of a sweep holds under its claim id, handed to a Pump batch by batch.
+
+    Each batch is locked again in the transaction that settles it and only rows still held by this
+    claim are sent, so a row that another sweep took over (after this lease expired) or that is gone
+    is skipped, never sent twice. Rows come as tuples in SWEEP_COLUMNS order.
+    """
+
+    def __init__(self, store: SqlDelayedMessageStore, claim_id: str, rows: Iterable[tuple]) -> None:
+        self.home = store
+        self.engine = store.engine  # a SQL transport on the same database joins the settling transaction
+        self.table = store.table
+        self.claim_id = check_claim_id(claim_id)
+        self.concurrent_claims = store.concurrent_claims
+        self.skipped = 0
+        self._rows = iter(rows)
+        self._held: deque[tuple] = deque()  # handed back unsettled (throttled or broker outage)
+        self._exhausted = False
+
+    def __repr__(self) -> str:
+        return f"LeasedRows({self.home!r}, claim_id={self.claim_id!r})"
+
+    def _take(self, limit: int, exclude: Collection[str]) -> list[tuple]:
+        taken: list[tuple] = []
+        passed: list[tuple] = []
+        while self._held and len(taken) < limit:
+            row = self._held.popleft()
+            (passed if row[2] in exclude else taken).append(row)
+        while not self._exhausted and len(taken) < limit:
+            row = next(self._rows, None)
+            if row is None:
+                self._exhausted = True
+            else:
+                (passed if row[2] in exclude else taken).append(row)
+        self._held.extendleft(reversed(passed))
+        return taken
+
+    @property
+    def remaining(self) -> bool:
+        if self._held:
+            return True
+        if not self._exhausted:
+            row = next(self._rows, None)
+            if row is None:
+                self._exhausted = True
+            else:
+                self._held.append(row)
+        return bool(self._held)
+
+    @contextmanager
+    def claim_due(
+        self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = ()
+    ) -> Iterator[Claim]:
+        rows = self._take(limit, exclude)
+        t = self.table
+        with self.home._errors("lock swept messages"), self.engine.begin() as conn:
+            held: set[int] = set()
+            if rows:
+                mine = select(t.c.id).where(t.c.id.in_([r[0] for r in rows]), t.c.claim_id == self.claim_id)
+                held = set(conn.execute(mine.with_for_update()).scalars())
+            kept = [r for r in rows if r[0] in held]
+            self.skipped += len(rows) - len(kept)
+            claim = _LeasedClaim(conn, t, kept, self._held.extend)
+            yield claim
+            claim.restore_unsettled()
+
+    def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:
+        return utcnow() if self.remaining else None
+
+    def count_scheduled(self, due_before: datetime | None = None) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for row in self._held:
+            counts[row[2]] = counts.get(row[2], 0) + 1
+        return counts
+
+    def store(self, messages: Sequence[DelayedMessage]) -> int:
+        return self.home.store(messages)
+
+    def policies(self) -> dict[str, dict]:
+        return self.home.policies()
+
+    def wait(self, until: datetime) -> None:
+        time.sleep(max(0.0, min((until - utcnow()).total_seconds(), 0.05)))
 
 
 class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
@@ -142,6 +313,8 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             Column("policy", Text, nullable=False),
             schema=self.schema,
         )
+        self.sweeps = sweeps_table(self.table.metadata, check_identifier("table name", f"{self.table_name}_sweeps"),
+                                   self.schema)
         self.concurrent_claims = self.is_postgres  # SQLite locks the whole database per write transaction
         qualified = f"{self.schema}.{self.table_name}" if self.schema else self.table_name
         # LISTEN takes an identifier of at most 63 bytes; a hash keeps any schema.table pair within it.
@@ -155,6 +328,11 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     def create_schema(self) -> None:
         """Create the schema, tables and index if missing (idempotent, safe to run concurrently)."""
         self._create_tables(self.table.metadata, "the delay store tables")
+        with self._errors("upgrade the delay store table"), self.engine.begin() as conn:
+            columns = {c["name"] for c in inspect(conn).get_columns(self.table_name, schema=self.schema)}
+            if "claim_id" not in columns:  # a store created before bulk sweeps existed
+                name = ".".join(f'"{part}"' for part in filter(None, (self.schema, self.table_name)))
+                conn.execute(text(f"ALTER TABLE {name} ADD COLUMN claim_id VARCHAR(64)"))  # checked identifiers
 
     def set_policies(self, policies: Mapping[str, dict]) -> None:
         """Store each destination's delivery policy (seed 003 JSON), replacing what was there."""
@@ -222,7 +400,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = ()
     ) -> Iterator[Claim]:
         t = self.table
-        due = select(t.c.id).where(t.c.due_at_us <= to_us(now))
+        due = select(t.c.id).where(t.c.due_at_us <= to_us(now), self._unleased(to_us(now)))
         if due_before is not None:
             due = due.where(t.c.due_at_us < to_us(due_before))
         if exclude:
@@ -235,10 +413,113 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             yield claim
             claim.restore_unsettled()
 
+    def _unleased(self, now_us: int):
+        """Rows no running sweep holds: never claimed by one, or its lease has expired."""
+        t, s = self.table, self.sweeps
+        return or_(t.c.claim_id.is_(None), t.c.claim_id.not_in(select(s.c.claim_id).where(s.c.lease_until_us >= now_us)))
+
+    # -- bulk sweeps -------------------------------------------------------------------------
+    def start_sweep(
+        self, claim_id: str, due_before: datetime, due_from: datetime | None = None,
+        lease_seconds: float = 600.0, chunk: int = 100_000, now: datetime | None = None,
+    ) -> dict:
+        """Lease the messages due in [due_from, due_before) and already due to `claim_id`.
+
+        The lease row is committed first, so the pump skips the rows from the moment they carry the
+        claim id. Rows of expired leases (a crashed sweep's) are taken over; rows a pump holds at
+        that moment are skipped (it is dispatching them). Returns how many rows were claimed.
+        """
+        check_claim_id(claim_id)
+        now_us = to_us(now or utcnow())
+        if lease_seconds <= 0:
+            raise InvalidInputError(f"lease_seconds must be > 0, got {lease_seconds!r}")
+        t, s = self.table, self.sweeps
+        with self._errors("start a sweep"), self.engine.begin() as conn:
+            if conn.execute(select(s.c.claim_id).where(s.c.claim_id == claim_id)).first():
+                raise InvalidInputError(f"claim id {claim_id!r} was used by an earlier sweep; use a new one")
+            conn.execute(insert(s).values(
+                claim_id=claim_id, lease_until_us=now_us + int(lease_seconds * 1e6),
+                due_from_us=None if due_from is None else to_us(due_from), due_before_us=to_us(due_before),
+                status="running", started_at_us=now_us,
+            ))
+        window = [t.c.due_at_us <= now_us, t.c.due_at_us < to_us(due_before)]
+        if due_from is not None:
+            window.append(t.c.due_at_us >= to_us(due_from))
+        expired = select(s.c.claim_id).where(s.c.lease_until_us < now_us)
+        taken_over = self._lease(claim_id, [*window, t.c.claim_id.in_(expired)], chunk)
+        claimed = taken_over + self._lease(claim_id, [*window, t.c.claim_id.is_(None)], chunk)
+        with self._errors("record a sweep"), self.engine.begin() as conn:
+            conn.execute(update(s).where(s.c.claim_id == claim_id).values(claimed=claimed, taken_over=taken_over))
+        return {"claimed": claimed, "taken_over": taken_over}
+
+    def _lease(self, claim_id: str, conditions: list, chunk: int) -> int:
+        t = self.table
+        total = 0
+        while True:
+            ids = select(t.c.id).where(*conditions).limit(chunk).with_for_update(skip_locked=True)
+            with self._errors("claim messages for a sweep"), self.engine.begin() as conn:
+                n = conn.execute(update(t).where(t.c.id.in_(ids.scalar_subquery())).values(claim_id=claim_id)).rowcount
+            total += n
+            if n < chunk:
+                return total
+            log.info("sweep %s: %d messages claimed so far", claim_id, total)
+
+    def renew_lease(self, claim_id: str, lease_seconds: float) -> bool:
+        """Extend a running sweep's lease; False when it is no longer running (finished or never started)."""
+        s = self.sweeps
+        until = to_us(utcnow()) + int(lease_seconds * 1e6)
+        with self._errors("renew a sweep's lease"), self.engine.begin() as conn:
+            stmt = update(s).where(s.c.claim_id == claim_id, s.c.status == "running").values(lease_until_us=until)
+            return conn.execute(stmt).rowcount == 1
+
+    def claimed_range(self, claim_id: str) -> tuple[int, int, int]:
+        """(lowest id, highest id, count) of the rows a sweep still holds; (0, -1, 0) when none."""
+        t = self.table
+        query = select(func.min(t.c.id), func.max(t.c.id), func.count()).where(t.c.claim_id == claim_id)
+        with self._errors("read a sweep's claim"), self.engine.connect() as conn:
+            low, high, n = conn.execute(query).one()
+        return (0, -1, 0) if not n else (low, high, n)
+
+    def read_claimed(self, claim_id: str, low: int, high: int, chunk: int = 10_000) -> Iterator[tuple]:
+        """The rows a sweep holds with low <= id <= high, in id order, as SWEEP_COLUMNS tuples."""
+        t = self.table
+        query = (select(*(t.c[c] for c in SWEEP_COLUMNS))
+                 .where(t.c.claim_id == claim_id, t.c.id >= low, t.c.id <= high).order_by(t.c.id))
+        with self._errors("read swept messages"), self.engine.connect() as conn:
+            for row in conn.execution_options(yield_per=chunk).execute(query):
+                yield tuple(row)
+
+    def leased_rows(self, claim_id: str, rows: Iterable[tuple]) -> LeasedRows:
+        return LeasedRows(self, claim_id, rows)
+
+    def finish_sweep(self, claim_id: str, status: str, summary: dict) -> int:
+        """End a sweep: rows it still holds are released to the pump at once, its lease ends, its
+        summary is kept. Returns how many rows were released."""
+        t, s = self.table, self.sweeps
+        now_us = to_us(utcnow())
+        with self._errors("finish a sweep"), self.engine.begin() as conn:
+            released = conn.execute(update(t).where(t.c.claim_id == claim_id).values(claim_id=None)).rowcount
+            conn.execute(update(s).where(s.c.claim_id == claim_id).values(
+                status=status, finished_at_us=now_us, lease_until_us=0,
+                summary=json.dumps({**summary, "released": released}),
+            ))
+        return released
+
+    def sweep_record(self, claim_id: str) -> dict | None:
+        """A sweep's row: window, status, claimed and taken-over counts, and its summary."""
+        s = self.sweeps
+        with self._errors("read a sweep"), self.engine.connect() as conn:
+            row = conn.execute(select(s).where(s.c.claim_id == claim_id)).first()
+        if row is None:
+            return None
+        record = row._asdict()
+        record["summary"] = None if record["summary"] is None else json.loads(record["summary"])
+        return record
+
     # -- reads -----------------------------------------------------------------------------------
     def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:
         t = self.table
-        query = select(func.min(t.c.due_at_us))
+        query = select(func.min(t.c.due_at_us)).where(self._unleased(to_us(utcnow())))
         if destination is not None:
             query = query.where(t.c.destination == destination)
         if due_before is not None:

@@ -15,6 +15,7 @@ and every message is known to be queued, returned (no such queue) or nacked.
 from __future__ import annotations
 
 import math
+import ssl
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -28,6 +29,7 @@ from airflow_delay_provider.core.errors import (
     DelayError,
     DelayProviderError,
     DestinationNotFoundError,
+    InvalidInputError,
     InvalidNameError,
     UnavailableError,
 )
@@ -178,6 +180,39 @@ def endpoint_topology(names: Names, endpoint: str) -> Topology:
 
 
 # -- the transport ------------------------------------------------------------------------------
+def _flag(value: Any) -> bool:
+    """Extras from URI-style connections arrive as strings."""
+    return value is True or str(value).lower() in ("true", "1", "yes")
+
+
+def parameters_from_spec(spec: dict) -> tuple[pika.ConnectionParameters, dict]:
+    """pika parameters and transport options from a connection spec (see hooks.rabbitmq.connection_spec)."""
+    try:
+        heartbeat = int(spec.get("heartbeat", 60))
+        levels = int(spec.get("levels", LEVELS))
+        window = int(spec.get("confirm_window", 1000))
+    except (TypeError, ValueError) as exc:
+        raise InvalidInputError(f"rabbitmq connection extras heartbeat, levels and confirm_window must be integers: {exc}") from None
+    tls = None
+    if _flag(spec.get("tls", False)):
+        context = ssl.create_default_context()
+        if not _flag(spec.get("tls_verify", True)):
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        tls = pika.SSLOptions(context, spec.get("host"))
+    params = pika.ConnectionParameters(
+        host=spec.get("host") or "127.0.0.1",
+        port=int(spec.get("port") or (5671 if tls else 5672)),
+        virtual_host=spec.get("virtual_host") or "/",
+        credentials=pika.PlainCredentials(spec.get("login") or "guest", spec.get("password") or "guest"),
+        heartbeat=heartbeat,
+        ssl_options=tls,
+        connection_attempts=1,
+        blocked_connection_timeout=30,
+    )
+    return params, {"prefix": spec.get("prefix") or "delay", "levels": levels, "confirm_window": window}
+
+
 class RabbitMQTransport(Transport):
     """Delivers each message at its due time: due now straight to its queue, later through the levels."""
 
@@ -199,6 +234,12 @@ class RabbitMQTransport(Transport):
         self._admin: pika.BlockingConnection | None = None
         self._consumer = None  # the channel receive() and ack() share: delivery tags belong to it
         self._levels_declared = False
+
+    @classmethod
+    def from_spec(cls, spec: dict) -> RabbitMQTransport:
+        """A transport from a connection spec (plain data), in a process without Airflow."""
+        params, options = parameters_from_spec(spec)
+        return cls(params, **options)
 
     def __repr__(self) -> str:
         p = self.parameters

@@ -42,7 +42,7 @@ from airflow_delay_provider.stores.engine import (
     copy_rows,
     safe_url,
 )
-from airflow_delay_provider.stores.sql import SqlDelayedMessageStore, from_us, to_us
+from airflow_delay_provider.stores.sql import LeasedRows, SqlDelayedMessageStore, from_us, to_us
 
 _Id = BigInteger().with_variant(Integer, "sqlite")
 # Column order of the rows _insert builds (COPY on PostgreSQL, executemany elsewhere).
@@ -102,7 +102,7 @@ class SqlTableTransport(SqlDatabase, Transport):
             return conn.execute(delete(self.messages).where(self.messages.c.queue == endpoint)).rowcount
 
     def joins(self, store: DelayedMessageStore) -> bool:
-        return isinstance(store, SqlDelayedMessageStore) and store.engine is self.engine
+        return isinstance(store, (SqlDelayedMessageStore, LeasedRows)) and store.engine is self.engine
 
     def send(self, messages: Sequence[DelayedMessage], connection: Any = None) -> dict[str, Exception]:
         if not messages:

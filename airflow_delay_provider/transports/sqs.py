@@ -164,6 +164,18 @@ class SqsTransport(Transport):
         self._urls: dict[str, str] = {}
         self._s3_objects: dict[str, str] = {}  # receipt handle -> key of a received large body
 
+    @classmethod
+    def from_spec(cls, spec: dict) -> SqsTransport:
+        """A transport from plain data (a Spark sweep has no Airflow): `client` holds boto3 client
+        arguments (region_name, endpoint_url, credentials); the rest are this class's options."""
+        import boto3  # botocore alone cannot build clients
+
+        session = boto3.session.Session()
+        client_args = {k: v for k, v in (spec.get("client") or {}).items() if v is not None}
+        options = {k: v for k, v in spec.items() if k not in ("kind", "client")}
+        s3 = session.client("s3", **client_args) if options.get("large_body_bucket") else None
+        return cls(session.client("sqs", **client_args), s3_client=s3, **options)
+
     def __repr__(self) -> str:
         return f"SqsTransport(endpoint={self.client.meta.endpoint_url!r}, prefix={self.prefix!r})"
 

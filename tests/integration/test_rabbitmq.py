@@ -18,7 +18,7 @@ from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.pump import Pump, PumpConfig, hand_over
 from airflow_delay_provider.transports.rabbitmq import RabbitMQTransport, routing_key
 from tests.conftest import _rabbitmqctl
-from tests.helpers import make_store, messages
+from tests.helpers import collect, make_store, messages
 
 
 def listing(kind: str, vhost: str, *columns: str) -> list[dict]:
@@ -28,23 +28,6 @@ def listing(kind: str, vhost: str, *columns: str) -> list[dict]:
 
 def args_of(item: dict) -> dict:
     return {key: value for key, _type, value in item["arguments"]}
-
-
-def collect(transport: RabbitMQTransport, queue: str, expected: int, timeout: float) -> list:
-    """Consume until `expected` distinct messages arrived and the queue is empty, or `timeout`;
-    returns (arrival time, message) for every delivery, duplicates included."""
-    got, seen = [], set()
-    deadline = time.monotonic() + timeout
-    while (len(seen) < expected or transport.depth(queue)) and time.monotonic() < deadline:
-        batch = transport.receive(queue, max_messages=500)
-        now = utcnow()
-        got.extend((now, m) for m in batch)
-        seen.update(m.message_id for m in batch)
-        if batch:
-            transport.ack(queue, [m.receipt for m in batch])
-        else:
-            time.sleep(0.02)
-    return got
 
 
 def test_declared_topology_is_the_seeds(rabbit, rabbit_vhost):

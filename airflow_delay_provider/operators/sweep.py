@@ -1,0 +1,208 @@
+"""BulkSweepOperator: the Spark provider's SparkSubmitOperator running the bulk sweep application."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+from typing import Any, Sequence
+
+from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+from airflow.sdk import BaseHook, Context
+
+from airflow_delay_provider.core.errors import DelayProviderError, InvalidInputError
+from airflow_delay_provider.core.pump import PumpConfig
+from airflow_delay_provider.core.requests import parse_moment
+from airflow_delay_provider.core.retry_policy import DeliveryPolicy
+from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+from airflow_delay_provider.hooks.rabbitmq import RabbitMQDelayHook
+from airflow_delay_provider.hooks.sqs import SqsDelayHook
+from airflow_delay_provider.operators.delay import TRANSPORTS
+from airflow_delay_provider.spark import sweep as sweep_app
+
+APPLICATION = str(Path(sweep_app.__file__).with_name("sweep_app.py"))
+READERS = ("auto", "jdbc", "python")
+
+
+class SparkSetupError(DelayProviderError):
+    """spark-submit, Java or the JDBC driver jar is missing on the machine that runs the task."""
+
+
+class BulkSweepOperator(SparkSubmitOperator):
+    """Dispatch the due messages of a window on Spark: every message due in [due_from, due_before)
+    (and already due) is claimed under a lease, read in parallel partitions and sent through the
+    transport with the delivery policy; the task returns the sweep's summary (counts per destination
+    and outcome, rows/s).
+
+    Safe to re-run for the same window (catchup, backfill): delivered messages are gone from the
+    store, so a re-run dispatches nothing twice. Runs on the Spark connection `conn_id`; when that
+    connection does not exist, on `master` (default `local[2]`).
+
+    Store and transport arguments are those of the other operators (`delay_store_conn_id`, `table`,
+    `db_schema`, `transport`, `transport_conn_id`, `transport_options`). `reader="jdbc"` reads a
+    PostgreSQL store through `jdbc_jar` (Debian: libpostgresql-jdbc-java), `"python"` through
+    PySpark's Python data source over SQLAlchemy; `"auto"` picks JDBC on PostgreSQL. Connection
+    secrets reach Spark in an environment variable, never in its arguments.
+    """
+
+    template_fields: Sequence[str] = (*SparkSubmitOperator.template_fields, "due_before", "due_from")
+    ui_color = "#f4a460"
+
+    def __init__(
+        self,
+        *,
+        due_before: Any,
+        due_from: Any = None,
+        delay_store_conn_id: str | None = None,
+        table: str | None = None,
+        db_schema: str | None = None,
+        transport: str = "sql",
+        transport_conn_id: str | None = None,
+        transport_options: dict | None = None,
+        delivery_policy: DeliveryPolicy | dict | str | None = None,
+        destination_policies: dict[str, DeliveryPolicy | dict | str] | None = None,
+        number_of_retries: int = 0,
+        error_queue: str = "error",
+        batch_size: int = 1000,
+        partitions: int = 0,
+        lease_seconds: float = 600.0,
+        reader: str = "auto",
+        jdbc_jar: str = sweep_app.DEFAULT_JDBC_JAR,
+        master: str = "local[2]",
+        conn_id: str = "spark_default",
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("name", "airflow-delay-sweep")
+        super().__init__(application=APPLICATION, conn_id=conn_id, **kwargs)
+        if transport not in TRANSPORTS:
+            raise InvalidInputError(f"transport {transport!r} is not supported; choose one of {list(TRANSPORTS)}")
+        if reader not in READERS:
+            raise InvalidInputError(f"reader {reader!r} is not supported; choose one of {list(READERS)}")
+        if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 0:
+            raise InvalidInputError(f"partitions must be an int >= 0 (0: twice Spark's parallelism), got {partitions!r}")
+        if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, (int, float)) or lease_seconds < 5:
+            raise InvalidInputError(f"lease_seconds must be a number >= 5, got {lease_seconds!r}")
+        # Checked when the DAG is parsed, like the dispatch operator's.
+        PumpConfig(batch_size=batch_size, number_of_retries=number_of_retries, error_queue=error_queue)
+        self.delivery_policy = None if delivery_policy is None else DeliveryPolicy.parse(delivery_policy)
+        self.destination_policies = {d: DeliveryPolicy.parse(p) for d, p in (destination_policies or {}).items()}
+        self.due_before = due_before
+        self.due_from = due_from
+        self.delay_store_conn_id = delay_store_conn_id
+        self.table = table
+        self.db_schema = db_schema
+        self.transport = transport
+        self.transport_conn_id = transport_conn_id
+        self.transport_options = dict(transport_options or {})
+        self.number_of_retries = number_of_retries
+        self.error_queue = error_queue
+        self.batch_size = batch_size
+        self.partitions = partitions
+        self.lease_seconds = lease_seconds
+        self.reader = reader
+        self.jdbc_jar = jdbc_jar
+        self.master = master
+
+    # -- what the sweep needs -------------------------------------------------------------------
+    def _store_hook(self) -> DelayStoreHook:
+        return DelayStoreHook(self.delay_store_conn_id, table=self.table, db_schema=self.db_schema)
+
+    def _transport_spec(self, store_hook: DelayStoreHook) -> dict:
+        if self.transport == "rabbitmq":
+            hook = RabbitMQDelayHook(self.transport_conn_id or RabbitMQDelayHook.default_conn_name)
+            return {"kind": "rabbitmq", **hook.transport_spec()}
+        if self.transport == "sqs":
+            hook = SqsDelayHook(aws_conn_id=self.transport_conn_id or SqsDelayHook.default_conn_name)
+            return {"kind": "sqs", **hook.transport_spec(**self.transport_options)}
+        if self.transport_conn_id is None:
+            return store_hook.transport_spec()
+        return DelayStoreHook(self.transport_conn_id, db_schema=self.db_schema).transport_spec()
+
+    def _check_machine(self, uses_jdbc: bool) -> str:
+        """The directory holding spark-submit; fails with how to install what is missing."""
+        bin_dir = os.path.dirname(sys.executable)
+        found = shutil.which("spark-submit") or shutil.which("spark-submit", path=bin_dir)
+        if found is None:
+            raise SparkSetupError(
+                "spark-submit was not found on PATH nor beside this Python: install PySpark "
+                "(pip install 'airflow-delay-provider[spark]') or put a Spark distribution's bin/ on PATH"
+            )
+        java_home = os.environ.get("JAVA_HOME")
+        if not (java_home and os.access(os.path.join(java_home, "bin", "java"), os.X_OK)) and not shutil.which("java"):
+            raise SparkSetupError(
+                "Java was not found (no JAVA_HOME, no java on PATH): Spark needs Java 17 or 21, "
+                "for example apt-get install openjdk-17-jre-headless"
+            )
+        if uses_jdbc and not os.path.isfile(self.jdbc_jar):
+            raise SparkSetupError(
+                f"the PostgreSQL JDBC driver jar {self.jdbc_jar} does not exist: apt-get install "
+                "libpostgresql-jdbc-java (it installs /usr/share/java/postgresql.jar), pass jdbc_jar=<path>, "
+                "or use reader='python'"
+            )
+        return os.path.dirname(found)
+
+    def _ensure_master(self) -> None:
+        """A missing Spark connection makes the Spark provider fall back to YARN; use `master` instead."""
+        try:
+            BaseHook.get_connection(self._conn_id)
+        except Exception:
+            self.log.info("No Spark connection %r: running on %s", self._conn_id, self.master)
+            os.environ[f"AIRFLOW_CONN_{self._conn_id.upper()}"] = json.dumps({"conn_type": "spark", "host": self.master})
+
+    def execute(self, context: Context) -> dict:
+        due_before = parse_moment(self.due_before, "due_before")
+        if due_before is None:
+            raise InvalidInputError("due_before is required: the end of the window to sweep")
+        due_from = parse_moment(self.due_from, "due_from")
+        store_hook = self._store_hook()
+        store = store_hook.get_store()
+        reader = self.reader if self.reader != "auto" else ("jdbc" if store.is_postgres else "python")
+        bin_dir = self._check_machine(uses_jdbc=reader == "jdbc")
+        self._ensure_master()
+
+        claim_id = uuid.uuid4().hex
+        args = ["--claim-id", claim_id, "--due-before", due_before.isoformat(), "--reader", reader,
+                "--lease-seconds", str(self.lease_seconds), "--partitions", str(self.partitions),
+                "--batch-size", str(self.batch_size), "--number-of-retries", str(self.number_of_retries),
+                "--error-queue", self.error_queue,
+                "--destination-policies", json.dumps({d: p.to_dict() for d, p in self.destination_policies.items()})]
+        if due_from is not None:
+            args += ["--due-from", due_from.isoformat()]
+        if self.delivery_policy is not None:
+            args += ["--delivery-policy", json.dumps(self.delivery_policy.to_dict())]
+        # Set after templates were rendered, so the secret is never stored as a rendered field.
+        self.application_args = args
+        if reader == "jdbc":
+            self.jars = ",".join(filter(None, [self.jars, self.jdbc_jar]))
+        self.env_vars = {
+            **(self.env_vars or {}),
+            sweep_app.SECRET_ENV: sweep_app.encode_secret(store_hook.store_spec(), self._transport_spec(store_hook)),
+            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+            "PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable),
+            "SPARK_LOCAL_IP": os.environ.get("SPARK_LOCAL_IP", "127.0.0.1"),
+        }
+        self.log.info("Sweeping messages due in [%s, %s) from %r through %s, claim %s",
+                      due_from.isoformat() if due_from else "-", due_before.isoformat(), store, self.transport, claim_id)
+        try:
+            super().execute(context)
+        except Exception:
+            self._log_record(store, claim_id)
+            raise
+        finally:
+            store.close()
+        record = store.sweep_record(claim_id)
+        if record is None or record["status"] != "done":
+            raise DelayProviderError(f"spark-submit succeeded but the sweep {claim_id} did not finish: {record}")
+        summary = {**(record["summary"] or {}), "status": record["status"]}
+        self.log.info("Sweep %s: %s", claim_id, json.dumps(summary))
+        return summary
+
+    def _log_record(self, store, claim_id: str) -> None:
+        try:
+            record = store.sweep_record(claim_id)
+        except Exception as exc:  # the submit's own error matters more
+            record = f"unreadable ({exc})"
+        self.log.error("Sweep %s failed; its record: %s", claim_id, record or "none (it never started)")

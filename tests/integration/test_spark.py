@@ -1,0 +1,202 @@
+"""The bulk sweep with a real `spark-submit --master local[2]` on the real PostgreSQL and RabbitMQ."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.core.pump import Pump, PumpConfig
+from airflow_delay_provider.core.retry_policy import DeliveryPolicy
+from airflow_delay_provider.spark import sweep as sweep_app
+from tests.conftest import RABBIT_HOST, RABBIT_PORT
+from tests.helpers import collect, drain, make_store, make_transport
+
+APP = Path(sweep_app.__file__).with_name("sweep_app.py")
+SPARK_SUBMIT = Path(sys.executable).with_name("spark-submit")
+
+
+@pytest.fixture(scope="module")
+def spark_ready():
+    if not SPARK_SUBMIT.exists():
+        pytest.fail(f"{SPARK_SUBMIT} is missing: install the spark extra (`make test` does)", pytrace=False)
+    if not Path(sweep_app.DEFAULT_JDBC_JAR).exists():
+        pytest.fail(f"{sweep_app.DEFAULT_JDBC_JAR} is missing: apt-get install libpostgresql-jdbc-java "
+                    "(`make test` does)", pytrace=False)
+
+
+def submit(store_spec: dict, transport_spec: dict, *args: str, wait: bool = True):
+    """spark-submit the sweep on local[2]; returns (return code, summary, output) or the running process."""
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
+               **{sweep_app.SECRET_ENV: sweep_app.encode_secret(store_spec, transport_spec)})
+    command = [str(SPARK_SUBMIT), "--master", "local[2]", "--jars", sweep_app.DEFAULT_JDBC_JAR,
+               "--conf", "spark.ui.enabled=false", "--driver-memory", "1g", str(APP), *args]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    if not wait:
+        return proc
+    output, _ = proc.communicate(timeout=300)
+    summaries = [line[len(sweep_app.SUMMARY_MARKER):] for line in output.splitlines()
+                 if line.startswith(sweep_app.SUMMARY_MARKER)]
+    return proc.returncode, json.loads(summaries[-1]) if summaries else None, output
+
+
+def due_messages(n: int, destination: str, seconds_ago: float = 5.0, prefix: str = "m") -> list[DelayedMessage]:
+    due = utcnow() - timedelta(seconds=seconds_ago)
+    return [DelayedMessage(destination, f"body-{i}".encode(), due, {"n": str(i)}, f"{prefix}-{i}") for i in range(n)]
+
+
+def specs(url, schema, table, transport: dict) -> tuple[dict, dict]:
+    return {"url": url, "table": table, "schema": schema}, transport
+
+
+def test_sweep_delivers_20000_exactly_once_to_sql_dead_letters_and_a_rerun_dispatches_nothing(spark_ready, pg):
+    url, schema, table = pg
+    store = make_store(*pg)
+    transport = make_transport(*pg, "orders", "refunds", "error")  # "gone" has no queue: destination not found
+    store.store(due_messages(12_000, "orders") + due_messages(8_000, "refunds", prefix="r")
+                + due_messages(5, "gone", prefix="g"))
+    later = DelayedMessage("orders", b"later", utcnow() + timedelta(hours=1), message_id="later")
+    store.store([later])
+    window_end = (utcnow() + timedelta(minutes=1)).isoformat()
+    sql = {"kind": "sql", "url": url, "schema": schema, "table_prefix": f"{table}_"}
+
+    code, summary, output = submit(*specs(*pg, sql), "--due-before", window_end, "--partitions", "3",
+                                   "--delivery-policy", "http")
+    assert code == 0, output[-3000:]
+    assert summary["reader"] == "jdbc" and summary["partitions"] == 3 and summary["status"] == "done"
+    assert summary["destinations"] == {"orders": {"dispatched": 12_000}, "refunds": {"dispatched": 8_000},
+                                       "gone": {"failed": 5, "dead_lettered": 5}}
+    ids = Counter(m.message_id for q in ("orders", "refunds") for m in drain(transport, q))
+    assert len(ids) == 20_000 and set(ids.values()) == {1}
+    dead = drain(transport, "error")
+    assert sorted(m.message_id for m in dead) == [f"g-{i}" for i in range(5)]
+    assert dead[0].headers["x-delay-failed-destination"] == "gone"
+    assert store.count_scheduled() == {"orders": 1}  # due in an hour: not swept early
+    record = store.sweep_record(summary["claim_id"])
+    assert record["status"] == "done" and record["claimed"] == 20_005 and record["summary"]["released"] == 0
+
+    code, again, output = submit(*specs(*pg, sql), "--due-before", window_end)
+    assert code == 0, output[-3000:]
+    assert (again["claimed"], again["dispatched"]) == (0, 0)
+    assert transport.depth("orders")["visible"] == 0 and store.get("later") is not None
+
+
+def test_sweep_beside_a_pump_to_rabbitmq_sends_each_message_once(spark_ready, pg, rabbit, rabbit_vhost):
+    n = 20_000
+    store = make_store(*pg)
+    rabbit.provision("orders")
+    rabbit.provision("error")
+    store.store(due_messages(n, "orders"))
+    # A slow pump (500/s) runs through the whole sweep, so both take a share of the same rows.
+    pump = Pump(store, rabbit, PumpConfig(batch_size=100),
+                policy=DeliveryPolicy.from_dict({"throttlePolicy": {"maxReceivesPerSecond": 500}}))
+    results = {}
+    worker = threading.Thread(target=lambda: results.update(r=pump.run(deadline=utcnow() + timedelta(seconds=90),
+                                                                       stop_when_idle=True)))
+    worker.start()
+    spec = {"kind": "rabbitmq", "host": RABBIT_HOST, "port": RABBIT_PORT, "virtual_host": rabbit_vhost,
+            "login": "guest", "password": "guest", "prefix": rabbit.names.prefix}
+    code, summary, output = submit(*specs(*pg, spec), "--due-before", (utcnow() + timedelta(minutes=1)).isoformat(),
+                                   "--partitions", "2")
+    worker.join(120)
+    assert code == 0, output[-3000:]
+    pumped = results["r"].stats.dispatched
+    assert summary["dispatched"] > 0 and pumped > 0, (summary, pumped)
+    assert summary["dispatched"] + pumped == n
+    received = Counter(m.message_id for _, m in collect(rabbit, "orders", n, timeout=60))
+    assert len(received) == n and max(received.values()) == 1, received.most_common(3)
+    assert store.count_scheduled() == {}
+
+
+def test_killed_sweep_is_taken_over_after_its_lease_and_nothing_is_lost(spark_ready, pg):
+    url, schema, table = pg
+    store = make_store(*pg)
+    transport = make_transport(*pg, "orders", "error")
+    n = 20_000
+    store.store(due_messages(n, "orders"))
+    sql = {"kind": "sql", "url": url, "schema": schema, "table_prefix": f"{table}_"}
+    window_end = (utcnow() + timedelta(minutes=1)).isoformat()
+    slow = json.dumps({"throttlePolicy": {"maxReceivesPerSecond": 2000}})  # ~10 s: time to kill it mid-run
+    proc = submit(*specs(*pg, sql), "--due-before", window_end, "--lease-seconds", "5", "--claim-id", "first",
+                  "--delivery-policy", slow, wait=False)
+    deadline = time.monotonic() + 120
+    while transport.depth("orders")["visible"] < 2000 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, "the sweep ended before it could be killed: " + proc.stdout.read()[-3000:]
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    delivered_before = transport.depth("orders")["visible"]
+    assert 0 < delivered_before < n
+    assert store.sweep_record("first")["status"] == "running"  # it never finished
+    time.sleep(5.5)  # its lease runs out
+
+    # The Python data source reads this time (the reader PostgreSQL uses without the JDBC jar, and SQLite).
+    code, summary, output = submit(*specs(*pg, sql), "--due-before", window_end, "--claim-id", "second",
+                                   "--reader", "python", "--partitions", "2")
+    assert code == 0, output[-3000:]
+    assert summary["reader"] == "python" and summary["taken_over"] == n - delivered_before == summary["dispatched"]
+    ids = Counter(m.message_id for m in drain(transport, "orders"))
+    # The SQL transport shares the store's database: even the killed partitions' batches rolled back.
+    assert len(ids) == n and set(ids.values()) == {1}
+    assert store.count_scheduled() == {}
+
+
+def test_operator_sweeps_the_embedded_sqlite_store_and_returns_the_summary(spark_ready, run_dag):
+    from airflow.sdk import DAG
+
+    from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+    from airflow_delay_provider.operators.sweep import BulkSweepOperator
+
+    hook = DelayStoreHook()  # no connection: the embedded SQLite store under AIRFLOW_HOME
+    store = hook.get_store()
+    store.create_schema()
+    transport = hook.get_transport()
+    for queue in ("sweep.q", "error"):
+        transport.provision(queue)
+    store.store(due_messages(500, "sweep.q", prefix="op"))
+    with DAG("test_bulk_sweep_sqlite", schedule=None, catchup=False) as dag:
+        BulkSweepOperator(task_id="sweep", due_before=(utcnow() + timedelta(minutes=1)).isoformat(),
+                          partitions=2, conf={"spark.ui.enabled": "false"})
+    state, states, values = run_dag(dag)
+    assert state == "success", states
+    summary = values["sweep"]
+    assert summary["reader"] == "python" and summary["status"] == "done"
+    assert summary["destinations"] == {"sweep.q": {"dispatched": 500}}
+    assert sorted(m.message_id for m in drain(transport, "sweep.q")) == sorted(f"op-{i}" for i in range(500))
+    assert "sweep.q" not in store.count_scheduled()
+
+
+def test_operator_says_how_to_install_what_is_missing(monkeypatch, tmp_path):
+    import shutil
+
+    from airflow_delay_provider.core.errors import InvalidInputError
+    from airflow_delay_provider.operators.sweep import BulkSweepOperator, SparkSetupError
+
+    op = BulkSweepOperator(task_id="s", due_before="2026-01-01T00:00:00+00:00", jdbc_jar=str(tmp_path / "none.jar"))
+    with pytest.raises(SparkSetupError, match="apt-get install libpostgresql-jdbc-java"):
+        op._check_machine(uses_jdbc=True)
+    assert op._check_machine(uses_jdbc=False)  # SQLite needs no jar
+    monkeypatch.delenv("JAVA_HOME", raising=False)
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, path=None: None if name == "java" else real_which(name, path=path))
+    with pytest.raises(SparkSetupError, match="openjdk-17-jre-headless"):
+        op._check_machine(uses_jdbc=False)
+    monkeypatch.setattr(shutil, "which", lambda name, path=None: None)
+    with pytest.raises(SparkSetupError, match="spark-submit was not found"):
+        op._check_machine(uses_jdbc=False)
+    for bad in ({"transport": "kafka"}, {"reader": "odbc"}, {"partitions": -1}, {"lease_seconds": 1},
+                {"batch_size": 0}, {"delivery_policy": {"healthyRetryPolicy": {"numRetries": 101}}}):
+        with pytest.raises(InvalidInputError):
+            BulkSweepOperator(task_id="bad", due_before="2026-01-01T00:00:00+00:00", **bad)
