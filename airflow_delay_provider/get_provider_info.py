@@ -18,7 +18,8 @@ def get_provider_info() -> dict:
         "hooks": [{"integration-name": INTEGRATION, "python-modules": [
             "airflow_delay_provider.hooks.delay_store", "airflow_delay_provider.hooks.rabbitmq",
             "airflow_delay_provider.hooks.sqs"]}],
-        "operators": [{"integration-name": INTEGRATION, "python-modules": ["airflow_delay_provider.operators.delay"]}],
+        "operators": [{"integration-name": INTEGRATION, "python-modules": [
+            "airflow_delay_provider.operators.delay", "airflow_delay_provider.operators.sweep"]}],
         "sensors": [{"integration-name": INTEGRATION, "python-modules": ["airflow_delay_provider.sensors.delay_store"]}],
         "triggers": [{"integration-name": INTEGRATION, "python-modules": [
             "airflow_delay_provider.triggers.delay_store", "airflow_delay_provider.triggers.sqs"]}],

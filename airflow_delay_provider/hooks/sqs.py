@@ -36,3 +36,13 @@ class SqsDelayHook(SqsHook):
                 "aws_session_token": credentials.token,
             },
         }
+
+    def test_connection(self) -> tuple[bool, str]:
+        """Reach SQS with the connection's credentials and list the queues the provider can use."""
+        try:
+            urls = self.get_conn().list_queues(MaxResults=1000).get("QueueUrls", [])
+        except Exception as exc:  # shown in the UI; botocore's messages carry no secret key
+            return False, f"{type(exc).__name__}: {exc}"
+        delay_queues = sum(url.endswith("-delay.fifo") for url in urls)
+        where = self.conn_config.endpoint_url or f"region {self.conn_region_name}"
+        return True, f"Reached SQS at {where}; {len(urls)} queue(s), {delay_queues} of them -delay.fifo relay queues"

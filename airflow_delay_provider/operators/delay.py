@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import asdict
 from datetime import datetime, timedelta
 from typing import Any, Sequence
 
 from airflow.sdk import BaseOperator, Context
 
+from airflow_delay_provider import metrics
 from airflow_delay_provider.core.breakers import CircuitBreaker, call_with_breaker
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import DelayProviderError, InvalidInputError, UnavailableError
@@ -162,6 +164,10 @@ class SendDelayedMessageOperator(_StoreOperator):
     pass `messages`: dicts with destination, body, headers, delay_seconds, deliver_at, message_id;
     missing keys take the operator's values. Ids not given are derived from the task instance, so
     a retried task stores the same messages again instead of duplicates.
+
+    `delivery_policy` (seed 003 JSON, a dict or a built-in name; templated) is stored as the
+    destinations' policy beside the messages (`transport="sql"`), so whichever dispatch task or
+    sweep sends them retries them that way.
     """
 
     template_fields: Sequence[str] = (
@@ -174,6 +180,7 @@ class SendDelayedMessageOperator(_StoreOperator):
         "queue_delay_seconds",
         "messages",
         "message_id",
+        "delivery_policy",
     )
 
     def __init__(
@@ -187,10 +194,15 @@ class SendDelayedMessageOperator(_StoreOperator):
         queue_delay_seconds: int | str | None = None,
         messages: list[dict] | None = None,
         message_id: str | None = None,
+        delivery_policy: DeliveryPolicy | dict | str | None = None,
         time_to_trigger_store_circuit_breaker: float = 30.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        # A template is checked once rendered; anything else when the DAG is parsed.
+        if delivery_policy not in (None, "") and "{{" not in str(delivery_policy):
+            DeliveryPolicy.parse(delivery_policy)
+        self.delivery_policy = delivery_policy
         self.destination = destination
         self.body = body
         self.headers = headers
@@ -228,6 +240,12 @@ class SendDelayedMessageOperator(_StoreOperator):
             )
             for n, item in enumerate(items)
         ]
+        policy = None if self.delivery_policy in (None, "") else DeliveryPolicy.parse(self.delivery_policy)
+        if policy is not None and self.transport != "sql":
+            raise InvalidInputError(
+                f"delivery_policy applies to messages kept in the store (transport='sql'); {self.transport!r} "
+                "delivers through the broker's own delays"
+            )
         breaker = CircuitBreaker("storing delayed messages", self.time_to_trigger_store_circuit_breaker)
         if self.transport == "sql":
             store = self.hook.get_store()
@@ -235,10 +253,14 @@ class SendDelayedMessageOperator(_StoreOperator):
             call_with_breaker(breaker, store.create_schema, retry_on=(UnavailableError,))
             stored = call_with_breaker(breaker, lambda: store.store(batch), retry_on=(UnavailableError,))
             self.log.info("Stored %d new message(s) of %d (the rest were stored by an earlier try)", stored, len(batch))
+            if policy is not None:
+                store.set_policies(dict.fromkeys({m.destination for m in batch}, policy.to_dict()))
+                self.log.info("Delivery policy of %s:\n%s", sorted({m.destination for m in batch}), policy.phase_table())
         else:
             self._send_native(batch, breaker)
         for m in batch[:20]:
             self.log.info("Scheduled %s for %s at %s", m.message_id, m.destination, m.due_at.isoformat())
+        metrics.count_sent(Counter(m.destination for m in batch))
         ids = [m.message_id for m in batch]
         return ids if self.messages is not None else ids[0]
 
@@ -379,6 +401,7 @@ class DispatchDueMessagesOperator(_StoreOperator):
             pump.store.close()
             pump.transport.close()
         stats.merge(result.stats)
+        metrics.count_dispatch(result.stats.summary())  # this stretch only: earlier ones were counted
         if result.reason == "idle" and self.deferrable:
             self.log.info("Next message due at %s: deferring (%s so far)", result.next_due, stats.summary())
             self.defer(

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import BaseHook, Context
 
+from airflow_delay_provider import metrics
 from airflow_delay_provider.core.errors import DelayProviderError, InvalidInputError
 from airflow_delay_provider.core.pump import PumpConfig
 from airflow_delay_provider.core.requests import parse_moment
@@ -197,6 +198,7 @@ class BulkSweepOperator(SparkSubmitOperator):
         if record is None or record["status"] != "done":
             raise DelayProviderError(f"spark-submit succeeded but the sweep {claim_id} did not finish: {record}")
         summary = {**(record["summary"] or {}), "status": record["status"]}
+        metrics.count_dispatch(summary)
         self.log.info("Sweep %s: %s", claim_id, json.dumps(summary))
         return summary
 

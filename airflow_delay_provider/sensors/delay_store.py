@@ -1,4 +1,4 @@
-"""DelayedMessagesSensor: wait until nothing (for a destination, or at all) is still scheduled before a time."""
+"""Sensors on the delay store: nothing left scheduled before a time, or a backlog past a threshold."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from typing import Any, Sequence
 
 from airflow.sdk import BaseSensorOperator, Context
 
+from airflow_delay_provider import metrics
 from airflow_delay_provider.core.delays import utcnow
-from airflow_delay_provider.core.errors import UnavailableError
+from airflow_delay_provider.core.errors import InvalidInputError, UnavailableError
 from airflow_delay_provider.core.requests import parse_moment
 from airflow_delay_provider.hooks.delay_store import DelayStoreHook
 from airflow_delay_provider.triggers.delay_store import ScheduledMessagesTrigger
@@ -79,3 +80,72 @@ class DelayedMessagesSensor(BaseSensorOperator):
 
             raise AirflowSensorTimeout(f"messages still scheduled after {self.timeout} s: {self._scheduled()}")
         raise UnavailableError(f"waiting on the delay store failed: {event.get('message')}")
+
+
+class DelayBacklogSensor(BaseSensorOperator):
+    """Succeeds when the store's backlog crosses a threshold: at most `threshold` messages
+    (`comparison="below"`, e.g. wait for a sweep to catch up) or at least that many (`"above"`,
+    e.g. start a bulk sweep only when one pump is not enough).
+
+    `measure="due"` counts messages already due (the dispatch backlog), `"scheduled"` every stored
+    message (seed 004's NumberOfMessagesDelayed). Counts one `destination`, or all. Each poke sets the
+    `delay_provider.store.<destination>.<measure>` gauges; the task returns the counts.
+    """
+
+    template_fields: Sequence[str] = ("destination", "threshold")
+    MEASURES = ("due", "scheduled")
+    COMPARISONS = ("below", "above")
+
+    def __init__(
+        self,
+        *,
+        threshold: int | str,
+        comparison: str = "below",
+        measure: str = "due",
+        destination: str | None = None,
+        delay_store_conn_id: str | None = None,
+        table: str | None = None,
+        db_schema: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if comparison not in self.COMPARISONS:
+            raise InvalidInputError(f"comparison {comparison!r} is not supported; choose one of {list(self.COMPARISONS)}")
+        if measure not in self.MEASURES:
+            raise InvalidInputError(f"measure {measure!r} is not supported; choose one of {list(self.MEASURES)}")
+        if "{{" not in str(threshold):
+            _threshold(threshold)
+        self.threshold = threshold
+        self.comparison = comparison
+        self.measure = measure
+        self.destination = destination
+        self.delay_store_conn_id = delay_store_conn_id
+        self.table = table
+        self.db_schema = db_schema
+        self.counts: dict[str, int] = {}
+
+    def poke(self, context: Context) -> bool:
+        store = DelayStoreHook(self.delay_store_conn_id, table=self.table, db_schema=self.db_schema).get_store()
+        before = utcnow() if self.measure == "due" else None
+        self.counts = store.count_scheduled(before, self.destination)
+        metrics.gauge_backlog(self.measure, self.counts or {self.destination or "all": 0})
+        total = sum(self.counts.values())
+        limit = _threshold(self.threshold)
+        crossed = total <= limit if self.comparison == "below" else total >= limit
+        self.log.info("%d message(s) %s (%s); waiting for %s %d: %s", total, self.measure, self.counts,
+                      "at most" if self.comparison == "below" else "at least", limit, "reached" if crossed else "not yet")
+        return crossed
+
+    def execute(self, context: Context) -> dict:
+        super().execute(context)
+        return {"measure": self.measure, "total": sum(self.counts.values()), "counts": self.counts}
+
+
+def _threshold(value: Any) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = -1
+    if isinstance(value, bool) or n < 0:
+        raise InvalidInputError(f"threshold must be an int >= 0, got {value!r}")
+    return n

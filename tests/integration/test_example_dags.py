@@ -31,10 +31,13 @@ def test_every_example_dag_imports_with_docs(airflow_home):
     bag = DagBag(dag_folder=str(ROOT / "dags"))
     assert bag.import_errors == {}
     assert {"demo_delayed_delivery", "delay_manual_send", "delay_scheduled_sweep", "delay_sqs_relay",
-            "delay_order_timeout"} <= set(bag.dag_ids)
+            "delay_order_timeout", "delay_provision_all", "spark_bulk_sweep"} <= set(bag.dag_ids)
     assert all(bag.get_dag(d).doc_md for d in bag.dag_ids)
     sweep = bag.get_dag("delay_scheduled_sweep")
     assert sweep.catchup and sweep.get_task("dispatch").due_before == "{{ data_interval_end }}"
+    spark = bag.get_dag("spark_bulk_sweep").get_task("sweep")
+    assert bag.get_dag("spark_bulk_sweep").catchup
+    assert (spark.due_from, spark.due_before) == ("{{ data_interval_start }}", "{{ data_interval_end }}")
 
 
 @pytest.mark.parametrize(("conf", "field"), [
@@ -44,6 +47,7 @@ def test_every_example_dag_imports_with_docs(airflow_home):
     ({"destination": "has space"}, "destination"),
     ({"destination": ""}, "destination"),
     ({"deliver_at": "tomorrow"}, "deliver_at"),
+    ({"retry_policy": "forever"}, "retry_policy"),
 ])
 def test_manual_send_form_refuses_bad_values(airflow_home, conf, field):
     from airflow.sdk.exceptions import ParamValidationError
@@ -70,8 +74,10 @@ def test_order_timeout_cancels_only_unpaid_orders(run_dag, pay, check, status):
 def test_manual_send_renders_the_transport_from_the_form(run_dag):
     from airflow_delay_provider.hooks.delay_store import DelayStoreHook
 
-    state, states, values = run_dag(load("delay_manual_send"),
-                                    {"transport": "sql", "destination": "manual.q", "delay_seconds": 300})
+    state, states, values = run_dag(load("delay_manual_send"), {"transport": "sql", "destination": "manual.q",
+                                                                 "delay_seconds": 300, "retry_policy": "smtp"})
     assert state == "success", states
-    stored = DelayStoreHook().get_store().get(values["send"])
+    store = DelayStoreHook().get_store()
+    stored = store.get(values["send"])
     assert stored is not None and stored.destination == "manual.q" and stored.body == b'{"order": 1}'
+    assert store.policies()["manual.q"]["healthyRetryPolicy"]["numRetries"] == 50  # seed 003's smtp policy

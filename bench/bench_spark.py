@@ -1,0 +1,203 @@
+"""Benchmark: the Spark bulk sweep vs the single-process pump on the same 1,000,000 due messages.
+
+One run, PostgreSQL store, two destinations: the SQL-table transport and RabbitMQ. For each: the
+pump in its own process, the sweep on local[1] and local[2] (SQL) or local[2] (RabbitMQ), and the
+raw limit (a bare batched claim for the database, pika with windowed confirms for the broker).
+Wall time includes Spark's start-up; peak memory is sampled over the spark-submit process tree.
+`make bench` runs it with 1,000,000 messages; --messages makes it smaller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pika
+import psutil
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_rabbitmq import rabbitmqctl, raw_windowed  # noqa: E402
+from bench_store import libpq, log, peak_rss_mb, raw_claim, raw_copy, raw_rows  # noqa: E402
+
+from airflow_delay_provider.core.pump import Pump, PumpConfig  # noqa: E402
+from airflow_delay_provider.spark import sweep as sweep_app  # noqa: E402
+from airflow_delay_provider.stores.sql import SqlDelayedMessageStore  # noqa: E402
+
+SPARK_SUBMIT = Path(sys.executable).with_name("spark-submit")
+APP = Path(sweep_app.__file__).with_name("sweep_app.py")
+
+
+def fill(url: str, qualified: str, n: int) -> None:
+    """n due rows in a freshly vacuumed table, so no run pays for the dead rows of the one before."""
+    with psycopg.connect(libpq(url), autocommit=True) as conn:
+        conn.execute(f"VACUUM ANALYZE {qualified}")
+    with psycopg.connect(libpq(url)) as conn:
+        for start in range(0, n, 100_000):
+            raw_copy(conn, qualified, raw_rows(min(100_000, n - start), start))
+
+
+def pump_child(url: str, schema: str, table: str, transport_json: str) -> None:
+    """Run in its own process, so its peak RSS is the pump's alone."""
+    store = SqlDelayedMessageStore(url, table=table, schema=schema)
+    transport = sweep_app.transport_from_spec(json.loads(transport_json))
+    started = time.perf_counter()
+    result = Pump(store, transport, PumpConfig(batch_size=1000)).run(stop_when_idle=True)
+    elapsed = time.perf_counter() - started
+    transport.close()
+    print(json.dumps({"dispatched": result.stats.dispatched, "seconds": elapsed, "peak_rss_mb": peak_rss_mb()}))
+
+
+def run_pump(url: str, schema: str, table: str, transport: dict) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--pump-child", url, schema, table, json.dumps(transport)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+class TreeMemory(threading.Thread):
+    """Peak RSS of a process tree, split into the JVM (Spark's driver and, in local mode, executors),
+    the Python driver and the Python workers (summed)."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.root = psutil.Process(pid)
+        self.peak = {"jvm_mb": 0.0, "python_driver_mb": 0.0, "python_workers_mb": 0.0}
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.5):
+            groups = dict.fromkeys(self.peak, 0.0)
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            for proc in procs:
+                try:
+                    cmd = " ".join(proc.cmdline())
+                    rss = proc.memory_info().rss / 2**20
+                except psutil.Error:
+                    continue
+                if "java" in proc.name():
+                    groups["jvm_mb"] += rss
+                elif "sweep_app.py" in cmd:
+                    groups["python_driver_mb"] += rss
+                elif "python" in proc.name():
+                    groups["python_workers_mb"] += rss
+            for key, value in groups.items():
+                self.peak[key] = max(self.peak[key], value)
+
+
+def run_sweep(url: str, schema: str, table: str, transport: dict, master: str) -> dict:
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
+               **{sweep_app.SECRET_ENV: sweep_app.encode_secret({"url": url, "table": table, "schema": schema},
+                                                                transport)})
+    command = [str(SPARK_SUBMIT), "--master", master, "--jars", sweep_app.DEFAULT_JDBC_JAR, "--driver-memory", "2g",
+               "--conf", "spark.ui.enabled=false", str(APP), "--due-before", "9999-01-01T00:00:00+00:00"]
+    started = time.perf_counter()
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    memory = TreeMemory(proc.pid)
+    memory.start()
+    output, _ = proc.communicate()
+    wall = time.perf_counter() - started
+    memory.done.set()
+    memory.join()
+    lines = [line for line in output.splitlines() if line.startswith(sweep_app.SUMMARY_MARKER)]
+    if proc.returncode or not lines:
+        raise SystemExit(f"the sweep failed ({proc.returncode}):\n{output[-4000:]}")
+    summary = json.loads(lines[-1][len(sweep_app.SUMMARY_MARKER):])
+    return {"dispatched": summary["dispatched"], "seconds": wall, "sweep_seconds": summary["seconds"],
+            "partitions": summary["partitions"], **memory.peak}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--url", default=os.environ.get("DELAY_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"))
+    parser.add_argument("--rabbit-host", default="127.0.0.1")
+    parser.add_argument("--messages", type=int, default=1_000_000)
+    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "spark.json")
+    parser.add_argument("--pump-child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.pump_child:
+        pump_child(*args.pump_child)
+        return
+    n, url = args.messages, args.url
+    schema, table, vhost = f"bench_spark_{uuid.uuid4().hex[:8]}", "dm", f"bench_spark_{uuid.uuid4().hex[:8]}"
+    store = SqlDelayedMessageStore(url, table=table, schema=schema)
+    store.create_schema()
+    qualified = f"{schema}.{table}"
+    sql = {"kind": "sql", "url": url, "schema": schema, "table_prefix": "q_"}
+    sweep_app.transport_from_spec(sql).provision("orders")
+    rabbitmqctl("add_vhost", vhost)
+    rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+    rabbit = {"kind": "rabbitmq", "host": args.rabbit_host, "virtual_host": vhost, "prefix": "bench"}
+    broker = sweep_app.transport_from_spec(rabbit)
+    for queue in ("orders", "error"):
+        broker.provision(queue)
+    params = pika.ConnectionParameters(args.rabbit_host, virtual_host=vhost)
+
+    def purge() -> None:
+        with pika.BlockingConnection(params) as conn:
+            conn.channel().queue_purge("orders")
+
+    results: dict[str, dict] = {}
+    try:
+        fill(url, qualified, n)
+        with psycopg.connect(libpq(url)) as conn:
+            started = time.perf_counter()
+            claimed = raw_claim(conn, qualified)
+            results["sql: raw limit (bare batched claim, 1 process)"] = {
+                "dispatched": claimed, "seconds": time.perf_counter() - started}
+        runs = [
+            ("sql", "pump (1 process)", lambda: run_pump(url, schema, table, sql)),
+            ("sql", "sweep local[1]", lambda: run_sweep(url, schema, table, sql, "local[1]")),
+            ("sql", "sweep local[2]", lambda: run_sweep(url, schema, table, sql, "local[2]")),
+            ("rabbitmq", "pump (1 process)", lambda: run_pump(url, schema, table, rabbit)),
+            ("rabbitmq", "sweep local[2]", lambda: run_sweep(url, schema, table, rabbit, "local[2]")),
+        ]
+        for destination, name, run in runs:
+            fill(url, qualified, n)
+            log(f"{n} due messages stored; {destination}: {name}")
+            result = run()
+            assert result["dispatched"] == n, result
+            results[f"{destination}: {name}"] = result
+            log(f"  {result['dispatched'] / result['seconds']:,.0f} msg/s over {result['seconds']:.1f} s")
+            if destination == "rabbitmq":
+                purge()
+        raw_n = min(n, 200_000)
+        rate = raw_windowed(params, "orders", raw_n)
+        results["rabbitmq: raw limit (pika windowed confirms, 1 process)"] = {"dispatched": raw_n, "seconds": raw_n / rate}
+        purge()
+    finally:
+        with psycopg.connect(libpq(url), autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
+        rabbitmqctl("delete_vhost", vhost)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"messages": n, "results": results}, indent=2))
+    report(n, results)
+
+
+def report(n: int, results: dict[str, dict]) -> None:
+    def mb(r: dict, key: str) -> str:
+        return f"{r[key]:,.0f}" if key in r else "-"
+
+    print(f"\nBulk sweep of {n:,} due messages, PostgreSQL store, {os.cpu_count()} cores (one run)\n")
+    print("| destination: runner | wall s | msg/s | JVM MB | Python driver MB | Python workers MB |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, r in results.items():
+        driver = mb(r, "python_driver_mb") if "python_driver_mb" in r else mb(r, "peak_rss_mb")
+        print(f"| {name} | {r['seconds']:.1f} | {r['dispatched'] / r['seconds']:,.0f} | {mb(r, 'jvm_mb')} "
+              f"| {driver} | {mb(r, 'python_workers_mb')} |")
+
+
+if __name__ == "__main__":
+    main()
