@@ -4,6 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 JDBC_JAR := /usr/share/java/postgresql.jar
+CHROMIUM := /usr/bin/chromium
 export AIRFLOW_HOME := $(CURDIR)/.airflow
 
 .PHONY: demo test bench install clean
@@ -20,12 +21,16 @@ $(STAMP): pyproject.toml constraints.txt
 $(JDBC_JAR):
 	apt-get install -y -q libpostgresql-jdbc-java || (apt-get update -q && apt-get install -y -q libpostgresql-jdbc-java)
 
+# The browser test drives Debian's chromium with Playwright (Playwright's own browser download is unreachable).
+$(CHROMIUM):
+	apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium)
+
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
-test: $(STAMP) $(JDBC_JAR)
+test: $(STAMP) $(JDBC_JAR) $(CHROMIUM)
 	$(BIN)/python -m pytest
 
 bench: $(STAMP) $(JDBC_JAR)

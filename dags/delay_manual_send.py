@@ -26,11 +26,10 @@ with DAG(
                             description="An ISO timestamp with a timezone; in the past means now"),
         "queue_delay_seconds": Param(None, type=["null", "integer"], minimum=0, maximum=604800,
                                      title="Queue-level delay", description="Applies when the message has none"),
-        "retry_policy": Param(None, type=["null", "string"],
-                              enum=[None, "http", "sqs", "lambda", "smtp", "sms", "mobile-push"],
+        "retry_policy": Param("task default", type="string",
+                              enum=["task default", "http", "sqs", "lambda", "smtp", "sms", "mobile-push"],
                               title="Retry policy",
-                              description="Seed 003's built-in policies, stored for the destination (sql transport); "
-                              "empty: the dispatch task's own"),
+                              description="Seed 003's built-in policies, stored for the destination (sql transport)"),
     },
     doc_md="""
 ### Send a delayed message by hand
@@ -50,5 +49,5 @@ when due; with `rabbitmq` or `sqs` the broker delays it itself (connections `rab
         delay_seconds="{{ '' if params.deliver_at else params.delay_seconds }}",
         deliver_at="{{ params.deliver_at or '' }}",
         queue_delay_seconds="{{ params.queue_delay_seconds if params.queue_delay_seconds is not none else '' }}",
-        delivery_policy="{{ params.retry_policy or '' }}",
+        delivery_policy="{{ '' if params.retry_policy == 'task default' else params.retry_policy }}",
     )

@@ -145,13 +145,16 @@ class BulkSweepOperator(SparkSubmitOperator):
             )
         return os.path.dirname(found)
 
-    def _ensure_master(self) -> None:
-        """A missing Spark connection makes the Spark provider fall back to YARN; use `master` instead."""
+    def _ensure_master(self) -> bool:
+        """A missing Spark connection makes the Spark provider fall back to YARN; use `master` instead.
+        Returns True when Spark runs locally (then the driver only listens on loopback)."""
         try:
-            BaseHook.get_connection(self._conn_id)
+            conn = BaseHook.get_connection(self._conn_id)
         except Exception:
             self.log.info("No Spark connection %r: running on %s", self._conn_id, self.master)
             os.environ[f"AIRFLOW_CONN_{self._conn_id.upper()}"] = json.dumps({"conn_type": "spark", "host": self.master})
+            return self.master.startswith("local")
+        return str(conn.host or "").startswith("local")
 
     def execute(self, context: Context) -> dict:
         due_before = parse_moment(self.due_before, "due_before")
@@ -162,7 +165,7 @@ class BulkSweepOperator(SparkSubmitOperator):
         store = store_hook.get_store()
         reader = self.reader if self.reader != "auto" else ("jdbc" if store.is_postgres else "python")
         bin_dir = self._check_machine(uses_jdbc=reader == "jdbc")
-        self._ensure_master()
+        local = self._ensure_master()
 
         claim_id = uuid.uuid4().hex
         args = ["--claim-id", claim_id, "--due-before", due_before.isoformat(), "--reader", reader,
@@ -183,8 +186,9 @@ class BulkSweepOperator(SparkSubmitOperator):
             sweep_app.SECRET_ENV: sweep_app.encode_secret(store_hook.store_spec(), self._transport_spec(store_hook)),
             "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
             "PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable),
-            "SPARK_LOCAL_IP": os.environ.get("SPARK_LOCAL_IP", "127.0.0.1"),
         }
+        if local and "SPARK_LOCAL_IP" not in os.environ:
+            self.env_vars["SPARK_LOCAL_IP"] = "127.0.0.1"  # executors on other hosts must reach the driver
         self.log.info("Sweeping messages due in [%s, %s) from %r through %s, claim %s",
                       due_from.isoformat() if due_from else "-", due_before.isoformat(), store, self.transport, claim_id)
         try:

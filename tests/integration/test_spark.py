@@ -159,7 +159,7 @@ def test_operator_sweeps_the_embedded_sqlite_store_and_returns_the_summary(spark
     from airflow_delay_provider.hooks.delay_store import DelayStoreHook
     from airflow_delay_provider.operators.sweep import BulkSweepOperator
 
-    hook = DelayStoreHook()  # no connection: the embedded SQLite store under AIRFLOW_HOME
+    hook = DelayStoreHook(table="sweep_sqlite")  # no connection: the embedded SQLite database under AIRFLOW_HOME
     store = hook.get_store()
     store.create_schema()
     transport = hook.get_transport()
@@ -168,7 +168,7 @@ def test_operator_sweeps_the_embedded_sqlite_store_and_returns_the_summary(spark
     store.store(due_messages(500, "sweep.q", prefix="op"))
     with DAG("test_bulk_sweep_sqlite", schedule=None, catchup=False) as dag:
         BulkSweepOperator(task_id="sweep", due_before=(utcnow() + timedelta(minutes=1)).isoformat(),
-                          partitions=2, conf={"spark.ui.enabled": "false"})
+                          table="sweep_sqlite", partitions=2, conf={"spark.ui.enabled": "false"})
     state, states, values = run_dag(dag)
     assert state == "success", states
     summary = values["sweep"]

@@ -1,0 +1,144 @@
+"""A real browser (Debian's chromium, headless, driven by Playwright) against `airflow standalone`:
+the manual send DAG's trigger form, filled in and submitted, and the message delivered after its delay."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.pump import Pump
+from airflow_delay_provider.hooks.delay_store import EMBEDDED_DB_NAME
+from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
+from airflow_delay_provider.transports.sql import SqlTableTransport
+from tests.conftest import ROOT, _free_port
+
+CHROMIUM = "/usr/bin/chromium"
+#: Set DELAY_UPDATE_SCREENSHOT=1 to refresh the docs' picture of the form.
+DOCS_SCREENSHOT = ROOT / "docs" / "manual_send_form.png"
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=15) as response:
+        return json.load(response)
+
+
+@pytest.fixture(scope="module")
+def standalone(tmp_path_factory):
+    """`airflow standalone` (scheduler, dag-processor, triggerer, api-server) on a free port, with
+    only the manual send DAG, no login; yields (base URL, AIRFLOW_HOME)."""
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install chromium (`make test` does)", pytrace=False)
+    home = tmp_path_factory.mktemp("standalone")
+    dags = home / "dags"
+    dags.mkdir()
+    shutil.copy(ROOT / "dags" / "delay_manual_send.py", dags)
+    port = _free_port()
+    bin_dir = str(Path(sys.executable).parent)
+    env = {
+        **os.environ,
+        "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__API__HOST": "127.0.0.1",
+        "AIRFLOW__API__PORT": str(port),
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+        "AIRFLOW__CORE__PARALLELISM": "4",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+    }
+    env.pop("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", None)  # its own SQLite database, not the tests'
+    log = open(home / "standalone.log", "w")
+    proc = subprocess.Popen([str(Path(bin_dir) / "airflow"), "standalone"], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                if any(d["dag_id"] == "delay_manual_send" for d in _get(base + "/api/v2/dags")["dags"]):
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None:
+                pytest.fail(f"airflow standalone exited: {(home / 'standalone.log').read_text()[-3000:]}", pytrace=False)
+            time.sleep(1)
+        else:
+            pytest.fail(f"airflow standalone did not come up: {(home / 'standalone.log').read_text()[-3000:]}",
+                        pytrace=False)
+        yield base, home
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def test_trigger_form_in_a_browser_sends_a_message_delivered_after_its_delay(standalone, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    screenshot = DOCS_SCREENSHOT if os.environ.get("DELAY_UPDATE_SCREENSHOT") else tmp_path / "form.png"
+    base, home = standalone
+    url = f"sqlite:///{home / EMBEDDED_DB_NAME}"  # the embedded store the standalone's task writes to
+    queue = SqlTableTransport(url)
+    queue.provision("browser.q")
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1300, "height": 1000})
+        page.goto(f"{base}/dags/delay_manual_send", wait_until="networkidle")
+        page.get_by_role("button", name="Trigger").first.click()
+        form = page.get_by_role("dialog")
+        delay = form.locator("input[name=element_delay_seconds]")
+        delay.fill("99999999")
+        delay.blur()
+        assert delay.input_value() == "604800"  # the form holds the delay to its 7-day maximum
+        delay.fill("3")
+        form.locator("#element_destination").fill("browser.q")
+        form.locator("#element_body").fill('{"from": "the browser"}')
+        page.screenshot(path=str(screenshot))
+        triggered_at = utcnow()
+        form.get_by_role("button", name="Trigger").click()
+        page.wait_for_timeout(1000)
+        browser.close()
+
+    deadline = time.monotonic() + 120
+    run = None
+    while time.monotonic() < deadline:
+        try:
+            runs = _get(f"{base}/api/v2/dags/delay_manual_send/dagRuns")["dag_runs"]
+        except OSError:  # the api-server shares 2 cores with the whole of Airflow: ask again
+            continue
+        run = runs[0] if runs else None
+        if run and run["state"] in ("success", "failed"):
+            break
+        time.sleep(1)
+    assert run is not None and run["state"] == "success", run
+    assert run["conf"]["destination"] == "browser.q" and run["conf"]["delay_seconds"] == 3
+
+    store = SqlDelayedMessageStore(url)
+    [(destination, count)] = store.count_scheduled().items()
+    assert (destination, count) == ("browser.q", 1)
+    due = store.next_due()
+    assert triggered_at + timedelta(seconds=3) <= due <= utcnow() + timedelta(seconds=3)
+    Pump(store, queue).run(deadline=utcnow() + timedelta(seconds=30), stop_when_idle=False,
+                           due_before=due + timedelta(microseconds=1))
+    delivered_at = utcnow()
+    [message] = queue.receive("browser.q")
+    assert message.body == b'{"from": "the browser"}'
+    assert delivered_at >= due  # never early
+    assert screenshot.stat().st_size > 10_000
