@@ -38,6 +38,7 @@ bench: $(STAMP) $(JDBC_JAR)
 	$(BIN)/python bench/bench_store.py --plot docs/bench_store.png
 	$(BIN)/python bench/bench_rabbitmq.py
 	$(BIN)/python bench/bench_sqs.py
+	$(BIN)/python bench/bench_spark.py
 
 clean:
 	rm -rf $(VENV) .airflow
