@@ -153,6 +153,29 @@ def test_pump_dispatches_store_to_sqs(sqs_client, tmp_path):
     assert dead.message_id == "m-25" and dead.headers["x-delay-failed-destination"] == "nowhere"
 
 
+def test_sweep_partition_sends_to_sqs_built_from_the_hooks_plain_spec(aws_conn, sqs_client, tmp_path):
+    """What a Spark executor does: no Airflow, only the spec the operator resolved from the connection."""
+    from airflow_delay_provider.core.pump import Pump
+    from airflow_delay_provider.hooks.sqs import SqsDelayHook
+    from airflow_delay_provider.spark.sweep import transport_from_spec
+    from tests.helpers import make_store, messages
+
+    spec = {"kind": "sqs", **SqsDelayHook(aws_conn_id=aws_conn).transport_spec(prefix="sw-")}
+    assert spec["client"]["aws_secret_access_key"] == "testing" and spec["client"]["endpoint_url"].startswith("http")
+    transport = transport_from_spec(spec)
+    transport.provision("orders")
+    store = make_store(f"sqlite:///{tmp_path / 's.db'}", None, "delayed")
+    store.store(messages(35, delay=-1))
+    store.start_sweep("sqs-sweep", utcnow() + timedelta(minutes=1))
+    low, high, _ = store.claimed_range("sqs-sweep")
+    leased = store.leased_rows("sqs-sweep", store.read_claimed("sqs-sweep", low, high))
+    stats = Pump(leased, transport).run(stop_when_idle=True).stats
+    assert stats.destinations == {"orders": {"dispatched": 35}}
+    got = wait_for(transport, "orders", 35, 10)
+    assert sorted(m.message_id for _, m in got) == sorted(f"m-{i}" for i in range(35))
+    assert store.count_scheduled() == {} and store.claimed_range("sqs-sweep")[2] == 0
+
+
 def test_sqs_operators_provision_send_relay_dispatch(run_dag, aws_conn, sqs_client, monkeypatch, tmp_path):
     import json
     from datetime import datetime
