@@ -40,7 +40,7 @@ class RabbitMQDelayHook(BaseHook):
 
     def transport_spec(self) -> dict:
         """The connection as plain data, for a process without Airflow (a Spark sweep); holds the password."""
-        return connection_spec(self.get_connection(self.rabbitmq_conn_id))
+        return {"kind": "rabbitmq", **connection_spec(self.get_connection(self.rabbitmq_conn_id))}
 
     def get_conn(self) -> RabbitMQTransport:
         return self.get_transport()

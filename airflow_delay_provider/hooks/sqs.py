@@ -28,6 +28,7 @@ class SqsDelayHook(SqsHook):
         credentials = self.get_credentials()
         return {
             **options,
+            "kind": "sqs",
             "client": {
                 "region_name": self.conn_region_name,
                 "endpoint_url": self.conn_config.endpoint_url,

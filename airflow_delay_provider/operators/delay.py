@@ -40,7 +40,7 @@ def _check_transport(transport: str) -> str:
     return transport
 
 
-class _StoreOperator(BaseOperator):
+class DelayOperatorBase(BaseOperator):
     """Shared arguments: the delayed-message store, and the transport that reaches the destinations.
 
     `transport="sql"`: queues as tables, in the store's database unless `transport_conn_id` names
@@ -65,8 +65,9 @@ class _StoreOperator(BaseOperator):
         self.delay_store_conn_id = delay_store_conn_id
         self.table = table
         self.db_schema = db_schema
-        # A template ("{{ params.transport }}") is checked once rendered, when the task runs.
-        self.transport = transport if "{{" in str(transport) else _check_transport(transport)
+        # A template ("{{ params.transport }}") is checked once rendered, where the field is templated.
+        templated = "transport" in self.template_fields and "{{" in str(transport)
+        self.transport = transport if templated else _check_transport(transport)
         self.transport_conn_id = transport_conn_id
         self.transport_options = dict(transport_options or {})
 
@@ -74,18 +75,30 @@ class _StoreOperator(BaseOperator):
     def hook(self) -> DelayStoreHook:
         return DelayStoreHook(self.delay_store_conn_id, table=self.table, db_schema=self.db_schema)
 
-    def get_transport(self) -> Transport:
+    def _transport_hook(self) -> DelayStoreHook | RabbitMQDelayHook | SqsDelayHook:
+        """The hook of the transport's connection."""
+        _check_transport(self.transport)  # rendered by now, if it was a template
         if self.transport == "rabbitmq":
-            return RabbitMQDelayHook(self.transport_conn_id or RabbitMQDelayHook.default_conn_name).get_transport()
+            return RabbitMQDelayHook(self.transport_conn_id or RabbitMQDelayHook.default_conn_name)
         if self.transport == "sqs":
-            hook = SqsDelayHook(aws_conn_id=self.transport_conn_id or SqsDelayHook.default_conn_name)
-            return hook.get_transport(**self.transport_options)
+            return SqsDelayHook(aws_conn_id=self.transport_conn_id or SqsDelayHook.default_conn_name)
         if self.transport_conn_id is None:
-            return self.hook.get_transport()
-        return DelayStoreHook(self.transport_conn_id, db_schema=self.db_schema).get_transport()
+            return self.hook
+        return DelayStoreHook(self.transport_conn_id, db_schema=self.db_schema)
+
+    def _options(self) -> dict:
+        """`transport_options` are SQS's (prefix, queue_delay, large_body_bucket); the others take none."""
+        return self.transport_options if self.transport == "sqs" else {}
+
+    def get_transport(self) -> Transport:
+        return self._transport_hook().get_transport(**self._options())
+
+    def transport_spec(self) -> dict:
+        """The transport as plain data (with its secrets), for a process without Airflow."""
+        return self._transport_hook().transport_spec(**self._options())
 
 
-class ProvisionDelayInfrastructureOperator(_StoreOperator):
+class ProvisionDelayInfrastructureOperator(DelayOperatorBase):
     """Create the delayed-message store and the transport's destination queues (idempotent).
 
     With RabbitMQ this declares the 28 delay levels, the delivery exchange with its `unroutable`
@@ -152,7 +165,7 @@ class ProvisionDelayInfrastructureOperator(_StoreOperator):
         return report
 
 
-class SendDelayedMessageOperator(_StoreOperator):
+class SendDelayedMessageOperator(DelayOperatorBase):
     """Schedule one message (or a batch) for delivery after a delay; returns the message id(s).
 
     `transport="sql"` keeps the message in the delayed-message store until a dispatch task sends
@@ -303,7 +316,7 @@ class SendDelayedMessageOperator(_StoreOperator):
                           estimate_cost(seconds, queue_delay=transport.queue_delay))
 
 
-class DispatchDueMessagesOperator(_StoreOperator):
+class DispatchDueMessagesOperator(DelayOperatorBase):
     """Run the dispatch pump: send due messages to their destinations and remove them from the store.
 
     Stops after `max_runtime`, after `max_messages`, or, with `due_before`, once nothing due before it
@@ -427,7 +440,7 @@ class DispatchDueMessagesOperator(_StoreOperator):
         return summary
 
 
-class MigrateDelayedMessagesOperator(_StoreOperator):
+class MigrateDelayedMessagesOperator(DelayOperatorBase):
     """Move pending delayed messages between the SQL store and RabbitMQ's delay levels, keeping due times.
 
     `direction="store_to_rabbitmq"` hands every stored message (due or not) to the levels with its
@@ -462,7 +475,7 @@ class MigrateDelayedMessagesOperator(_StoreOperator):
         return {"direction": self.direction, **result}
 
 
-class RelayDelayedMessagesOperator(_StoreOperator):
+class RelayDelayedMessagesOperator(DelayOperatorBase):
     """Run the SQS relay of one endpoint for a bounded time (seed 000's delayed message consumer).
 
     Checks the delay queue first (present, delay >= Q, retention >= 4 days, no redrive policy), then

@@ -18,10 +18,7 @@ from airflow_delay_provider.core.errors import DelayProviderError, InvalidInputE
 from airflow_delay_provider.core.pump import PumpConfig
 from airflow_delay_provider.core.requests import parse_moment
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
-from airflow_delay_provider.hooks.delay_store import DelayStoreHook
-from airflow_delay_provider.hooks.rabbitmq import RabbitMQDelayHook
-from airflow_delay_provider.hooks.sqs import SqsDelayHook
-from airflow_delay_provider.operators.delay import TRANSPORTS
+from airflow_delay_provider.operators.delay import DelayOperatorBase
 from airflow_delay_provider.spark import sweep as sweep_app
 
 APPLICATION = str(Path(sweep_app.__file__).with_name("sweep_app.py"))
@@ -32,7 +29,7 @@ class SparkSetupError(DelayProviderError):
     """spark-submit, Java or the JDBC driver jar is missing on the machine that runs the task."""
 
 
-class BulkSweepOperator(SparkSubmitOperator):
+class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
     """Dispatch the due messages of a window on Spark: every message due in [due_from, due_before)
     (and already due) is claimed under a lease, read in parallel partitions and sent through the
     transport with the delivery policy; the task returns the sweep's summary (counts per destination
@@ -57,12 +54,6 @@ class BulkSweepOperator(SparkSubmitOperator):
         *,
         due_before: Any,
         due_from: Any = None,
-        delay_store_conn_id: str | None = None,
-        table: str | None = None,
-        db_schema: str | None = None,
-        transport: str = "sql",
-        transport_conn_id: str | None = None,
-        transport_options: dict | None = None,
         delivery_policy: DeliveryPolicy | dict | str | None = None,
         destination_policies: dict[str, DeliveryPolicy | dict | str] | None = None,
         number_of_retries: int = 0,
@@ -78,8 +69,6 @@ class BulkSweepOperator(SparkSubmitOperator):
     ) -> None:
         kwargs.setdefault("name", "airflow-delay-sweep")
         super().__init__(application=APPLICATION, conn_id=conn_id, **kwargs)
-        if transport not in TRANSPORTS:
-            raise InvalidInputError(f"transport {transport!r} is not supported; choose one of {list(TRANSPORTS)}")
         if reader not in READERS:
             raise InvalidInputError(f"reader {reader!r} is not supported; choose one of {list(READERS)}")
         if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 0:
@@ -92,12 +81,6 @@ class BulkSweepOperator(SparkSubmitOperator):
         self.destination_policies = {d: DeliveryPolicy.parse(p) for d, p in (destination_policies or {}).items()}
         self.due_before = due_before
         self.due_from = due_from
-        self.delay_store_conn_id = delay_store_conn_id
-        self.table = table
-        self.db_schema = db_schema
-        self.transport = transport
-        self.transport_conn_id = transport_conn_id
-        self.transport_options = dict(transport_options or {})
         self.number_of_retries = number_of_retries
         self.error_queue = error_queue
         self.batch_size = batch_size
@@ -106,21 +89,6 @@ class BulkSweepOperator(SparkSubmitOperator):
         self.reader = reader
         self.jdbc_jar = jdbc_jar
         self.master = master
-
-    # -- what the sweep needs -------------------------------------------------------------------
-    def _store_hook(self) -> DelayStoreHook:
-        return DelayStoreHook(self.delay_store_conn_id, table=self.table, db_schema=self.db_schema)
-
-    def _transport_spec(self, store_hook: DelayStoreHook) -> dict:
-        if self.transport == "rabbitmq":
-            hook = RabbitMQDelayHook(self.transport_conn_id or RabbitMQDelayHook.default_conn_name)
-            return {"kind": "rabbitmq", **hook.transport_spec()}
-        if self.transport == "sqs":
-            hook = SqsDelayHook(aws_conn_id=self.transport_conn_id or SqsDelayHook.default_conn_name)
-            return {"kind": "sqs", **hook.transport_spec(**self.transport_options)}
-        if self.transport_conn_id is None:
-            return store_hook.transport_spec()
-        return DelayStoreHook(self.transport_conn_id, db_schema=self.db_schema).transport_spec()
 
     def _check_machine(self, uses_jdbc: bool) -> str:
         """The directory holding spark-submit; fails with how to install what is missing."""
@@ -161,8 +129,7 @@ class BulkSweepOperator(SparkSubmitOperator):
         if due_before is None:
             raise InvalidInputError("due_before is required: the end of the window to sweep")
         due_from = parse_moment(self.due_from, "due_from")
-        store_hook = self._store_hook()
-        store = store_hook.get_store()
+        store = self.hook.get_store()
         reader = self.reader if self.reader != "auto" else ("jdbc" if store.is_postgres else "python")
         bin_dir = self._check_machine(uses_jdbc=reader == "jdbc")
         local = self._ensure_master()
@@ -183,7 +150,7 @@ class BulkSweepOperator(SparkSubmitOperator):
             self.jars = ",".join(filter(None, [self.jars, self.jdbc_jar]))
         self.env_vars = {
             **(self.env_vars or {}),
-            sweep_app.SECRET_ENV: sweep_app.encode_secret(store_hook.store_spec(), self._transport_spec(store_hook)),
+            sweep_app.SECRET_ENV: sweep_app.encode_secret(self.hook.store_spec(), self.transport_spec()),
             "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
             "PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable),
         }

@@ -32,7 +32,7 @@ from airflow_delay_provider.core.pump import Pump, PumpConfig
 from airflow_delay_provider.core.requests import parse_moment
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.core.stats import PumpStats
-from airflow_delay_provider.stores.sql import SWEEP_COLUMNS, SqlDelayedMessageStore, check_claim_id
+from airflow_delay_provider.stores.sql import DEFAULT_TABLE, SWEEP_COLUMNS, SqlDelayedMessageStore, check_claim_id
 
 log = logging.getLogger("airflow_delay_provider.sweep")
 
@@ -63,7 +63,7 @@ def load_secret() -> dict:
 
 
 def store_from_spec(spec: dict) -> SqlDelayedMessageStore:
-    return SqlDelayedMessageStore(spec["url"], table=spec.get("table") or "delayed_messages", schema=spec.get("schema"))
+    return SqlDelayedMessageStore(spec["url"], table=spec.get("table") or DEFAULT_TABLE, schema=spec.get("schema"))
 
 
 def transport_from_spec(spec: dict):

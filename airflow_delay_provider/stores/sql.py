@@ -421,7 +421,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     # -- bulk sweeps -------------------------------------------------------------------------
     def start_sweep(
         self, claim_id: str, due_before: datetime, due_from: datetime | None = None,
-        lease_seconds: float = 600.0, chunk: int = 100_000, now: datetime | None = None,
+        lease_seconds: float = 600.0, chunk: int = 100_000,
     ) -> dict:
         """Lease the messages due in [due_from, due_before) and already due to `claim_id`.
 
@@ -430,7 +430,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         that moment are skipped (it is dispatching them). Returns how many rows were claimed.
         """
         check_claim_id(claim_id)
-        now_us = to_us(now or utcnow())
+        now_us = to_us(utcnow())
         if lease_seconds <= 0:
             raise InvalidInputError(f"lease_seconds must be > 0, got {lease_seconds!r}")
         t, s = self.table, self.sweeps
