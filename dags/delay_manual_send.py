@@ -6,6 +6,7 @@ from datetime import datetime
 
 from airflow.sdk import DAG, Param
 
+from airflow_delay_provider.dag_params import reject_unknown_conf
 from airflow_delay_provider.operators.delay import SendDelayedMessageOperator
 
 with DAG(
@@ -14,6 +15,7 @@ with DAG(
     start_date=datetime(2026, 1, 1),
     catchup=False,
     tags=["delay", "manual"],
+    default_args={"pre_execute": reject_unknown_conf},
     params={
         "transport": Param("sql", enum=["sql", "rabbitmq", "sqs"], title="Transport",
                            description="sql: the delayed-message store; rabbitmq/sqs: the broker's own delays"),
@@ -29,16 +31,18 @@ with DAG(
         "retry_policy": Param("task default", type="string",
                               enum=["task default", "http", "sqs", "lambda", "smtp", "sms", "mobile-push"],
                               title="Retry policy",
-                              description="Seed 003's built-in policies, stored for the destination (sql transport)"),
+                              description="Built-in delivery policies, stored for the destination (sql transport)"),
     },
     doc_md="""
 ### Send a delayed message by hand
 
 Trigger this DAG from the UI: the form refuses a delay outside 0..604,800 s, an empty destination or
-one with spaces, `*` or `#`, an unknown transport, and a deliver-at that is not a timestamp. The task
-returns the message id. With `transport=sql`, a dispatch task (e.g. `delay_scheduled_sweep`) sends it
-when due; with `rabbitmq` or `sqs` the broker delays it itself (connections `rabbitmq_default`,
-`aws_default`).
+one with spaces, `*` or `#`, an unknown transport, and a deliver-at that is not a timestamp; a run
+triggered with a conf key that is not one of these fields (a typo such as `delay`) fails before
+anything is sent. The task returns the message id. With `transport=sql` the message waits in the
+store (connection `delay_store_default`) until a dispatcher sends it when due
+(`delay_continuous_dispatch`); with `rabbitmq` or `sqs` the broker delays it itself (connections
+`rabbitmq_default`, `aws_default`).
 """,
 ) as dag:
     SendDelayedMessageOperator(

@@ -1,12 +1,14 @@
-"""Seed 004's order timeout: place an order, send a delayed cancellation check, cancel only if still unpaid."""
+"""An order timeout: place an order, send a delayed cancellation check, cancel only if still unpaid."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import datetime, timedelta
 
 from airflow.sdk import DAG, Param, task
 
+from airflow_delay_provider.dag_params import reject_unknown_conf
 from airflow_delay_provider.operators.delay import (
     DispatchDueMessagesOperator,
     ProvisionDelayInfrastructureOperator,
@@ -35,12 +37,13 @@ with DAG(
     start_date=datetime(2026, 1, 1),
     catchup=False,
     tags=["delay", "example"],
+    default_args={"pre_execute": reject_unknown_conf},
     params={
         "timeout_seconds": Param(5, type="integer", minimum=1, maximum=604800, title="Payment timeout (s)"),
         "pay": Param(False, type="boolean", title="Pay the order before the timeout"),
     },
     doc_md="""
-### Cancel an unpaid order after a timeout (seed 004's use case)
+### Cancel an unpaid order after a timeout
 
 1. **place_order** records an order as `unpaid` (and pays it at once when `pay` is set).
 2. **schedule_check** sends a cancellation check for the order, delayed by `timeout_seconds`.
@@ -54,7 +57,7 @@ with DAG(
     @task
     def place_order(params: dict | None = None, run_id: str | None = None) -> str:
         engine, orders = _orders()
-        order_id = f"order-{abs(hash(run_id)) % 10**8}"
+        order_id = "order-" + hashlib.sha1(run_id.encode()).hexdigest()[:12]
         with engine.begin() as conn:
             conn.execute(orders.delete().where(orders.c.order_id == order_id))
             conn.execute(orders.insert().values(order_id=order_id, status="paid" if params["pay"] else "unpaid"))
@@ -69,9 +72,9 @@ with DAG(
     )
     dispatch = DispatchDueMessagesOperator(
         task_id="dispatch",
+        destinations=[QUEUE],  # this shop's checks only: other DAGs' messages are theirs to dispatch
         due_before="{{ dag_run.start_date + macros.timedelta(seconds=params.timeout_seconds + 60) }}",
         deferrable=True,
-        defer_threshold_seconds=2,
         max_runtime=timedelta(hours=1),
     )
 

@@ -1,35 +1,45 @@
-"""Dispatch due messages every five minutes; each run sweeps exactly its data interval."""
+"""Dispatch each five-minute window's due messages once: the sweep to use with backfills."""
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from airflow.sdk import DAG
+from airflow.sdk import DAG, DeltaDataIntervalTimetable
 
 from airflow_delay_provider.operators.delay import DispatchDueMessagesOperator
 
 with DAG(
     dag_id="delay_scheduled_sweep",
-    schedule=timedelta(minutes=5),
+    # An explicit data-interval timetable: each run has a real window [start, end), five minutes long.
+    schedule=DeltaDataIntervalTimetable(timedelta(minutes=5)),
     start_date=datetime(2026, 1, 1),
-    catchup=True,
-    max_active_runs=4,
+    catchup=False,  # unpausing runs the latest window only; past windows are a backfill away
+    max_active_runs=1,
     tags=["delay", "scheduled"],
     doc_md="""
-### Scheduled sweep of the delayed-message store
+### Window sweep of the delayed-message store
 
-Every five minutes a run dispatches the messages due before the end of its data interval
-(`due_before = data_interval_end`), deferring in the triggerer until each is due. With catchup on,
-runs missed during downtime are created and each sweeps only its own interval, so a backfill
-(`airflow backfill create --dag-id delay_scheduled_sweep ...`) dispatches nothing twice: a message
-belongs to the one interval its due time falls in, and a delivered message is gone from the store.
-Retries follow the `http` default policy; change `delivery_policy` for others.
+Each run dispatches the messages due in its own data interval, `[data_interval_start,
+data_interval_end)`, and stops when that window is empty: every window is swept by exactly one run,
+so re-running or backfilling windows dispatches nothing twice (a delivered message is gone from the
+store). Messages are delivered at the end of their window, up to five minutes late: for delivery at
+the due time use `delay_continuous_dispatch`; use this DAG to clear windows the continuous
+dispatcher missed (it was paused, its deployment was down):
+
+```sh
+airflow backfill create --dag-id delay_scheduled_sweep \\
+    --from-date 2026-11-20T00:00:00+00:00 --to-date 2026-11-20T06:00:00+00:00
+```
+
+A manual run (no data interval) sweeps everything already due. Unpausing does not start a catch-up
+of past windows (`catchup=False`). Retries follow the built-in `http` delivery policy.
 """,
 ) as dag:
     DispatchDueMessagesOperator(
         task_id="dispatch",
-        due_before="{{ data_interval_end }}",
-        deferrable=True,
+        # A manual run has no data interval: then everything due by the time the run was triggered.
+        due_from="{{ data_interval_start if data_interval_start is defined else '' }}",
+        due_before="{{ data_interval_end if data_interval_end is defined else dag_run.run_after }}",
         max_runtime=timedelta(minutes=30),
         delivery_policy="http",
     )

@@ -6,7 +6,7 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import DAG
 
-from airflow_delay_provider.operators.delay import RelayDelayedMessagesOperator
+from airflow_delay_provider.operators.delay import ProvisionDelayInfrastructureOperator, RelayDelayedMessagesOperator
 
 ENDPOINTS = ["orders"]
 
@@ -24,11 +24,14 @@ For each endpoint with unrestricted delays, a task long-polls its `-delay.fifo` 
 minutes, sending each message back for another 15-minute cycle or on to the endpoint with the rest
 of its delay. While the delay queue has nothing to relay the task waits in the triggerer. Runs do
 not overlap (`max_active_runs=1`); a run that was missed is not made up (`catchup=False`), since the
-delay queue keeps its messages for 4 days.
+delay queue keeps its messages for days. The first task makes sure each endpoint's queues exist
+(idempotent), so the DAG works on a fresh deployment; connection `aws_default`.
 """,
 ) as dag:
+    provision = ProvisionDelayInfrastructureOperator(task_id="provision", transport="sqs", endpoints=ENDPOINTS,
+                                                     create_store=False)
     for endpoint in ENDPOINTS:
-        RelayDelayedMessagesOperator(
+        provision >> RelayDelayedMessagesOperator(
             task_id=f"relay_{endpoint}",
             endpoint=endpoint,
             max_runtime=timedelta(minutes=10),

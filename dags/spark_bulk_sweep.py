@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from airflow.sdk import DAG
+from airflow.sdk import DAG, DeltaDataIntervalTimetable
 
 from airflow_delay_provider.operators.sweep import BulkSweepOperator
 
 with DAG(
     dag_id="spark_bulk_sweep",
-    schedule=timedelta(hours=1),
+    schedule=DeltaDataIntervalTimetable(timedelta(hours=1)),  # a real one-hour window per run
     start_date=datetime(2026, 1, 1),
-    catchup=True,
+    catchup=False,
     max_active_runs=1,
     tags=["delay", "spark", "scheduled"],
     doc_md="""
@@ -30,15 +30,17 @@ Each run dispatches the messages due in its data interval (`due_from = data_inte
 4. the task returns counts per destination and outcome, and rows/s.
 
 The Spark connection `spark_default` says where it runs (`local[2]` when it does not exist; a
-`spark://` master, `k8s://` or `yarn` otherwise). With catchup on, missed hours are swept one run
-each after downtime, and `airflow backfill create --dag-id spark_bulk_sweep ...` is safe:
-delivered messages are gone from the store, so a re-run of a window dispatches nothing twice.
+`spark://` master, `k8s://` or `yarn` otherwise). Unpausing sweeps the latest hour only
+(`catchup=False`); past hours are swept with `airflow backfill create --dag-id spark_bulk_sweep
+--from-date ... --to-date ...`, one run per hour, which is safe: delivered messages are gone from the
+store, so a re-run of a window dispatches nothing twice. A manual run (no data interval) sweeps
+everything already due.
 """,
 ) as dag:
     BulkSweepOperator(
         task_id="sweep",
-        due_from="{{ data_interval_start }}",
-        due_before="{{ data_interval_end }}",
+        due_from="{{ data_interval_start if data_interval_start is defined else '' }}",
+        due_before="{{ data_interval_end if data_interval_end is defined else dag_run.run_after }}",
         delivery_policy="http",
         driver_memory="1g",
         conf={"spark.ui.enabled": "false"},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,6 +24,10 @@ os.environ.update(
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{_HOME / 'airflow.db'}",
         "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+        # The store every operator uses unless told otherwise: a SQLite file of this run's own.
+        "AIRFLOW_CONN_DELAY_STORE_DEFAULT": json.dumps(
+            {"conn_type": "delay_store", "schema": str(_HOME / "delay_store.db"), "extra": {"driver": "sqlite"}}
+        ),
     }
 )
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 from airflow.sdk import BaseHook
@@ -14,13 +12,18 @@ from airflow_delay_provider.stores.engine import check_identifier, safe_url
 from airflow_delay_provider.stores.sql import DEFAULT_TABLE, SqlDelayedMessageStore
 from airflow_delay_provider.transports.sql import SqlTableTransport
 
-EMBEDDED_DB_NAME = "delay_store.db"
+#: Every operator, sensor and trigger uses this connection unless told otherwise, so the scheduler's,
+#: the triggerer's and the workers' processes (separate containers or pods) reach one store.
+DEFAULT_CONN_ID = "delay_store_default"
 
-
-def embedded_url() -> URL:
-    """With no connection: a SQLite file under AIRFLOW_HOME, so the provider works with no service at all."""
-    home = Path(os.environ.get("AIRFLOW_HOME") or Path.home() / "airflow").resolve()
-    return make_url(f"sqlite:///{home / EMBEDDED_DB_NAME}")
+HOW_TO_DEFINE = (
+    "define it in the deployment (the same for every Airflow component), for example "
+    """AIRFLOW_CONN_DELAY_STORE_DEFAULT='{"conn_type": "delay_store", "host": "db", "port": 5432, """
+    """"login": "airflow", "password": "...", "schema": "airflow", "extra": {"db_schema": "delays"}}', """
+    "or, for a single machine, a SQLite file every component can open: "
+    """AIRFLOW_CONN_DELAY_STORE_DEFAULT='{"conn_type": "delay_store", "schema": "/abs/path/delay_store.db", """
+    """"extra": {"driver": "sqlite"}}'"""
+)
 
 
 def url_from_connection(conn: Any) -> URL:
@@ -33,7 +36,14 @@ def url_from_connection(conn: Any) -> URL:
         return url
     driver = extra.get("driver") or "postgresql+psycopg"
     if driver.startswith("sqlite"):
-        return make_url(f"{driver}:///{conn.schema or conn.host}")
+        path = conn.schema or conn.host or ""
+        # A relative path would name a different file in each process's working directory.
+        if not path.startswith("/"):
+            raise InvalidInputError(
+                f"the SQLite delay store of connection {conn.conn_id!r} needs an absolute file path in Database "
+                f"(schema), got {path!r}"
+            )
+        return make_url(f"{driver}:///{path}")
     return URL.create(
         driver,
         username=conn.login or None,
@@ -45,45 +55,65 @@ def url_from_connection(conn: Any) -> URL:
 
 
 class DelayStoreHook(BaseHook):
-    """Opens the delayed-message store named by a `delay_store` connection (None: embedded SQLite).
+    """Opens the delayed-message store named by a `delay_store` connection (default `delay_store_default`).
 
-    Connection extras: `driver` (default postgresql+psycopg), `url` (a full SQLAlchemy URL instead of
-    the fields), `table` (default delayed_messages), `db_schema` (PostgreSQL schema for the tables).
+    Connection extras: `driver` (default postgresql+psycopg; `sqlite` with an absolute file path as
+    Database), `url` (a full SQLAlchemy URL instead of the fields), `table` (default delayed_messages),
+    `db_schema` (PostgreSQL schema for the tables).
+
+    :param delay_store_conn_id: the `delay_store` connection; a missing one fails saying how to define it.
+    :param table: the store's table, overriding the connection's `table` extra.
+    :param db_schema: the PostgreSQL schema, overriding the connection's `db_schema` extra.
     """
 
     conn_name_attr = "delay_store_conn_id"
-    default_conn_name = "delay_store_default"
+    default_conn_name = DEFAULT_CONN_ID
     conn_type = "delay_store"
     hook_name = "Delay Store (SQL)"
 
     def __init__(
         self,
-        delay_store_conn_id: str | None = None,
+        delay_store_conn_id: str = DEFAULT_CONN_ID,
         table: str | None = None,
         db_schema: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if not delay_store_conn_id:
+            raise InvalidInputError(f"delay_store_conn_id must name a `delay_store` connection, e.g. {DEFAULT_CONN_ID!r}")
         self.delay_store_conn_id = delay_store_conn_id
         self._table = table
         self._db_schema = db_schema
         self._resolved: tuple[URL, str, str | None] | None = None
 
-    def _locate(self, conn: Any | None) -> tuple[URL, str, str | None]:
-        if conn is None:
-            return resolve_location(embedded_url(), {}, self._table, self._db_schema)
+    def _locate(self, conn: Any) -> tuple[URL, str, str | None]:
         return resolve_location(url_from_connection(conn), conn.extra_dejson or {}, self._table, self._db_schema)
+
+    def _missing(self, exc: Exception) -> InvalidInputError:
+        return InvalidInputError(f"the delay store connection {self.delay_store_conn_id!r} is not defined "
+                                 f"({type(exc).__name__}); {HOW_TO_DEFINE}")
 
     def _resolve(self) -> tuple[URL, str, str | None]:
         if self._resolved is None:
-            conn_id = self.delay_store_conn_id
-            self._resolved = self._locate(None if conn_id is None else self.get_connection(conn_id))
+            from airflow.sdk.exceptions import AirflowNotFoundException
+
+            try:
+                conn = self.get_connection(self.delay_store_conn_id)
+            except AirflowNotFoundException as exc:
+                raise self._missing(exc) from None
+            self._resolved = self._locate(conn)
         return self._resolved
 
     async def aget_store(self) -> SqlDelayedMessageStore:
         """The store, resolving the connection the async way (for triggers)."""
-        if self._resolved is None and self.delay_store_conn_id is not None:
-            self._resolved = self._locate(await self.aget_connection(self.delay_store_conn_id))
+        if self._resolved is None:
+            from airflow.sdk.exceptions import AirflowNotFoundException
+
+            try:
+                conn = await self.aget_connection(self.delay_store_conn_id)
+            except AirflowNotFoundException as exc:
+                raise self._missing(exc) from None
+            self._resolved = self._locate(conn)
         return self.get_store()
 
     @property

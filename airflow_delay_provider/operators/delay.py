@@ -9,7 +9,7 @@ from dataclasses import asdict
 from datetime import datetime, timedelta
 from typing import Any, Sequence
 
-from airflow.sdk import BaseOperator, Context
+from airflow.sdk import BaseOperator, Context, conf
 
 from airflow_delay_provider import metrics
 from airflow_delay_provider.core.breakers import CircuitBreaker, call_with_breaker
@@ -17,27 +17,18 @@ from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import DelayProviderError, InvalidInputError, UnavailableError
 from airflow_delay_provider.core.message import DelayedMessage, check_destination, stable_message_id
 from airflow_delay_provider.core.ports import Transport
-from airflow_delay_provider.core.pump import Pump, PumpConfig, hand_over
+from airflow_delay_provider.core.pump import PumpConfig, hand_over
 from airflow_delay_provider.core.requests import build_message, parse_moment
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
-from airflow_delay_provider.core.stats import PumpStats
 from airflow_delay_provider.core.throttle import TokenBucket
-from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+from airflow_delay_provider.hooks.delay_store import DEFAULT_CONN_ID, DelayStoreHook
 from airflow_delay_provider.hooks.rabbitmq import RabbitMQDelayHook
 from airflow_delay_provider.hooks.sqs import SqsDelayHook
+from airflow_delay_provider.hooks.transport import check_transport, transport_hook, transport_options
 from airflow_delay_provider.transports.rabbitmq import RabbitMQTransport
 from airflow_delay_provider.transports.sqs import RelayCounts, SqsTransport, delay_plan, estimate_cost
-from airflow_delay_provider.triggers.delay_store import DueTimeoutTrigger
+from airflow_delay_provider.triggers.delay_store import DispatchTrigger
 from airflow_delay_provider.triggers.sqs import SqsDelayQueueTrigger
-
-#: Transports a destination can be reached through.
-TRANSPORTS = ("sql", "rabbitmq", "sqs")
-
-
-def _check_transport(transport: str) -> str:
-    if transport not in TRANSPORTS:
-        raise InvalidInputError(f"transport {transport!r} is not supported; choose one of {list(TRANSPORTS)}")
-    return transport
 
 
 class DelayOperatorBase(BaseOperator):
@@ -53,7 +44,7 @@ class DelayOperatorBase(BaseOperator):
     def __init__(
         self,
         *,
-        delay_store_conn_id: str | None = None,
+        delay_store_conn_id: str = DEFAULT_CONN_ID,
         table: str | None = None,
         db_schema: str | None = None,
         transport: str = "sql",
@@ -67,7 +58,7 @@ class DelayOperatorBase(BaseOperator):
         self.db_schema = db_schema
         # A template ("{{ params.transport }}") is checked once rendered, where the field is templated.
         templated = "transport" in self.template_fields and "{{" in str(transport)
-        self.transport = transport if templated else _check_transport(transport)
+        self.transport = transport if templated else check_transport(transport)
         self.transport_conn_id = transport_conn_id
         self.transport_options = dict(transport_options or {})
 
@@ -76,19 +67,11 @@ class DelayOperatorBase(BaseOperator):
         return DelayStoreHook(self.delay_store_conn_id, table=self.table, db_schema=self.db_schema)
 
     def _transport_hook(self) -> DelayStoreHook | RabbitMQDelayHook | SqsDelayHook:
-        """The hook of the transport's connection."""
-        _check_transport(self.transport)  # rendered by now, if it was a template
-        if self.transport == "rabbitmq":
-            return RabbitMQDelayHook(self.transport_conn_id or RabbitMQDelayHook.default_conn_name)
-        if self.transport == "sqs":
-            return SqsDelayHook(aws_conn_id=self.transport_conn_id or SqsDelayHook.default_conn_name)
-        if self.transport_conn_id is None:
-            return self.hook
-        return DelayStoreHook(self.transport_conn_id, db_schema=self.db_schema)
+        """The hook of the transport's connection (the transport is rendered by now, if it was a template)."""
+        return transport_hook(self.transport, self.transport_conn_id, self.hook, self.db_schema)
 
     def _options(self) -> dict:
-        """`transport_options` are SQS's (prefix, queue_delay, large_body_bucket); the others take none."""
-        return self.transport_options if self.transport == "sqs" else {}
+        return transport_options(self.transport, self.transport_options)
 
     def get_transport(self) -> Transport:
         return self._transport_hook().get_transport(**self._options())
@@ -227,7 +210,7 @@ class SendDelayedMessageOperator(DelayOperatorBase):
         self.time_to_trigger_store_circuit_breaker = time_to_trigger_store_circuit_breaker
 
     def execute(self, context: Context) -> str | list[str]:
-        _check_transport(self.transport)
+        check_transport(self.transport)
         ti = context["ti"]
         origin = (ti.dag_id, ti.run_id, ti.task_id, getattr(ti, "map_index", -1))
         defaults = {
@@ -320,31 +303,50 @@ class DispatchDueMessagesOperator(DelayOperatorBase):
     """Run the dispatch pump: send due messages to their destinations and remove them from the store.
 
     Stops after `max_runtime`, after `max_messages`, or, with `due_before`, once nothing due before it
-    is left (a scheduled run or a backfill sweeps only its data interval). With `deferrable=True`,
-    gaps longer than `defer_threshold_seconds` until the next due time are spent deferred on a
-    DueTimeoutTrigger instead of holding a worker slot; shorter gaps are slept through, which keeps
-    lateness low. Returns counts: dispatched, failed, dead_lettered and lateness p50/p99.
+    is left. With `deferrable=True` (default: `[operators] default_deferrable`) the task defers at once
+    and the pump runs in the triggerer, which sleeps until each due time (woken early on PostgreSQL when
+    a sooner message is stored) and delivers it then: no worker slot is held while waiting, and no
+    message waits for the task to be resumed. The task resumes once, at the end, to report. Without
+    deferral the pump runs in the worker for the whole `max_runtime`. Returns counts: dispatched,
+    failed, dead_lettered, released, lateness p50/p99/max, per destination, and why it stopped.
 
-    Failed dispatches are retried by `delivery_policy` (seed 003's JSON, a dict, or a built-in
-    name such as "sqs" or "smtp"; `destination_policies` sets one per destination), each retry
-    stored as a delayed message; `number_of_retries` is the shorthand for that many immediate
-    retries. A policy's `throttlePolicy.maxReceivesPerSecond` caps deliveries per destination.
+    Failed dispatches are retried by `delivery_policy` (a delivery-policy JSON with four retry phases
+    and a throttle, a dict, or a built-in name such as "sqs" or "smtp"; `destination_policies` sets
+    one per destination), each retry stored as a delayed message; `number_of_retries` is the shorthand
+    for that many immediate retries. A policy's `throttlePolicy.maxReceivesPerSecond` caps deliveries
+    per destination.
+
+    :param due_before: dispatch only messages due before this time (templated), and stop once none is left.
+    :param due_from: dispatch only messages due at or after this time (templated): with `due_before`, a
+        window such as a run's data interval.
+    :param destinations: dispatch only these destinations (templated), so one store can serve several teams.
+    :param destination_prefix: dispatch only destinations starting with this (with `destinations`: either).
+    :param max_messages: stop after this many messages (templated).
+    :param max_runtime: stop after this long (timedelta or seconds).
+    :param batch_size: messages claimed per batch (1..10,000).
+    :param number_of_retries: immediate retries when no delivery policy is given.
+    :param error_queue: where exhausted messages go.
+    :param deferrable: run the pump in the triggerer (see above).
+    :param poll_interval: in the triggerer, the longest sleep without a wake-up signal (seconds).
+    :param delivery_policy: the default delivery policy; `destination_policies` per destination.
     """
 
-    template_fields: Sequence[str] = ("due_before", "max_messages")
+    template_fields: Sequence[str] = ("due_before", "due_from", "destinations", "destination_prefix", "max_messages")
 
     def __init__(
         self,
         *,
         due_before: datetime | str | None = None,
-        max_messages: int | None = None,
+        due_from: datetime | str | None = None,
+        destinations: Sequence[str] | str | None = None,
+        destination_prefix: str | None = None,
+        max_messages: int | str | None = None,
         max_runtime: timedelta | float = timedelta(minutes=10),
         batch_size: int = 1000,
         number_of_retries: int = 0,
         error_queue: str = "error",
-        deferrable: bool = False,
-        defer_threshold_seconds: float = 30.0,
-        poll_interval: float = 5.0,
+        deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
+        poll_interval: float = 30.0,
         time_to_trigger_fetch_circuit_breaker: float = 30.0,
         time_to_trigger_dispatch_circuit_breaker: float = 30.0,
         maximum_recovery_failures_per_second: float = 1.0,
@@ -357,10 +359,12 @@ class DispatchDueMessagesOperator(DelayOperatorBase):
         self.delivery_policy = None if delivery_policy is None else DeliveryPolicy.parse(delivery_policy)
         self.destination_policies = {d: DeliveryPolicy.parse(p) for d, p in (destination_policies or {}).items()}
         self.due_before = due_before
+        self.due_from = due_from
+        self.destinations = destinations
+        self.destination_prefix = destination_prefix
         self.max_messages = max_messages
         self.max_runtime = max_runtime if isinstance(max_runtime, timedelta) else timedelta(seconds=max_runtime)
         self.deferrable = deferrable
-        self.defer_threshold_seconds = defer_threshold_seconds
         self.poll_interval = poll_interval
         # Checked here so a bad value fails when the DAG is parsed, not at run time.
         self.pump_config = PumpConfig(
@@ -372,72 +376,97 @@ class DispatchDueMessagesOperator(DelayOperatorBase):
             maximum_recovery_failures_per_second=maximum_recovery_failures_per_second,
         )
 
-    def _pump(self) -> Pump:
-        return Pump(self.hook.get_store(), self.get_transport(), self.pump_config,
-                    policy=self.delivery_policy, policies=self.destination_policies)
+    def _trigger(self, deadline: datetime) -> DispatchTrigger:
+        """Everything the pump needs, as plain data: run in the triggerer, or opened here."""
+        check_transport(self.transport)
+        due_before = parse_moment(self.due_before, "due_before")
+        due_from = parse_moment(self.due_from, "due_from")
+        if due_before is not None and due_from is not None and due_from >= due_before:
+            raise InvalidInputError(f"due_from ({due_from.isoformat()}) must be before due_before "
+                                    f"({due_before.isoformat()}): the window would be empty")
+        return DispatchTrigger(
+            delay_store_conn_id=self.delay_store_conn_id, table=self.table, db_schema=self.db_schema,
+            transport=self.transport, transport_conn_id=self.transport_conn_id,
+            transport_options=self.transport_options, pump_config=asdict(self.pump_config),
+            delivery_policy=None if self.delivery_policy is None else self.delivery_policy.to_dict(),
+            destination_policies={d: p.to_dict() for d, p in self.destination_policies.items()},
+            due_before=None if due_before is None else due_before.isoformat(),
+            due_from=None if due_from is None else due_from.isoformat(),
+            destinations=_destinations(self.destinations), destination_prefix=self.destination_prefix or None,
+            deadline=deadline.isoformat(), max_messages=_count("max_messages", self.max_messages),
+            poll_interval=self.poll_interval,
+        )
 
     def execute(self, context: Context) -> dict:
-        deadline = utcnow() + self.max_runtime
-        policy = self.delivery_policy or DeliveryPolicy.immediate(self.pump_config.number_of_retries)
-        self.log.info("Delivery policy %s:\n%s", json.dumps(policy.to_dict()), policy.phase_table())
+        trigger = self._trigger(utcnow() + self.max_runtime)
         for destination, p in self.destination_policies.items():
             self.log.info("Delivery policy for %s %s:\n%s", destination, json.dumps(p.to_dict()), p.phase_table())
-        return self._run(PumpStats(), deadline, deferrals=0)
-
-    def execute_complete(self, context: Context, event: dict) -> dict:
-        if event.get("status") == "error":
-            raise UnavailableError(f"waiting for due messages failed: {event.get('message')}")
-        # The run's state travels in the event (see DueTimeoutTrigger.carry): dag.test() drops defer kwargs.
-        state = event["carry"]
-        self.log.info("Resumed after deferral: %s", event.get("status"))
-        return self._run(PumpStats.from_dict(state["stats"]), datetime.fromisoformat(state["deadline"]), state["deferrals"])
-
-    def _run(self, stats: PumpStats, deadline: datetime, deferrals: int) -> dict:
-        due_before = parse_moment(self.due_before, "due_before")
-        max_messages = None if self.max_messages in (None, "") else int(self.max_messages)
-        if max_messages is not None:
-            max_messages -= stats.dispatched + stats.dead_lettered
-        pump = self._pump()
-        self.log.info(
-            "Dispatching from %r through %s (%s); due_before=%s, deadline=%s",
-            pump.store, pump.transport.name, "exactly once" if pump.exactly_once else "at least once",
-            due_before, deadline.isoformat(),
-        )
+        if self.delivery_policy is not None:
+            self.log.info("Delivery policy %s:\n%s", json.dumps(self.delivery_policy.to_dict()),
+                          self.delivery_policy.phase_table())
+        scope = {k: v for k, v in (("due_from", trigger.due_from), ("due_before", trigger.due_before),
+                                   ("destinations", trigger.destinations), ("prefix", trigger.destination_prefix))
+                 if v is not None}
+        if self.deferrable:
+            self.log.info("Dispatching from the triggerer until %s (%s)", trigger.deadline, scope or "every due message")
+            self.defer(trigger=trigger, method_name="execute_complete")
+        pump = trigger.open_pump()
+        self.log.info("Dispatching from %r through %s (%s) until %s (%s)", pump.store, pump.transport.name,
+                      "exactly once" if pump.exactly_once else "at least once", trigger.deadline,
+                      scope or "every due message")
         try:
-            result = pump.run(
-                deadline=deadline,
-                max_messages=max_messages,
-                due_before=due_before,
-                max_wait=self.defer_threshold_seconds if self.deferrable else None,
-            )
+            result = pump.run(deadline=datetime.fromisoformat(trigger.deadline),
+                              max_messages=trigger.max_messages, due_before=_optional(trigger.due_before))
         finally:
             pump.store.close()
             pump.transport.close()
-        stats.merge(result.stats)
-        metrics.count_dispatch(result.stats.summary())  # this stretch only: earlier ones were counted
-        if result.reason == "idle" and self.deferrable:
-            self.log.info("Next message due at %s: deferring (%s so far)", result.next_due, stats.summary())
-            self.defer(
-                trigger=DueTimeoutTrigger(
-                    delay_store_conn_id=self.delay_store_conn_id,
-                    table=self.table,
-                    db_schema=self.db_schema,
-                    due_before=None if due_before is None else due_before.isoformat(),
-                    deadline=deadline.isoformat(),
-                    poll_interval=self.poll_interval,
-                    carry={"stats": stats.to_dict(), "deadline": deadline.isoformat(), "deferrals": deferrals + 1},
-                ),
-                method_name="execute_complete",
-            )
-        summary = {
-            **stats.summary(),
-            "stopped_because": result.reason,
-            "next_due": None if result.next_due is None else result.next_due.isoformat(),
-            "exactly_once": pump.exactly_once,
-            "deferrals": deferrals,
-        }
-        self.log.info("Dispatch finished: %s", json.dumps(summary))
-        return summary
+        metrics.count_dispatch(result.stats.summary())
+        return self._finish({**result.stats.to_dict(), "stopped_because": result.reason,
+                             "next_due": None if result.next_due is None else result.next_due.isoformat(),
+                             "exactly_once": pump.exactly_once}, "worker")
+
+    def execute_complete(self, context: Context, event: dict) -> dict:
+        if event.get("status") == "error":
+            self.log.error("Dispatched before the failure: %s", json.dumps(_public(event.get("summary") or {})))
+            raise UnavailableError(f"dispatching in the triggerer failed: {event.get('message')}")
+        return self._finish(event["summary"], "triggerer")
+
+    def _finish(self, summary: dict, where: str) -> dict:
+        result = {**_public(summary), "dispatched_in": where}
+        self.log.info("Dispatch finished (%s): %s", result["stopped_because"], json.dumps(result))
+        return result
+
+
+def _public(summary: dict) -> dict:
+    """A summary without the lateness histogram's buckets: what XCom and the log get."""
+    return {k: v for k, v in summary.items() if k != "lateness"}
+
+
+def _optional(moment: str | None) -> datetime | None:
+    return None if moment is None else datetime.fromisoformat(moment)
+
+
+def _count(name: str, value: Any) -> int | None:
+    """A rendered count: an int >= 1, or nothing."""
+    if value in (None, ""):
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if isinstance(value, bool) or n < 1 or str(n) != str(value).strip():
+        raise InvalidInputError(f"{name} must be a whole number >= 1, got {value!r}")
+    return n
+
+
+def _destinations(value: Any) -> list[str] | None:
+    """A rendered destination list: a list of names or a comma-separated string; each name is checked."""
+    if value in (None, "", []):
+        return None
+    names = [v.strip() for v in value.split(",")] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise InvalidInputError(f"destinations must be a list of destination names, got {value!r}")
+    return [check_destination(n) for n in names]
 
 
 class MigrateDelayedMessagesOperator(DelayOperatorBase):

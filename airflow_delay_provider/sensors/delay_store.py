@@ -11,7 +11,7 @@ from airflow_delay_provider import metrics
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import InvalidInputError, UnavailableError
 from airflow_delay_provider.core.requests import parse_moment
-from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+from airflow_delay_provider.hooks.delay_store import DEFAULT_CONN_ID, DelayStoreHook
 from airflow_delay_provider.triggers.delay_store import ScheduledMessagesTrigger
 
 
@@ -29,7 +29,7 @@ class DelayedMessagesSensor(BaseSensorOperator):
         *,
         destination: str | None = None,
         before: datetime | str | None = None,
-        delay_store_conn_id: str | None = None,
+        delay_store_conn_id: str = DEFAULT_CONN_ID,
         table: str | None = None,
         db_schema: str | None = None,
         deferrable: bool = False,
@@ -78,7 +78,7 @@ class DelayedMessagesSensor(BaseSensorOperator):
         if status == "timeout":
             from airflow.sdk.exceptions import AirflowSensorTimeout
 
-            raise AirflowSensorTimeout(f"messages still scheduled after {self.timeout} s: {self._scheduled()}")
+            raise AirflowSensorTimeout(f"messages still scheduled after {self.timeout} s: {event.get('scheduled')}")
         raise UnavailableError(f"waiting on the delay store failed: {event.get('message')}")
 
 
@@ -103,7 +103,7 @@ class DelayBacklogSensor(BaseSensorOperator):
         comparison: str = "below",
         measure: str = "due",
         destination: str | None = None,
-        delay_store_conn_id: str | None = None,
+        delay_store_conn_id: str = DEFAULT_CONN_ID,
         table: str | None = None,
         db_schema: str | None = None,
         **kwargs: Any,

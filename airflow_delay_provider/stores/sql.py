@@ -6,6 +6,7 @@ which compare and index the same way on every database.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -320,6 +321,27 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         # LISTEN takes an identifier of at most 63 bytes; a hash keeps any schema.table pair within it.
         self.channel = "delay_" + hashlib.sha1(qualified.encode()).hexdigest()[:24]
         self._listener = None
+        self._alistener = None
+        self._scope: list = []  # conditions every claim and read of this store object adds
+
+    def restrict(
+        self, destinations: Collection[str] | None = None, prefix: str | None = None, due_from: datetime | None = None
+    ) -> SqlDelayedMessageStore:
+        """Serve only some destinations (names, and/or those starting with `prefix`) and, with `due_from`,
+        only messages due at or after it: claims, next due times and counts of this object see no others,
+        so one store can serve several teams' dispatchers, or a sweep its window. Returns self."""
+        t = self.table
+        self._scope = []
+        wanted = []
+        if destinations:
+            wanted.append(t.c.destination.in_(sorted(set(destinations))))
+        if prefix:
+            wanted.append(t.c.destination.startswith(prefix, autoescape=True))
+        if wanted:
+            self._scope.append(or_(*wanted))
+        if due_from is not None:
+            self._scope.append(t.c.due_at_us >= to_us(due_from))
+        return self
 
     def __repr__(self) -> str:
         return f"SqlDelayedMessageStore({safe_url(self.url)!r}, table={self.table_name!r}, schema={self.schema!r})"
@@ -400,7 +422,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = ()
     ) -> Iterator[Claim]:
         t = self.table
-        due = select(t.c.id).where(t.c.due_at_us <= to_us(now), self._unleased(to_us(now)))
+        due = select(t.c.id).where(t.c.due_at_us <= to_us(now), self._unleased(to_us(now)), *self._scope)
         if due_before is not None:
             due = due.where(t.c.due_at_us < to_us(due_before))
         if exclude:
@@ -519,7 +541,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     # -- reads -----------------------------------------------------------------------------------
     def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:
         t = self.table
-        query = select(func.min(t.c.due_at_us)).where(self._unleased(to_us(utcnow())))
+        query = select(func.min(t.c.due_at_us)).where(self._unleased(to_us(utcnow())), *self._scope)
         if destination is not None:
             query = query.where(t.c.destination == destination)
         if due_before is not None:
@@ -530,7 +552,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
 
     def count_scheduled(self, due_before: datetime | None = None, destination: str | None = None) -> dict[str, int]:
         t = self.table
-        query = select(t.c.destination, func.count()).group_by(t.c.destination)
+        query = select(t.c.destination, func.count()).where(*self._scope).group_by(t.c.destination)
         if due_before is not None:
             query = query.where(t.c.due_at_us < to_us(due_before))
         if destination is not None:
@@ -547,6 +569,9 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
 
     # -- waiting ---------------------------------------------------------------------------------
     def wait(self, until: datetime) -> None:
+        """Sleep until `until`, returning early when a message due sooner is stored (LISTEN/NOTIFY on
+        PostgreSQL, a short poll on SQLite). A lost listening connection is dropped and opened again on
+        the next call; the caller re-reads the store in between, under its own circuit breaker."""
         remaining = (until - utcnow()).total_seconds()
         if remaining <= 0:
             return
@@ -556,8 +581,8 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         if self._listener is None or self._listener.closed:
             try:
                 self._listener = self._listen()
-            except Exception as exc:  # fall back to polling; the pump re-checks after each wake-up
-                log.warning("LISTEN failed (%s); polling instead", exc)
+            except Exception as exc:  # the database is down: wait a little, the caller's breaker decides
+                log.warning("could not LISTEN for new messages (%s); retrying", exc)
                 time.sleep(min(remaining, 1.0))
             # A message stored before LISTEN took effect sent no notification we could see:
             # return so the caller reads the next due time again, now with the listener in place.
@@ -565,21 +590,80 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         listener = self._listener
         until_us = to_us(until)
         deadline = time.monotonic() + remaining
-        while (left := deadline - time.monotonic()) > 0:
-            for note in listener.notifies(timeout=left, stop_after=1):
-                if note.payload.isdigit() and int(note.payload) < until_us:
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                # Each notifies() runs to its end (one note or the timeout), leaving the connection idle.
+                if [n for n in listener.notifies(timeout=left, stop_after=1) if _sooner(n, until_us)]:
                     return
-                break
+        except Exception as exc:  # killed backend, restart, fail-over: listen again next time
+            log.warning("lost the LISTEN connection (%s); listening again", exc)
+            self._close_listener()
+
+    async def wait_async(self, until: datetime) -> None:
+        """`wait` for an event loop (a trigger): the same wake-ups, on psycopg's async connection."""
+        remaining = (until - utcnow()).total_seconds()
+        if remaining <= 0:
+            return
+        if not self.is_postgres:
+            await asyncio.sleep(min(remaining, SQLITE_POLL_SECONDS))
+            return
+        if self._alistener is None or self._alistener.closed:
+            try:
+                self._alistener = await self._alisten()
+            except Exception as exc:
+                log.warning("could not LISTEN for new messages (%s); retrying", exc)
+                await asyncio.sleep(min(remaining, 1.0))
+            return
+        until_us = to_us(until)
+        deadline = time.monotonic() + remaining
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                if [n async for n in self._alistener.notifies(timeout=left, stop_after=1) if _sooner(n, until_us)]:
+                    return
+        except Exception as exc:
+            log.warning("lost the LISTEN connection (%s); listening again", exc)
+            await self._alistener.close()
+            self._alistener = None
+
+    def _listen_url(self) -> str:
+        return self.url.set(drivername="postgresql").render_as_string(hide_password=False)
 
     def _listen(self):
         import psycopg  # only PostgreSQL stores get here
 
-        url = self.url.set(drivername="postgresql")
-        conn = psycopg.connect(url.render_as_string(hide_password=False), autocommit=True)
+        conn = psycopg.connect(self._listen_url(), autocommit=True, **_KEEPALIVES)
         conn.execute(f'LISTEN "{self.channel}"')  # channel is a hex digest with a fixed prefix
         return conn
 
-    def close(self) -> None:
+    async def _alisten(self):
+        import psycopg
+
+        conn = await psycopg.AsyncConnection.connect(self._listen_url(), autocommit=True, **_KEEPALIVES)
+        await conn.execute(f'LISTEN "{self.channel}"')
+        return conn
+
+    def _close_listener(self) -> None:
         if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+            try:
+                self._listener.close()
+            finally:
+                self._listener = None
+
+    def close(self) -> None:
+        self._close_listener()
+
+    async def aclose(self) -> None:
+        if self._alistener is not None:
+            await self._alistener.close()
+            self._alistener = None
+        self.close()
+
+
+def _sooner(note, until_us: int) -> bool:
+    """A notification of a message due before `until_us` (the payload is its due time in microseconds)."""
+    return note.payload.isdigit() and int(note.payload) < until_us
+
+
+#: A listening connection that goes quiet (a vanished host, a silent network cut) is noticed in
+#: about a minute instead of the kernel's default of hours.
+_KEEPALIVES = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10, "keepalives_count": 3}

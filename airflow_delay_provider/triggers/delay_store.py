@@ -1,34 +1,245 @@
-"""Triggers that wait on the delayed-message store in the triggerer, so no worker slot is held."""
+"""Triggers on the delayed-message store.
+
+`DispatchTrigger` runs the dispatch pump inside the triggerer, the always-on process of a
+deployment: it sleeps until the next due time (woken early by LISTEN/NOTIFY on PostgreSQL when a
+sooner message is stored) and sends each message at its due time, so delivery never waits for a
+deferred task to be queued and resumed by the scheduler and a worker. The task resumes once, to
+report. `ScheduledMessagesTrigger` waits until nothing is scheduled before a time.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime
-from typing import Any, AsyncIterator
+import contextvars
+import time
+from datetime import datetime, timedelta
+from typing import Any, AsyncIterator, Callable
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from airflow_delay_provider import metrics
 from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.pump import Pump, PumpConfig, PumpResult
+from airflow_delay_provider.core.retry_policy import DeliveryPolicy
+from airflow_delay_provider.core.stats import PumpStats
+from airflow_delay_provider.hooks.delay_store import DEFAULT_CONN_ID, DelayStoreHook
+from airflow_delay_provider.hooks.transport import transport_hook, transport_options
+
+#: The longest stretch of pump work handed to a thread at once, so a cancelled trigger stops soon.
+STRETCH_SECONDS = 10.0
+#: While due messages are held elsewhere (another pump's claim, a sweep's lease, a throttle), look
+#: again after this long, doubling up to the maximum: no busy polling, and quick once they are free.
+MIN_BACKOFF_SECONDS = 0.005
+MAX_BACKOFF_SECONDS = 1.0
 
 
 def _parse(moment: str | None) -> datetime | None:
-    return None if moment is None else datetime.fromisoformat(moment)
+    return None if moment in (None, "") else datetime.fromisoformat(moment)
 
 
 class _StoreTrigger(BaseTrigger):
+    """Serialises the constructor arguments named in `_fields`, which are also its attributes."""
+
+    _fields: tuple[str, ...] = ("delay_store_conn_id", "table", "db_schema")
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return f"{type(self).__module__}.{type(self).__qualname__}", {f: getattr(self, f) for f in self._fields}
+
+    def _store_hook(self) -> DelayStoreHook:
+        return DelayStoreHook(self.delay_store_conn_id, table=self.table, db_schema=self.db_schema)
+
+
+class DispatchTrigger(_StoreTrigger):
+    """Dispatch due messages from the triggerer until `deadline`, `max_messages`, or (with
+    `due_before`) nothing left in the window; then fire one `done` event with the counts.
+
+    Every guarantee is the pump's: a batch is claimed in a store transaction (rows locked, others'
+    locks skipped) and removed only after the transport confirmed it, failures follow the delivery
+    policies, breakers and throttles apply. Two copies of this trigger (a triggerer fail-over) share
+    the store like two pumps: nothing is handed out twice.
+
+    :param delay_store_conn_id: the `delay_store` connection (default `delay_store_default`).
+    :param table: the store's table, if not the connection's.
+    :param db_schema: the store's PostgreSQL schema, if not the connection's.
+    :param transport: `sql`, `rabbitmq` or `sqs`: where due messages go.
+    :param transport_conn_id: the transport's connection (default: the store's database, `rabbitmq_default`,
+        `aws_default`).
+    :param transport_options: SQS options (prefix, queue_delay, large_body_bucket).
+    :param pump_config: the `PumpConfig` fields (batch size, retries, error queue, breakers).
+    :param delivery_policy: the default delivery policy, as a dict; `destination_policies` per destination.
+    :param due_before: ISO time: dispatch only messages due before it, and stop when none is left.
+    :param due_from: ISO time: dispatch only messages due at or after it.
+    :param destinations: dispatch only these destinations; `destination_prefix`: and those starting with it.
+    :param deadline: ISO time at which to stop.
+    :param max_messages: stop after this many messages were handled.
+    :param poll_interval: longest sleep without a wake-up signal (seconds); on SQLite, which has no
+        LISTEN/NOTIFY, new messages are noticed within half a second anyway.
+    """
+
+    _fields = _StoreTrigger._fields + (
+        "transport", "transport_conn_id", "transport_options", "pump_config", "delivery_policy",
+        "destination_policies", "due_before", "due_from", "destinations", "destination_prefix", "deadline",
+        "max_messages", "poll_interval",
+    )
+
     def __init__(
         self,
-        delay_store_conn_id: str | None = None,
+        *,
+        deadline: str,
+        delay_store_conn_id: str = DEFAULT_CONN_ID,
+        table: str | None = None,
+        db_schema: str | None = None,
+        transport: str = "sql",
+        transport_conn_id: str | None = None,
+        transport_options: dict | None = None,
+        pump_config: dict | None = None,
+        delivery_policy: dict | None = None,
+        destination_policies: dict[str, dict] | None = None,
+        due_before: str | None = None,
+        due_from: str | None = None,
+        destinations: list[str] | None = None,
+        destination_prefix: str | None = None,
+        max_messages: int | None = None,
+        poll_interval: float = 30.0,
+    ) -> None:
+        super().__init__()
+        self.delay_store_conn_id = delay_store_conn_id
+        self.table = table
+        self.db_schema = db_schema
+        self.transport = transport
+        self.transport_conn_id = transport_conn_id
+        self.transport_options = dict(transport_options or {})
+        self.pump_config = dict(pump_config or {})
+        self.delivery_policy = delivery_policy
+        self.destination_policies = dict(destination_policies or {})
+        self.due_before = due_before
+        self.due_from = due_from
+        self.destinations = list(destinations) if destinations else None
+        self.destination_prefix = destination_prefix or None
+        self.deadline = deadline
+        self.max_messages = max_messages
+        self.poll_interval = float(poll_interval)
+        self._running: asyncio.Future | None = None
+
+    def open_pump(self) -> Pump:
+        """The pump this trigger runs (also what a task that does not defer runs in its worker)."""
+        store_hook = self._store_hook()
+        store = store_hook.get_store().restrict(self.destinations, self.destination_prefix, _parse(self.due_from))
+        store.create_schema()  # a dispatcher started before anything was sent waits on an empty store
+        hook = transport_hook(self.transport, self.transport_conn_id, store_hook, self.db_schema)
+        transport = hook.get_transport(**transport_options(self.transport, self.transport_options))
+        policies = {d: DeliveryPolicy.from_dict(p) for d, p in self.destination_policies.items()}
+        policy = None if self.delivery_policy is None else DeliveryPolicy.from_dict(self.delivery_policy)
+        return Pump(store, transport, PumpConfig(**self.pump_config), policy=policy, policies=policies)
+
+    async def _in_thread(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Blocking store and broker calls run in a thread; the one running is remembered, so cleanup
+        never closes connections under it."""
+        context = contextvars.copy_context()  # keeps the trigger's log routing in the thread
+        self._running = asyncio.get_running_loop().run_in_executor(None, lambda: context.run(fn, *args, **kwargs))
+        return await self._running
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        stats = PumpStats()
+        pump: Pump | None = None
+        try:
+            pump = await self._in_thread(self.open_pump)
+            reason, next_due = await self._dispatch(pump, stats)
+            yield TriggerEvent({"status": "done", "summary": self._summary(pump, stats, reason, next_due)})
+        except Exception as exc:  # reported to execute_complete, which fails the task with it
+            yield TriggerEvent({"status": "error", "message": f"{type(exc).__name__}: {exc}",
+                                "summary": self._summary(pump, stats, "error", None)})
+        finally:
+            if pump is not None:
+                await self._close(pump)
+
+    async def _dispatch(self, pump: Pump, stats: PumpStats) -> tuple[str, datetime | None]:
+        deadline = _parse(self.deadline)
+        due_before = _parse(self.due_before)
+        backoff = MIN_BACKOFF_SECONDS
+        next_due: datetime | None = None
+        while True:
+            now = utcnow()
+            if now >= deadline:
+                return "deadline", next_due
+            left = None if self.max_messages is None else self.max_messages - stats.dispatched - stats.dead_lettered
+            if left is not None and left <= 0:
+                return "max_messages", next_due
+            started = time.monotonic()
+            result: PumpResult = await self._in_thread(
+                pump.run, deadline=min(deadline, now + timedelta(seconds=STRETCH_SECONDS)), max_messages=left,
+                due_before=due_before, stop_when_idle=True,
+            )
+            stats.merge(result.stats)
+            next_due = result.next_due
+            self._report(result, time.monotonic() - started)
+            if result.reason == "drained" and due_before is not None:
+                return "drained", None
+            if result.reason in ("deadline", "max_messages"):
+                continue  # a stretch ended; the checks above decide whether the whole run has
+            now = utcnow()
+            if next_due is not None and next_due <= now:
+                await asyncio.sleep(backoff)  # due, but held elsewhere for now
+                backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
+                continue
+            backoff = MIN_BACKOFF_SECONDS
+            wake = [deadline, now + timedelta(seconds=self.poll_interval)]
+            await pump.store.wait_async(min(wake if next_due is None else [*wake, next_due]))
+
+    def _report(self, result: PumpResult, seconds: float) -> None:
+        """One line per stretch that moved messages: counts, rate, lateness, and what comes next."""
+        done = result.stats
+        if not (done.dispatched or done.dead_lettered or done.retried or done.released):
+            return
+        metrics.count_dispatch(done.summary())
+        summary = done.summary()
+        upcoming = "store empty" if result.next_due is None else f"next due {result.next_due.isoformat()}"
+        self.log.info(
+            "dispatched %d, retrying %d, dead-lettered %d, released %d in %.2f s (%.0f msg/s); lateness p50 %s s, "
+            "p99 %s s; %s", done.dispatched, done.retried, done.dead_lettered, done.released, seconds,
+            done.dispatched / max(seconds, 1e-6), summary["lateness_p50_seconds"], summary["lateness_p99_seconds"],
+            upcoming,
+        )
+
+    def _summary(self, pump: Pump | None, stats: PumpStats, reason: str, next_due: datetime | None) -> dict:
+        return {
+            **stats.to_dict(),
+            "stopped_because": reason,
+            "next_due": None if next_due is None else next_due.isoformat(),
+            "exactly_once": None if pump is None else pump.exactly_once,
+        }
+
+    async def _close(self, pump: Pump) -> None:
+        def close() -> None:
+            pump.store.close()
+            pump.transport.close()
+
+        await pump.store.aclose()
+        running = self._running
+        if running is not None and not running.done():
+            # Cancelled mid-stretch: the thread finishes its batch and commits; close after it.
+            running.add_done_callback(lambda _: close())
+        else:
+            close()
+
+
+class ScheduledMessagesTrigger(_StoreTrigger):
+    """Fires `drained` once nothing (for `destination`, if given) is scheduled before `due_before`;
+    `timeout` at `deadline`; `error` when the store cannot be read. Re-counts every `poll_interval` s."""
+
+    _fields = _StoreTrigger._fields + ("due_before", "deadline", "poll_interval", "destination")
+
+    def __init__(
+        self,
+        delay_store_conn_id: str = DEFAULT_CONN_ID,
         table: str | None = None,
         db_schema: str | None = None,
         due_before: str | None = None,
         deadline: str | None = None,
         poll_interval: float = 5.0,
         destination: str | None = None,
-        carry: dict | None = None,
     ) -> None:
         super().__init__()
-        self.carry = carry
         self.delay_store_conn_id = delay_store_conn_id
         self.table = table
         self.db_schema = db_schema
@@ -37,75 +248,20 @@ class _StoreTrigger(BaseTrigger):
         self.poll_interval = float(poll_interval)
         self.destination = destination
 
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (
-            f"{type(self).__module__}.{type(self).__qualname__}",
-            {
-                "delay_store_conn_id": self.delay_store_conn_id,
-                "table": self.table,
-                "db_schema": self.db_schema,
-                "due_before": self.due_before,
-                "deadline": self.deadline,
-                "poll_interval": self.poll_interval,
-                "destination": self.destination,
-                "carry": self.carry,
-            },
-        )
-
-    def event(self, status: str, **fields: Any) -> TriggerEvent:
-        """An event carrying `carry` back: the deferred task's JSON state, returned to it on resume."""
-        return TriggerEvent({"status": status, "carry": self.carry, **fields})
-
-    async def _store(self):
-        from airflow_delay_provider.hooks.delay_store import DelayStoreHook
-
-        hook = DelayStoreHook(self.delay_store_conn_id, table=self.table, db_schema=self.db_schema)
-        return await hook.aget_store()
-
     async def run(self) -> AsyncIterator[TriggerEvent]:
         try:
-            store = await self._store()
+            store = await self._store_hook().aget_store()
             due_before, deadline = _parse(self.due_before), _parse(self.deadline)
             while True:
-                event, wake_at = await self._check(store, due_before)
-                if event is None and deadline is not None and utcnow() >= deadline:
-                    event = self.event("timeout")
-                if event is not None:
-                    yield event
+                counts = await asyncio.to_thread(store.count_scheduled, due_before, self.destination)
+                if not counts:
+                    yield TriggerEvent({"status": "drained"})
                     return
-                await asyncio.sleep(self._sleep_for(wake_at, deadline))
+                now = utcnow()
+                if deadline is not None and now >= deadline:
+                    yield TriggerEvent({"status": "timeout", "scheduled": counts})
+                    return
+                left = self.poll_interval if deadline is None else (deadline - now).total_seconds()
+                await asyncio.sleep(max(0.0, min(self.poll_interval, left)))
         except Exception as exc:  # reported to execute_complete, which fails the task with it
-            yield self.event("error", message=f"{type(exc).__name__}: {exc}")
-
-    async def _check(self, store, due_before: datetime | None) -> tuple[TriggerEvent | None, datetime | None]:
-        """The event to fire now, if any, and when to look again at the latest."""
-        raise NotImplementedError
-
-    def _sleep_for(self, wake_at: datetime | None, deadline: datetime | None) -> float:
-        now = utcnow()
-        limits = [self.poll_interval]
-        limits += [(moment - now).total_seconds() for moment in (wake_at, deadline) if moment is not None]
-        return max(0.0, min(limits))
-
-
-class DueTimeoutTrigger(_StoreTrigger):
-    """Fires `due` when a stored message (before `due_before`, if given) is due; `drained` when the
-    window holds nothing more; `timeout` at `deadline`. Re-reads the store every `poll_interval`
-    seconds, so a sooner message stored meanwhile is noticed."""
-
-    async def _check(self, store, due_before):
-        next_due = await asyncio.to_thread(store.next_due, self.destination, due_before)
-        if next_due is not None and next_due <= utcnow():
-            return self.event("due", next_due=next_due.isoformat()), None
-        if next_due is None and due_before is not None:
-            return self.event("drained"), None
-        return None, next_due
-
-
-class ScheduledMessagesTrigger(_StoreTrigger):
-    """Fires `drained` once nothing (for `destination`, if given) is scheduled before `due_before`;
-    `timeout` at `deadline`."""
-
-    async def _check(self, store, due_before):
-        counts = await asyncio.to_thread(store.count_scheduled, due_before, self.destination)
-        return (self.event("drained") if not counts else None), None
+            yield TriggerEvent({"status": "error", "message": f"{type(exc).__name__}: {exc}"})

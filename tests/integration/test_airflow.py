@@ -75,7 +75,7 @@ def test_demo_dag_delivers_every_message_exactly_once(run_dag):
     assert values["dispatch"]["dispatched"] == 60 and values["dispatch"]["exactly_once"] is True
 
 
-def test_dispatch_defers_until_due_on_postgres(run_dag, pg, monkeypatch):
+def test_dispatch_runs_in_the_trigger_and_delivers_at_due_times_on_postgres(run_dag, pg, monkeypatch):
     from airflow.sdk import DAG
 
     from airflow_delay_provider.operators.delay import (
@@ -83,29 +83,37 @@ def test_dispatch_defers_until_due_on_postgres(run_dag, pg, monkeypatch):
         ProvisionDelayInfrastructureOperator,
         SendDelayedMessageOperator,
     )
+    from tests.helpers import drain
 
-    _, schema, table = pg
+    url, schema, table = pg
     conn_id = _pg_conn(monkeypatch, schema, table)
     common = {"delay_store_conn_id": conn_id}
     with DAG("t_defer", schedule=None, start_date=START) as dag:
-        provision = ProvisionDelayInfrastructureOperator(task_id="provision", endpoints=["q"], **common)
+        provision = ProvisionDelayInfrastructureOperator(task_id="provision", endpoints=["q", "other"], **common)
         send = SendDelayedMessageOperator(
             task_id="send", destination="q",
-            messages=[{"body": "a", "delay_seconds": 4}, {"body": "b", "delay_seconds": timedelta(seconds=6.2)}],
+            messages=[{"body": "a", "delay_seconds": 2}, {"body": "b", "delay_seconds": timedelta(seconds=4.2)},
+                      {"body": "c", "destination": "other", "delay_seconds": 1}],
             **common,
         )
         dispatch = DispatchDueMessagesOperator(
-            task_id="dispatch", due_before="{{ macros.datetime.now(macros.dateutil.tz.UTC) + macros.timedelta(seconds=60) }}",
-            deferrable=True, defer_threshold_seconds=1, poll_interval=0.2, **common,
+            task_id="dispatch", destinations=["q"],
+            due_before="{{ macros.datetime.now(macros.dateutil.tz.UTC) + macros.timedelta(seconds=30) }}",
+            deferrable=True, **common,
         )
         provision >> send >> dispatch
     state, states, values = run_dag(dag)
     assert state == "success", states
     result = values["dispatch"]
     assert result["dispatched"] == 2 and result["stopped_because"] == "drained"
-    assert result["deferrals"] >= 2  # it waited in the trigger, twice, not in the worker
-    assert result["lateness_max_seconds"] < 2.0
-    assert len(values["send"]) == 2
+    assert result["dispatched_in"] == "triggerer" and result["destinations"] == {"q": {"dispatched": 2}}
+    assert 0 <= result["lateness_max_seconds"] < 1.0  # sent at the due time, not after a task resume
+    assert len(values["send"]) == 3
+    from airflow_delay_provider.transports.sql import SqlTableTransport
+
+    queue = SqlTableTransport(url, schema=schema)
+    assert sorted(m.body for m in drain(queue, "q")) == [b"a", b"b"]
+    assert drain(queue, "other") == []  # not in this dispatcher's destinations: still stored
 
 
 def test_scheduled_window_dispatches_only_its_interval(pg, monkeypatch):
@@ -212,36 +220,50 @@ def test_hook_connection_never_shows_password(pg, monkeypatch):
     assert not ok and "not reachable" in message and "TopSecret9" not in message
 
 
-def test_embedded_default_is_sqlite_under_airflow_home(airflow_home):
+def test_a_missing_store_connection_says_how_to_define_it(monkeypatch):
+    from airflow_delay_provider.core.errors import InvalidInputError
     from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+    from airflow_delay_provider.operators.delay import DispatchDueMessagesOperator
 
-    url = DelayStoreHook().url
-    assert url.get_backend_name() == "sqlite"
-    assert Path(url.database).parent == Path(os.environ["AIRFLOW_HOME"]).resolve()
+    monkeypatch.delenv("AIRFLOW_CONN_DELAY_STORE_DEFAULT")
+    with pytest.raises(InvalidInputError, match="'delay_store_default' is not defined.*AIRFLOW_CONN_DELAY_STORE_DEFAULT"):
+        DelayStoreHook().get_store()
+    with pytest.raises(InvalidInputError, match="'delay_store_default' is not defined"):
+        DispatchDueMessagesOperator(task_id="d", max_runtime=1).execute({})
+    monkeypatch.setenv("AIRFLOW_CONN_RELATIVE", json.dumps(
+        {"conn_type": "delay_store", "schema": "store.db", "extra": {"driver": "sqlite"}}))
+    with pytest.raises(InvalidInputError, match="needs an absolute file path"):
+        DelayStoreHook("relative").get_store()
 
 
-def test_triggers_serialize_to_their_class_path_and_fire():
+def test_triggers_serialize_to_their_class_path_and_fire(monkeypatch):
     import asyncio
 
     from airflow.sdk.module_loading import import_string
 
-    from airflow_delay_provider.triggers.delay_store import DueTimeoutTrigger, ScheduledMessagesTrigger
+    from airflow_delay_provider.triggers.delay_store import DispatchTrigger, ScheduledMessagesTrigger
 
-    past = (datetime.now().astimezone() - timedelta(seconds=1)).isoformat()
-    trigger = DueTimeoutTrigger(table="nothing_here", deadline=past, poll_interval=0.1, carry={"k": [1]})
+    future = (datetime.now().astimezone() + timedelta(seconds=30)).isoformat()
+    monkeypatch.setenv("AIRFLOW_CONN_DELAY_DOWN", json.dumps(
+        {"conn_type": "delay_store", "host": "127.0.0.1", "port": 1, "login": "u", "password": "Hush42", "schema": "x"}))
+    trigger = DispatchTrigger(delay_store_conn_id="delay_down", deadline=future, destinations=["q"],
+                              pump_config={"batch_size": 5},
+                              delivery_policy={"healthyRetryPolicy": {"numRetries": 1}})
     path, kwargs = trigger.serialize()
-    assert path == "airflow_delay_provider.triggers.delay_store.DueTimeoutTrigger"
+    assert path == "airflow_delay_provider.triggers.delay_store.DispatchTrigger"
     rebuilt = import_string(path)(**kwargs)
     assert rebuilt.serialize() == (path, kwargs)
+    assert json.loads(json.dumps(kwargs)) == kwargs  # plain JSON: what the metadata database keeps
     assert ScheduledMessagesTrigger().serialize()[0].endswith("delay_store.ScheduledMessagesTrigger")
 
     async def first_event(t):
         async for event in t.run():
             return event.payload
 
-    # No table: the trigger reports the error (execute_complete then fails the task with it).
+    # The store is down: the trigger reports it (execute_complete then fails the task with it).
     event = asyncio.run(first_event(rebuilt))
-    assert event["status"] == "error" and event["carry"] == {"k": [1]}
+    assert event["status"] == "error" and "not reachable" in event["message"] and "Hush42" not in event["message"]
+    assert event["summary"]["dispatched"] == 0
 
 
 def _rabbit_conn(monkeypatch, vhost: str, prefix: str) -> str:
@@ -281,7 +303,7 @@ def test_rabbitmq_operators_provision_verify_send_dispatch_migrate(run_dag, rabb
         stored = SendDelayedMessageOperator(task_id="stored", destination="orders", body="s", delay_seconds=1,
                                             delay_store_conn_id="store_x")
         dispatch = DispatchDueMessagesOperator(task_id="dispatch", due_before="{{ macros.datetime.now(macros.dateutil.tz.UTC) + macros.timedelta(seconds=30) }}",
-                                               deferrable=True, defer_threshold_seconds=0.5, poll_interval=0.2, **rabbit)
+                                               deferrable=True, **rabbit)
         later = SendDelayedMessageOperator(task_id="later", destination="orders", body="l", delay_seconds=2,
                                            delay_store_conn_id="store_x")
         migrate = MigrateDelayedMessagesOperator(task_id="migrate", direction="store_to_rabbitmq", **rabbit)

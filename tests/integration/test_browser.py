@@ -18,7 +18,6 @@ import pytest
 
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.pump import Pump
-from airflow_delay_provider.hooks.delay_store import EMBEDDED_DB_NAME
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
 from airflow_delay_provider.transports.sql import SqlTableTransport
 from tests.conftest import ROOT, _free_port
@@ -60,6 +59,8 @@ def standalone(tmp_path_factory):
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
     }
     env.pop("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", None)  # its own SQLite database, not the tests'
+    env["AIRFLOW_CONN_DELAY_STORE_DEFAULT"] = json.dumps(
+        {"conn_type": "delay_store", "schema": str(home / "delay_store.db"), "extra": {"driver": "sqlite"}})
     log = open(home / "standalone.log", "w")
     proc = subprocess.Popen([str(Path(bin_dir) / "airflow"), "standalone"], env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -93,7 +94,7 @@ def test_trigger_form_in_a_browser_sends_a_message_delivered_after_its_delay(sta
 
     screenshot = DOCS_SCREENSHOT if os.environ.get("DELAY_UPDATE_SCREENSHOT") else tmp_path / "form.png"
     base, home = standalone
-    url = f"sqlite:///{home / EMBEDDED_DB_NAME}"  # the embedded store the standalone's task writes to
+    url = f"sqlite:///{home / 'delay_store.db'}"  # the store of the standalone's delay_store_default
     queue = SqlTableTransport(url)
     queue.provision("browser.q")
 

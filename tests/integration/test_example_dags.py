@@ -25,19 +25,59 @@ def form(conf: dict) -> dict:
     return params.validate()
 
 
-def test_every_example_dag_imports_with_docs(airflow_home):
+EXAMPLE_DAGS = {"demo_delayed_delivery", "delay_manual_send", "delay_scheduled_sweep", "delay_continuous_dispatch",
+                "delay_sqs_relay", "delay_order_timeout", "delay_provision_all", "spark_bulk_sweep"}
+
+
+def _bag():
     from airflow.dag_processing.dagbag import DagBag
 
     bag = DagBag(dag_folder=str(ROOT / "dags"))
     assert bag.import_errors == {}
-    assert {"demo_delayed_delivery", "delay_manual_send", "delay_scheduled_sweep", "delay_sqs_relay",
-            "delay_order_timeout", "delay_provision_all", "spark_bulk_sweep"} <= set(bag.dag_ids)
+    return bag
+
+
+def test_every_example_dag_imports_with_docs_and_no_unbounded_catchup(airflow_home):
+    from airflow.sdk import DeltaDataIntervalTimetable
+
+    bag = _bag()
+    assert EXAMPLE_DAGS <= set(bag.dag_ids)
     assert all(bag.get_dag(d).doc_md for d in bag.dag_ids)
-    sweep = bag.get_dag("delay_scheduled_sweep")
-    assert sweep.catchup and sweep.get_task("dispatch").due_before == "{{ data_interval_end }}"
-    spark = bag.get_dag("spark_bulk_sweep").get_task("sweep")
-    assert bag.get_dag("spark_bulk_sweep").catchup
-    assert (spark.due_from, spark.due_before) == ("{{ data_interval_start }}", "{{ data_interval_end }}")
+    # Unpausing an example never starts a catch-up from its start date: backfills are asked for.
+    assert not any(bag.get_dag(d).catchup for d in bag.dag_ids)
+    for dag_id, task_id in (("delay_scheduled_sweep", "dispatch"), ("spark_bulk_sweep", "sweep")):
+        dag = bag.get_dag(dag_id)
+        # A real window per run (3.3's timedelta schedules give runs with start == end).
+        assert isinstance(dag.timetable, DeltaDataIntervalTimetable)
+        task = dag.get_task(task_id)
+        assert "data_interval_start" in task.due_from and "data_interval_end" in task.due_before
+    continuous = bag.get_dag("delay_continuous_dispatch")
+    dispatch = continuous.get_task("dispatch")
+    assert dispatch.deferrable and dispatch.max_runtime > continuous.timetable.delta  # runs overlap
+    assert continuous.max_active_runs >= 2
+
+
+def test_every_connection_the_example_dags_name_is_defined_in_compose(airflow_home):
+    import yaml
+
+    from airflow_delay_provider.operators.delay import DelayOperatorBase
+    from airflow_delay_provider.operators.sweep import BulkSweepOperator
+
+    defaults = {"sql": None, "rabbitmq": "rabbitmq_default", "sqs": "aws_default"}
+    named = set()
+    for dag in _bag().dags.values():
+        for task in dag.tasks:
+            if isinstance(task, DelayOperatorBase):
+                named.add(task.delay_store_conn_id)
+                transports = [task.transport] if task.transport in defaults else list(defaults)  # a templated one
+                named.update(task.transport_conn_id or defaults[t] for t in transports)
+            if isinstance(task, BulkSweepOperator):
+                named.add(task._conn_id)
+    named.discard(None)
+    compose = yaml.safe_load((ROOT / "docker-compose.yaml").read_text())
+    defined = {k[len("AIRFLOW_CONN_"):].lower() for k in compose["x-airflow"]["environment"] if k.startswith("AIRFLOW_CONN_")}
+    assert "delay_store_default" in named
+    assert named <= defined, f"named by the example DAGs but not defined in docker-compose.yaml: {named - defined}"
 
 
 @pytest.mark.parametrize(("conf", "field"), [
@@ -69,6 +109,17 @@ def test_order_timeout_cancels_only_unpaid_orders(run_dag, pay, check, status):
     result = values["cancel_if_unpaid"]
     assert (result["check"], result["status"]) == (check, status)
     assert values["dispatch"]["dispatched"] >= 1
+
+
+def test_manual_send_refuses_unknown_conf_keys_and_stores_nothing(run_dag):
+    from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+
+    store = DelayStoreHook().get_store()
+    store.create_schema()
+    before = store.count_scheduled()
+    state, states, _ = run_dag(load("delay_manual_send"), {"destination": "typo.q", "delay": 5})
+    assert state == "failed" and states["send"] == "failed"
+    assert store.count_scheduled() == before
 
 
 def test_manual_send_renders_the_transport_from_the_form(run_dag):
