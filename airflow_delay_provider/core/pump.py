@@ -409,11 +409,15 @@ class Pump:
             return None
 
     def _report(self, stats: PumpStats, started: float, due_before: datetime | None) -> None:
+        """A progress line during a long run: totals, rate, what is still due and when that clears."""
+        if not (stats.dispatched or stats.dead_lettered or stats.retried):
+            return
         elapsed = max(time.monotonic() - started, 1e-9)
         rate = stats.dispatched / elapsed
-        backlog = sum(self.store.count_scheduled(due_before=min(self._clock(), due_before or self._clock())).values())
-        eta = f"{backlog / rate:.0f} s" if rate > 0 else "unknown"
-        log.info("dispatched %d (%.0f msg/s), retrying %d, dead-lettered %d; %d due now, ETA %s",
+        now = self._clock()
+        backlog = sum(self.store.count_scheduled(due_before=min(now, due_before or now)).values())
+        eta = f", ETA {backlog / rate:.0f} s" if backlog and rate > 0 else ""
+        log.info("dispatched %d (%.0f msg/s), retrying %d, dead-lettered %d; %d due now%s",
                  stats.dispatched, rate, stats.retried, stats.dead_lettered, backlog, eta)
 
 

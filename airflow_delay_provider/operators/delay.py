@@ -248,7 +248,11 @@ class SendDelayedMessageOperator(DelayOperatorBase):
             # Idempotent and cheap; a missing table would otherwise look like an unreachable database.
             call_with_breaker(breaker, store.create_schema, retry_on=(UnavailableError,))
             stored = call_with_breaker(breaker, lambda: store.store(batch), retry_on=(UnavailableError,))
-            self.log.info("Stored %d new message(s) of %d (the rest were stored by an earlier try)", stored, len(batch))
+            if stored == len(batch):
+                self.log.info("Stored %d message(s)", stored)
+            else:  # the same ids again: a retried task, or a batch that names ids already stored
+                self.log.info("Stored %d new message(s); %d were already stored with the same ids", stored,
+                              len(batch) - stored)
             if policy is not None:
                 store.set_policies(dict.fromkeys({m.destination for m in batch}, policy.to_dict()))
                 self.log.info("Delivery policy of %s:\n%s", sorted({m.destination for m in batch}), policy.phase_table())
