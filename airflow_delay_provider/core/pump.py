@@ -36,6 +36,11 @@ from airflow_delay_provider.core.throttle import TokenBucket
 
 log = logging.getLogger(__name__)
 
+#: While the only due rows are held elsewhere, the pump looks again after this long, doubling each time.
+MIN_HELD_BACKOFF_SECONDS = 0.005
+MAX_HELD_BACKOFF_SECONDS = 1.0
+
+
 @dataclass
 class PumpConfig:
     batch_size: int = 1000
@@ -346,6 +351,7 @@ class Pump:
     def _run(self, stats, deadline, max_messages, due_before, max_wait, stop_when_idle) -> PumpResult:
         started = time.monotonic()
         last_report = started
+        held_backoff = MIN_HELD_BACKOFF_SECONDS
         while True:
             now = self._clock()
             in_flight = len(self._inflight.messages) if self._inflight else 0
@@ -365,6 +371,7 @@ class Pump:
                 last_report = time.monotonic()
                 self._report(stats, started, due_before)
             if batch.batches or self._inflight is not None:
+                held_backoff = MIN_HELD_BACKOFF_SECONDS
                 continue
             try:
                 next_due = self.store.next_due(due_before=due_before)
@@ -379,9 +386,12 @@ class Pump:
                 return PumpResult(stats, "idle", next_due)
             now = self._clock()
             if next_due is not None and next_due <= now:
-                # Due rows exist but another pump holds them: look again shortly, do not spin.
-                self.store.wait(now + timedelta(seconds=0.05))
+                # Due rows exist but are held elsewhere (another pump's claim, a sweep's lease, a
+                # throttle): look again soon, backing off while they stay held, without spinning.
+                self.store.wait(now + timedelta(seconds=held_backoff))
+                held_backoff = min(held_backoff * 2, MAX_HELD_BACKOFF_SECONDS)
                 continue
+            held_backoff = MIN_HELD_BACKOFF_SECONDS
             target = now + timedelta(seconds=self.config.max_idle_seconds)
             if next_due is not None:
                 if max_wait is not None and (next_due - now).total_seconds() > max_wait:

@@ -9,7 +9,7 @@ from sqlalchemy.engine import URL, make_url
 
 from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.stores.engine import check_identifier, safe_url
-from airflow_delay_provider.stores.sql import DEFAULT_TABLE, SqlDelayedMessageStore
+from airflow_delay_provider.stores.sql import DEFAULT_TABLE, SqlDelayedMessageStore, check_store_table
 from airflow_delay_provider.transports.sql import SqlTableTransport
 
 #: Every operator, sensor and trigger uses this connection unless told otherwise, so the scheduler's,
@@ -155,7 +155,7 @@ class DelayStoreHook(BaseHook):
 
 
 def resolve_location(url: URL, extra: dict, table: str | None, db_schema: str | None) -> tuple[URL, str, str | None]:
-    table = check_identifier("table name", table or extra.get("table") or DEFAULT_TABLE)
+    table = check_store_table(table or extra.get("table") or DEFAULT_TABLE)
     schema = db_schema or extra.get("db_schema") or None
     if schema is not None:
         check_identifier("schema name", schema)

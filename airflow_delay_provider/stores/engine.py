@@ -12,7 +12,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.schema import CreateSchema
 
-from airflow_delay_provider.core.errors import InvalidNameError, UnavailableError
+from airflow_delay_provider.core.errors import InvalidInputError, InvalidNameError, UnavailableError
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _engines: dict[str, Engine] = {}
@@ -84,24 +84,57 @@ def get_engine(url: URL | str) -> Engine:
 
 
 def _create(url: URL) -> Engine:
-    if url.get_backend_name() == "sqlite":
-        engine = create_engine(url, connect_args={"timeout": 30})
+    if url.get_backend_name() != "sqlite":
+        options = postgres_session_options(url)
+        return create_engine(engine_url(url), pool_pre_ping=True, pool_size=5, max_overflow=5, connect_args=options)
+    engine = create_engine(url, connect_args={"timeout": 30})
 
-        @event.listens_for(engine, "connect")
-        def _on_connect(dbapi_connection, _record):  # pragma: no branch
-            # Take over transaction control from pysqlite so BEGIN IMMEDIATE can be issued:
-            # a claim then holds the write lock from its first read, which SQLite needs in place
-            # of SKIP LOCKED to keep two pumps from taking the same rows.
-            dbapi_connection.isolation_level = None
-            dbapi_connection.execute("PRAGMA journal_mode=WAL")
-            dbapi_connection.execute("PRAGMA synchronous=NORMAL")
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, _record):  # pragma: no branch
+        # Take over transaction control from pysqlite so BEGIN IMMEDIATE can be issued:
+        # a claim then holds the write lock from its first read, which SQLite needs in place
+        # of SKIP LOCKED to keep two pumps from taking the same rows.
+        dbapi_connection.isolation_level = None
+        dbapi_connection.execute("PRAGMA journal_mode=WAL")
+        # FULL: a send acknowledged to its task survives a power loss, not only a crash (WAL's
+        # NORMAL may lose the last commits); it costs an fsync per commit.
+        dbapi_connection.execute("PRAGMA synchronous=FULL")
 
-        @event.listens_for(engine, "begin")
-        def _on_begin(conn):
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn):
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
 
-        return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+    return engine
+
+
+#: Bounds on what a vanished client can hold (configurable as URL query parameters, e.g. in the
+#: connection's `url` extra: `?idle_in_transaction_session_timeout=300s&lock_timeout=60s`).
+#: A claim is an open transaction while its batch is sent and confirmed: a pump host that dies or
+#: is cut off would otherwise keep its rows locked until TCP notices, which takes hours by default.
+POSTGRES_DEFAULTS = {
+    "idle_in_transaction_session_timeout": "120s",  # the server rolls back a claim left idle this long
+    "lock_timeout": "30s",  # no statement waits longer than this for a lock
+}
+#: TCP keepalives: a silent peer is noticed in about a minute (30 s idle, then 3 probes 10 s apart).
+KEEPALIVES = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10, "keepalives_count": 3}
+
+
+_DURATION = re.compile(r"^\d+(ms|s|min|h)?$")
+
+
+def postgres_session_options(url: URL) -> dict:
+    """psycopg connect arguments: keepalives, and the session timeouts above unless the URL sets its own."""
+    settings = {name: url.query.get(name, default) for name, default in POSTGRES_DEFAULTS.items()}
+    for name, value in settings.items():
+        if not isinstance(value, str) or not _DURATION.match(value):
+            raise InvalidInputError(f"{name} must be a duration such as 30s, 500ms or 2min (0 disables it), got {value!r}")
+    options = " ".join(f"-c {name}={value}" for name, value in settings.items())
+    return {**KEEPALIVES, "options": options}
+
+
+def engine_url(url: URL) -> URL:
+    """The URL without the session settings above, which go to the server as options instead."""
+    return url.difference_update_query(list(POSTGRES_DEFAULTS))
 
 
 @contextmanager

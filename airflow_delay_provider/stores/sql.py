@@ -41,13 +41,15 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection
 
 from airflow_delay_provider.core.delays import utcnow
-from airflow_delay_provider.core.errors import InvalidInputError
+from airflow_delay_provider.core.errors import InvalidInputError, InvalidNameError
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
 from airflow_delay_provider.stores.engine import (
+    KEEPALIVES,
     SqlDatabase,
     check_identifier,
     copy_rows,
+    engine_url,
     safe_url,
 )
 
@@ -156,6 +158,21 @@ def _rebuild(message_id: str, destination: str, body, headers: str, due_at_us: i
     return DelayedMessage.trusted(
         destination, bytes(body), from_us(due_at_us), {} if headers == "{}" else json.loads(headers), message_id, failures
     )
+
+
+#: The store also creates `<table>_policies` and `<table>_sweeps`, which must fit PostgreSQL's
+#: 63-character identifiers too.
+MAX_TABLE_NAME = 63 - len("_policies")
+
+
+def check_store_table(name: object) -> str:
+    name = check_identifier("table name", name)
+    if len(name) > MAX_TABLE_NAME:
+        raise InvalidNameError(
+            f"table name {name!r} has {len(name)} characters; a store's table name may have at most {MAX_TABLE_NAME}, "
+            "since the store also creates <table>_policies and <table>_sweeps (63 characters at most)"
+        )
+    return name
 
 
 #: Columns a sweep reads, in this order, as tuples (the Spark readers produce the same).
@@ -302,11 +319,10 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     """Delayed messages in one table; claims lock rows (`FOR UPDATE SKIP LOCKED` on PostgreSQL)."""
 
     def __init__(self, url: URL | str, table: str = DEFAULT_TABLE, schema: str | None = None) -> None:
-        self.table_name = check_identifier("table name", table)
+        self.table_name = check_store_table(table)
         super().__init__(url, schema)
         self.table = store_table(MetaData(), self.table_name, self.schema)
         # Delivery policies per destination live beside the messages, so every pump sees the same.
-        check_identifier("table name", f"{self.table_name}_policies")
         self.policy_table = Table(
             f"{self.table_name}_policies",
             self.table.metadata,
@@ -314,8 +330,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             Column("policy", Text, nullable=False),
             schema=self.schema,
         )
-        self.sweeps = sweeps_table(self.table.metadata, check_identifier("table name", f"{self.table_name}_sweeps"),
-                                   self.schema)
+        self.sweeps = sweeps_table(self.table.metadata, f"{self.table_name}_sweeps", self.schema)
         self.concurrent_claims = self.is_postgres  # SQLite locks the whole database per write transaction
         qualified = f"{self.schema}.{self.table_name}" if self.schema else self.table_name
         # LISTEN takes an identifier of at most 63 bytes; a hash keeps any schema.table pair within it.
@@ -348,13 +363,33 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
 
     # -- schema --------------------------------------------------------------------------------
     def create_schema(self) -> None:
-        """Create the schema, tables and index if missing (idempotent, safe to run concurrently)."""
+        """Create the schema, tables and index if missing (idempotent, safe to run concurrently).
+
+        A table of that name that is not a delay store (another application's) is refused before
+        anything is created or changed."""
+        self._check_existing_shape()
         self._create_tables(self.table.metadata, "the delay store tables")
         with self._errors("upgrade the delay store table"), self.engine.begin() as conn:
             columns = {c["name"] for c in inspect(conn).get_columns(self.table_name, schema=self.schema)}
             if "claim_id" not in columns:  # a store created before bulk sweeps existed
                 name = ".".join(f'"{part}"' for part in filter(None, (self.schema, self.table_name)))
                 conn.execute(text(f"ALTER TABLE {name} ADD COLUMN claim_id VARCHAR(64)"))  # checked identifiers
+
+    def _check_existing_shape(self) -> None:
+        with self._errors("inspect the delay store"), self.engine.connect() as conn:
+            inspector = inspect(conn)
+            for table in (self.table, self.policy_table, self.sweeps):
+                if not inspector.has_table(table.name, schema=self.schema):
+                    continue
+                found = {c["name"] for c in inspector.get_columns(table.name, schema=self.schema)}
+                # claim_id is the one column an older store may lack; it is added below.
+                missing = sorted({c.name for c in table.columns} - found - {"claim_id"})
+                if missing:
+                    where = f"{self.schema}.{table.name}" if self.schema else table.name
+                    raise InvalidInputError(
+                        f"table {where} exists but is not a delay store table (missing columns {missing}); "
+                        "nothing was changed: choose another `table` (or `db_schema`) for the store"
+                    )
 
     def set_policies(self, policies: Mapping[str, dict]) -> None:
         """Store each destination's delivery policy (seed 003 JSON), replacing what was there."""
@@ -626,19 +661,19 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             self._alistener = None
 
     def _listen_url(self) -> str:
-        return self.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        return engine_url(self.url).set(drivername="postgresql").render_as_string(hide_password=False)
 
     def _listen(self):
         import psycopg  # only PostgreSQL stores get here
 
-        conn = psycopg.connect(self._listen_url(), autocommit=True, **_KEEPALIVES)
+        conn = psycopg.connect(self._listen_url(), autocommit=True, **KEEPALIVES)
         conn.execute(f'LISTEN "{self.channel}"')  # channel is a hex digest with a fixed prefix
         return conn
 
     async def _alisten(self):
         import psycopg
 
-        conn = await psycopg.AsyncConnection.connect(self._listen_url(), autocommit=True, **_KEEPALIVES)
+        conn = await psycopg.AsyncConnection.connect(self._listen_url(), autocommit=True, **KEEPALIVES)
         await conn.execute(f'LISTEN "{self.channel}"')
         return conn
 
@@ -662,8 +697,3 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
 def _sooner(note, until_us: int) -> bool:
     """A notification of a message due before `until_us` (the payload is its due time in microseconds)."""
     return note.payload.isdigit() and int(note.payload) < until_us
-
-
-#: A listening connection that goes quiet (a vanished host, a silent network cut) is noticed in
-#: about a minute instead of the kernel's default of hours.
-_KEEPALIVES = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10, "keepalives_count": 3}

@@ -19,7 +19,13 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_delay_provider import metrics
 from airflow_delay_provider.core.delays import utcnow
-from airflow_delay_provider.core.pump import Pump, PumpConfig, PumpResult
+from airflow_delay_provider.core.pump import (
+    MAX_HELD_BACKOFF_SECONDS,
+    MIN_HELD_BACKOFF_SECONDS,
+    Pump,
+    PumpConfig,
+    PumpResult,
+)
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.core.stats import PumpStats
 from airflow_delay_provider.hooks.delay_store import DEFAULT_CONN_ID, DelayStoreHook
@@ -27,10 +33,6 @@ from airflow_delay_provider.hooks.transport import transport_hook, transport_opt
 
 #: The longest stretch of pump work handed to a thread at once, so a cancelled trigger stops soon.
 STRETCH_SECONDS = 10.0
-#: While due messages are held elsewhere (another pump's claim, a sweep's lease, a throttle), look
-#: again after this long, doubling up to the maximum: no busy polling, and quick once they are free.
-MIN_BACKOFF_SECONDS = 0.005
-MAX_BACKOFF_SECONDS = 1.0
 
 
 def _parse(moment: str | None) -> datetime | None:
@@ -156,7 +158,7 @@ class DispatchTrigger(_StoreTrigger):
     async def _dispatch(self, pump: Pump, stats: PumpStats) -> tuple[str, datetime | None]:
         deadline = _parse(self.deadline)
         due_before = _parse(self.due_before)
-        backoff = MIN_BACKOFF_SECONDS
+        backoff = MIN_HELD_BACKOFF_SECONDS
         next_due: datetime | None = None
         while True:
             now = utcnow()
@@ -180,9 +182,9 @@ class DispatchTrigger(_StoreTrigger):
             now = utcnow()
             if next_due is not None and next_due <= now:
                 await asyncio.sleep(backoff)  # due, but held elsewhere for now
-                backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
+                backoff = min(backoff * 2, MAX_HELD_BACKOFF_SECONDS)
                 continue
-            backoff = MIN_BACKOFF_SECONDS
+            backoff = MIN_HELD_BACKOFF_SECONDS
             wake = [deadline, now + timedelta(seconds=self.poll_interval)]
             await pump.store.wait_async(min(wake if next_due is None else [*wake, next_due]))
 

@@ -238,3 +238,27 @@ def test_sooner_message_wakes_a_sleeping_pump(db):
     assert 0 <= lateness < 1.0, lateness
     assert store.count_scheduled() == {"orders": 1}
     store.close()
+
+
+def test_a_pump_backs_off_while_the_only_due_rows_are_held_by_another(pg):
+    url, schema, table = pg
+    store = make_store(url, schema, table)
+    transport = make_transport(url, schema, table, "orders", "error")
+    store.store(messages(3, delay=-1))
+    claims = Counter()
+
+    class CountingStore(SqlDelayedMessageStore):
+        def claim_due(self, *args, **kwargs):
+            claims["n"] += 1
+            return super().claim_due(*args, **kwargs)
+
+    counted = CountingStore(url, table=table, schema=schema)
+    with store.claim_due(utcnow(), 10) as held:  # another pump holds every due row for 3 s
+        assert len(held.messages) == 3
+        result = Pump(counted, transport).run(deadline=utcnow() + timedelta(seconds=3))
+        held.remove([])  # and releases them unsettled
+    assert result.stats.dispatched == 0
+    # A fixed 50 ms poll would claim about 60 times in 3 s; backing off (5 ms doubling to 1 s) about 10.
+    assert claims["n"] <= 20, claims
+    again = Pump(store, transport).run(deadline=utcnow() + timedelta(seconds=3), stop_when_idle=True)
+    assert again.stats.dispatched == 3

@@ -114,3 +114,54 @@ def test_concurrent_claims_skip_locked_rows(pg):
     t.join()
     assert len(seen["a"]) == 60 and len(seen["b"]) == 40
     assert not set(seen["a"]) & set(seen["b"])
+
+
+def test_table_names_leave_room_for_the_policies_and_sweeps_tables(db):
+    url, schema, _ = db
+    longest = "t" * 54
+    store = make_store(url, schema, longest)  # 54 + "_policies" = 63: PostgreSQL's limit
+    assert inspect(store.engine).has_table(f"{longest}_policies", schema=schema)
+    with pytest.raises(InvalidNameError, match="at most 54.*_policies"):
+        SqlDelayedMessageStore(url, table="t" * 55, schema=schema)
+
+
+def test_an_unrelated_table_of_that_name_is_refused_and_left_alone(db):
+    from sqlalchemy import Column, Integer, MetaData, Table
+
+    from airflow_delay_provider.core.errors import InvalidInputError
+
+    url, schema, table = db
+    store = SqlDelayedMessageStore(url, table=table, schema=schema)
+    other = Table(table, MetaData(), Column("order_id", Integer, primary_key=True), schema=schema)
+    other.metadata.create_all(store.engine)
+    with pytest.raises(InvalidInputError, match=r"not a delay store table \(missing columns \['body'"):
+        store.create_schema()
+    inspector = inspect(store.engine)
+    assert [c["name"] for c in inspector.get_columns(table, schema=schema)] == ["order_id"]  # no ALTER
+    assert not inspector.has_table(f"{table}_policies", schema=schema)  # nothing created beside it
+
+
+def test_sqlite_store_syncs_every_commit(tmp_path):
+    store = make_store(f"sqlite:///{tmp_path / 'store.db'}", None, "t")
+    with store.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL: survives a power loss
+
+
+def test_postgres_sessions_bound_what_a_vanished_pump_can_hold(pg):
+    from sqlalchemy.engine import make_url
+
+    from airflow_delay_provider.core.errors import InvalidInputError
+
+    url, schema, table = pg
+    store = make_store(url, schema, table)
+    with store.engine.connect() as conn:
+        assert conn.exec_driver_sql("SHOW idle_in_transaction_session_timeout").scalar() == "2min"
+        assert conn.exec_driver_sql("SHOW lock_timeout").scalar() == "30s"
+        assert conn.connection.driver_connection.info.get_parameters()["keepalives_idle"] == "30"  # client side
+    tuned = make_url(url).update_query_dict({"idle_in_transaction_session_timeout": "5s", "lock_timeout": "500ms"})
+    store = make_store(tuned, schema, table)
+    with store.engine.connect() as conn:
+        assert conn.exec_driver_sql("SHOW idle_in_transaction_session_timeout").scalar() == "5s"
+        assert conn.exec_driver_sql("SHOW lock_timeout").scalar() == "500ms"
+    with pytest.raises(InvalidInputError, match="lock_timeout must be a duration"):
+        SqlDelayedMessageStore(make_url(url).update_query_dict({"lock_timeout": "1s -c work_mem=1GB"}), table=table)
