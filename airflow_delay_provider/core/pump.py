@@ -9,6 +9,7 @@ dispatch is exactly once.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
@@ -52,6 +53,9 @@ class PumpConfig:
     time_to_trigger_dispatch_circuit_breaker: float = 30.0
     maximum_recovery_failures_per_second: float = 1.0
     progress_interval_seconds: float = 10.0
+    #: Each retry's delay is spread by up to +/- this fraction (within the policy's bounds), so a burst
+    #: that failed together does not retry together.
+    retry_jitter: float = 0.1
 
     def __post_init__(self) -> None:
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or not 1 <= self.batch_size <= 10_000:
@@ -59,6 +63,9 @@ class PumpConfig:
         if isinstance(self.number_of_retries, bool) or not isinstance(self.number_of_retries, int) or not 0 <= self.number_of_retries <= 100:
             raise InvalidInputError(f"number_of_retries must be an int in 0..100, got {self.number_of_retries!r}")
         check_destination(self.error_queue)
+        if isinstance(self.retry_jitter, bool) or not isinstance(self.retry_jitter, (int, float)) \
+                or not 0 <= self.retry_jitter <= 1:
+            raise InvalidInputError(f"retry_jitter must be a fraction in 0..1, got {self.retry_jitter!r}")
         for name in ("max_idle_seconds", "time_to_trigger_fetch_circuit_breaker",
                      "time_to_trigger_dispatch_circuit_breaker", "maximum_recovery_failures_per_second"):
             value = getattr(self, name)
@@ -288,7 +295,9 @@ class Pump:
                 dead.append(failed.dead_lettered(self.config.error_queue, reason, sent_at))
             else:
                 # A retry is itself a delayed message: stored, it survives restarts and holds no worker.
-                retries[m.message_id] = sent_at + timedelta(seconds=policy.delay_before(failed.failures))
+                delay = policy.jittered(policy.delay_before(failed.failures), self.config.retry_jitter,
+                                        random.Random(f"{m.message_id}:{failed.failures}"))
+                retries[m.message_id] = sent_at + timedelta(seconds=delay)
                 if HEADER_FIRST_FAILED_AT not in m.headers:
                     first_failures[m.message_id] = {**m.headers, HEADER_FIRST_FAILED_AT: sent_at.isoformat()}
         if dead:

@@ -51,11 +51,29 @@ def test_policy_schedules_retries_then_delivers(tmp_path):
     clock = Clock()
     transport = Recording(make_transport(url, None, "delayed", "orders", "error"), {"orders": 4}, clock)
     store.store([DelayedMessage("orders", b"x", T0, {}, "p-1")])
-    pump = Pump(store, transport, policy=POLICY, clock=clock, sleep=lambda s: None)
+    # Without jitter, the policy's own schedule (jitter is checked below).
+    pump = Pump(store, transport, PumpConfig(retry_jitter=0), policy=POLICY, clock=clock, sleep=lambda s: None)
     drive(pump, clock, 60)
     assert transport.times == [0, 0, 5, 10, 15]  # first try, 1 immediate, 2 at 5 s, first backoff step 5 s
     [got] = drain(transport, "orders")
     assert got.message_id == "p-1" and store.count_scheduled() == {}
+
+
+def test_retries_of_a_burst_are_spread_by_jitter_within_the_policy_bounds(tmp_path):
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    policy = DeliveryPolicy(10, 60, 3, num_min_delay_retries=0)  # backoff 10 s .. 60 s
+    delays = {}
+    for jitter in (0.0, 0.1):
+        store = make_store(url, None, f"j{int(jitter * 10)}")
+        transport = FlakyTransport(make_transport(url, None, f"j{int(jitter * 10)}", "orders", "error"), {"orders": 200})
+        store.store([DelayedMessage("orders", b"x", T0, {}, f"b-{i}") for i in range(200)])
+        clock = Clock()
+        Pump(store, transport, PumpConfig(retry_jitter=jitter), policy=policy, clock=clock).dispatch_batch()
+        with store.engine.connect() as conn:
+            rows = conn.execute(store.table.select()).all()
+        delays[jitter] = {(r.due_at_us - int(T0.timestamp() * 1e6)) / 1e6 for r in rows}
+    assert delays[0.0] == {10.0}  # all 200 would retry in the same instant
+    assert len(delays[0.1]) > 100 and all(10.0 <= d <= 11.0 for d in delays[0.1])  # spread, never below minDelay
 
 
 def test_exhausted_policy_dead_letters_after_exactly_its_attempts(tmp_path):
@@ -64,7 +82,7 @@ def test_exhausted_policy_dead_letters_after_exactly_its_attempts(tmp_path):
     clock = Clock()
     transport = Recording(make_transport(url, None, "delayed", "orders", "error"), {"orders": -1}, clock)
     store.store([DelayedMessage("orders", b"x", T0, {"k": "v"}, "p-2")])
-    pump = Pump(store, transport, policy=POLICY, clock=clock, sleep=lambda s: None)
+    pump = Pump(store, transport, PumpConfig(retry_jitter=0), policy=POLICY, clock=clock, sleep=lambda s: None)
     drive(pump, clock, 120)
     assert transport.times == [0, 0, 5, 10, 15, 35, 55]  # 1 + numRetries attempts
     [dead] = drain(transport, "error")
