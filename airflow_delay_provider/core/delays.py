@@ -1,4 +1,4 @@
-"""Delay rules (seed 004): message-level vs queue-level delays, and turning durations into whole seconds."""
+"""Delay rules: message-level vs queue-level delays, and turning durations into whole seconds."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from airflow_delay_provider.core.errors import DelayError
 
 __all__ = ["MAX_DELAY_SECONDS", "DelayError", "resolve_delay", "seconds_until", "to_seconds"]
 
-#: Seed 004: both levels accept 0..604,800 seconds (7 days).
+#: Both levels accept 0..604,800 seconds (7 days), as SQS-style queue- and message-level delays do.
 MAX_DELAY_SECONDS = 604_800
 
 
@@ -27,10 +27,17 @@ def _check(field: str, value: object) -> int | None:
     return value
 
 
-def resolve_delay(message_delay: int | None = None, queue_delay: int | None = None) -> int:
-    """The delay that applies: a message-level delay > 0 wins, else a queue-level delay > 0, else 0."""
-    message = _check("message_delay", message_delay)
-    queue = _check("queue_delay", queue_delay)
+def resolve_delay(
+    message_delay: int | None = None,
+    queue_delay: int | None = None,
+    message_field: str = "message_delay",
+    queue_field: str = "queue_delay",
+) -> int:
+    """The delay that applies: a message-level delay > 0 wins, else a queue-level delay > 0, else 0.
+
+    Errors name `message_field` and `queue_field`: the arguments the caller's user actually set."""
+    message = _check(message_field, message_delay)
+    queue = _check(queue_field, queue_delay)
     if message:
         return message
     if queue:

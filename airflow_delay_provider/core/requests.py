@@ -45,20 +45,25 @@ def build_message(
     now: datetime,
     queue_delay_seconds: Any = None,
     default_id: Callable[[], str] | None = None,
+    where: str = "",
 ) -> DelayedMessage:
+    """A message from a send request's fields; errors name the field as the user wrote it, prefixed
+    by `where` (e.g. "messages[2].") for a message of a batch."""
     unknown = set(item) - MESSAGE_FIELDS
     if unknown:
-        raise InvalidInputError(f"unknown message field(s) {sorted(unknown)}; allowed: {sorted(MESSAGE_FIELDS)}")
-    delay, deliver_at = item.get("delay_seconds"), parse_moment(item.get("deliver_at"))
+        raise InvalidInputError(f"unknown message field(s) {sorted(unknown)} in {where or 'the message'}; "
+                                f"allowed: {sorted(MESSAGE_FIELDS)}")
+    delay, deliver_at = item.get("delay_seconds"), parse_moment(item.get("deliver_at"), f"{where}deliver_at")
     if delay not in (None, "") and deliver_at is not None:
-        raise DelayError("give either delay_seconds or deliver_at, not both")
+        raise DelayError(f"give either {where}delay_seconds or {where}deliver_at, not both")
     if deliver_at is not None:
-        message_delay = seconds_until(deliver_at, now)
+        message_delay, field = seconds_until(deliver_at, now), f"{where}deliver_at (seconds from now)"
     elif delay not in (None, ""):
-        message_delay = to_seconds(delay)
+        message_delay, field = to_seconds(delay, f"{where}delay_seconds"), f"{where}delay_seconds"
     else:
-        message_delay = None
-    seconds = resolve_delay(message_delay, parse_int(queue_delay_seconds, "queue_delay_seconds"))
+        message_delay, field = None, f"{where}delay_seconds"
+    seconds = resolve_delay(message_delay, parse_int(queue_delay_seconds, "queue_delay_seconds"),
+                            message_field=field, queue_field="queue_delay_seconds")
     kwargs = {}
     message_id = item.get("message_id") or (default_id() if default_id else None)
     if message_id:

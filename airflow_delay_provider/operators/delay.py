@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 from collections import Counter
@@ -222,9 +223,9 @@ class SendDelayedMessageOperator(DelayOperatorBase):
         }
         items = self.messages if self.messages is not None else [{**defaults, "message_id": self.message_id}]
         if isinstance(items, str):
-            items = json.loads(items)
+            items = _literal("messages", items)
         if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
-            raise InvalidInputError("messages must be a list of dicts")
+            raise InvalidInputError(f"messages must be a list of dicts, got {type(items).__name__}")
         now = utcnow()
         # Every message is checked before anything is stored: a bad one stores none.
         batch = [
@@ -233,6 +234,7 @@ class SendDelayedMessageOperator(DelayOperatorBase):
                 now,
                 self.queue_delay_seconds,
                 default_id=lambda n=n: stable_message_id(*origin, n),
+                where=f"messages[{n}]." if self.messages is not None else "",
             )
             for n, item in enumerate(items)
         ]
@@ -439,6 +441,19 @@ class DispatchDueMessagesOperator(DelayOperatorBase):
         result = {**_public(summary), "dispatched_in": where}
         self.log.info("Dispatch finished (%s): %s", result["stopped_because"], json.dumps(result))
         return result
+
+
+def _literal(name: str, text: str) -> Any:
+    """A rendered template: JSON, or the Python literal a list of dicts renders to (never code)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise InvalidInputError(f"{name} must render to a JSON list of objects (or a Python list of dicts), "
+                                f"got {text[:200]!r}") from None
 
 
 def _public(summary: dict) -> dict:

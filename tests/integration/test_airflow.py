@@ -321,3 +321,22 @@ def test_rabbitmq_operators_provision_verify_send_dispatch_migrate(run_dag, rabb
     bad = SendDelayedMessageOperator(task_id="bad", destination="nowhere", delay_seconds=5, **rabbit)
     with pytest.raises(Exception, match="nowhere"):
         bad.execute({"ti": type("TI", (), {"dag_id": "d", "run_id": "r", "task_id": "bad", "map_index": -1})()})
+
+
+def test_rendered_arguments_are_checked_and_errors_name_them(airflow_home):
+    from airflow_delay_provider.core.errors import InvalidInputError
+    from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+    from airflow_delay_provider.operators.delay import DispatchDueMessagesOperator, SendDelayedMessageOperator
+
+    ti = {"ti": type("TI", (), {"dag_id": "d", "run_id": f"r{uuid.uuid4().hex[:6]}", "task_id": "x", "map_index": -1})()}
+    # A list of dicts rendered by Jinja is a Python literal, not JSON: accepted (never evaluated as code).
+    op = SendDelayedMessageOperator(task_id="x", messages="[{'destination': 'lit.q', 'body': 'b', 'delay_seconds': 60}]")
+    [message_id] = op.execute(ti)
+    assert DelayStoreHook().get_store().get(message_id).destination == "lit.q"
+    with pytest.raises(InvalidInputError, match="messages must render to a JSON list"):
+        SendDelayedMessageOperator(task_id="x", messages="__import__('os').getcwd()").execute(ti)
+    with pytest.raises(InvalidInputError, match=r"max_messages must be a whole number >= 1, got 'abc'"):
+        DispatchDueMessagesOperator(task_id="d", max_messages="abc").execute({})
+    with pytest.raises(InvalidInputError, match="due_from .* must be before due_before"):
+        DispatchDueMessagesOperator(task_id="d", due_from="2026-01-01T10:00:00+00:00",
+                                    due_before="2026-01-01T10:00:00+00:00").execute({})

@@ -81,3 +81,24 @@ def test_build_message_delay_forms():
 def test_build_message_rejects(item, error, fragment):
     with pytest.raises(error, match=fragment):
         build_message(item, NOW)
+
+
+@pytest.mark.parametrize(
+    ("item", "where", "named"),
+    [
+        ({"destination": "q", "delay_seconds": 8 * 86400}, "", "delay_seconds must be in 0..604800"),
+        ({"destination": "q", "delay_seconds": timedelta(days=8)}, "", "delay_seconds must be in 0..604800"),
+        ({"destination": "q", "deliver_at": NOW + timedelta(days=8)}, "", r"deliver_at \(seconds from now\) must be in"),
+        ({"destination": "q", "delay_seconds": 8 * 86400}, "messages[2].", r"messages\[2\]\.delay_seconds must be in"),
+        ({"destination": "q", "deliver_at": "soon"}, "messages[0].", r"messages\[0\]\.deliver_at must be an ISO"),
+    ],
+)
+def test_delay_errors_name_the_argument_the_user_set(item, where, named):
+    with pytest.raises(DelayError, match=named) as err:
+        build_message(item, NOW, where=where)
+    assert "message_delay" not in str(err.value)
+
+
+def test_queue_delay_errors_name_queue_delay_seconds():
+    with pytest.raises(DelayError, match="queue_delay_seconds must be in 0..604800"):
+        build_message({"destination": "q"}, NOW, queue_delay_seconds=10**7)
