@@ -39,8 +39,9 @@ class DelayedMessageStore(ABC):
     concurrent_claims: bool = False
 
     @abstractmethod
-    def store(self, messages: Sequence[DelayedMessage]) -> int:
-        """Store messages atomically (all or none); ids already stored are skipped. Returns how many were new."""
+    def store(self, messages: Sequence[DelayedMessage], deduplicate: bool = True) -> int:
+        """Store messages atomically (all or none); ids already stored, or (with `deduplicate`) accepted
+        within the store's de-duplication window, are skipped. Returns how many were new."""
 
     @abstractmethod
     def claim_due(

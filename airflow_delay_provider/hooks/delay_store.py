@@ -9,7 +9,12 @@ from sqlalchemy.engine import URL, make_url
 
 from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.stores.engine import check_identifier, safe_url
-from airflow_delay_provider.stores.sql import DEFAULT_TABLE, SqlDelayedMessageStore, check_store_table
+from airflow_delay_provider.stores.sql import (
+    DEFAULT_DEDUP_WINDOW_SECONDS,
+    DEFAULT_TABLE,
+    SqlDelayedMessageStore,
+    check_store_table,
+)
 from airflow_delay_provider.transports.sql import SqlTableTransport
 
 #: Every operator, sensor and trigger uses this connection unless told otherwise, so the scheduler's,
@@ -59,7 +64,8 @@ class DelayStoreHook(BaseHook):
 
     Connection extras: `driver` (default postgresql+psycopg; `sqlite` with an absolute file path as
     Database), `url` (a full SQLAlchemy URL instead of the fields), `table` (default delayed_messages),
-    `db_schema` (PostgreSQL schema for the tables).
+    `db_schema` (PostgreSQL schema for the tables), `dedup_window_seconds` (default 86400: how long a
+    message id, once stored or sent, is not accepted again; 0 turns that off).
 
     :param delay_store_conn_id: the `delay_store` connection; a missing one fails saying how to define it.
     :param table: the store's table, overriding the connection's `table` extra.
@@ -85,9 +91,17 @@ class DelayStoreHook(BaseHook):
         self._table = table
         self._db_schema = db_schema
         self._resolved: tuple[URL, str, str | None] | None = None
+        self._dedup_window = DEFAULT_DEDUP_WINDOW_SECONDS
 
     def _locate(self, conn: Any) -> tuple[URL, str, str | None]:
-        return resolve_location(url_from_connection(conn), conn.extra_dejson or {}, self._table, self._db_schema)
+        extra = conn.extra_dejson or {}
+        window = extra.get("dedup_window_seconds", DEFAULT_DEDUP_WINDOW_SECONDS)
+        try:
+            self._dedup_window = float(window)
+        except (TypeError, ValueError):
+            raise InvalidInputError(f"the dedup_window_seconds extra of connection {conn.conn_id!r} must be a number "
+                                    f"of seconds >= 0, got {window!r}") from None
+        return resolve_location(url_from_connection(conn), extra, self._table, self._db_schema)
 
     def _missing(self, exc: Exception) -> InvalidInputError:
         return InvalidInputError(f"the delay store connection {self.delay_store_conn_id!r} is not defined "
@@ -122,7 +136,7 @@ class DelayStoreHook(BaseHook):
 
     def get_store(self) -> SqlDelayedMessageStore:
         url, table, schema = self._resolve()
-        return SqlDelayedMessageStore(url, table=table, schema=schema)
+        return SqlDelayedMessageStore(url, table=table, schema=schema, dedup_window_seconds=self._dedup_window)
 
     def get_transport(self) -> SqlTableTransport:
         """Queues as tables in the same database: dispatch from this store to them is exactly once."""

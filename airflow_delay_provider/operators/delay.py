@@ -267,22 +267,34 @@ class SendDelayedMessageOperator(DelayOperatorBase):
         return ids if self.messages is not None else ids[0]
 
     def _send_native(self, batch: list[DelayedMessage], breaker: CircuitBreaker) -> None:
-        """Hand the batch to the broker's own delay mechanism; retry what an outage kept from it."""
+        """Hand the batch to the broker's own delay mechanism; retry what an outage kept from it.
+
+        Ids the store accepted within its de-duplication window are skipped, and each id the broker
+        confirms is recorded there at once: a retried task sends none of them twice."""
+        store = self.hook.get_store()
+        call_with_breaker(breaker, store.create_schema, retry_on=(UnavailableError,))
+        fresh = set(call_with_breaker(breaker, lambda: store.unseen([m.message_id for m in batch]),
+                                      retry_on=(UnavailableError,)))
+        if len(fresh) < len(batch):
+            self.log.info("%d message(s) were already sent with the same ids: not sent again", len(batch) - len(fresh))
         transport = self.get_transport()
         try:
             # A missing queue is found before anything is sent, so a typo sends nothing.
             for destination in sorted({m.destination for m in batch}):
                 call_with_breaker(breaker, lambda d=destination: transport.depth(d), retry_on=(UnavailableError,))
-            pending = batch
+            pending = [m for m in batch if m.message_id in fresh]
             while pending:
                 try:
                     failures = transport.send(pending)
                 except UnavailableError as exc:
                     failures = {m.message_id: exc for m in pending}
+                sent = [m.message_id for m in pending if m.message_id not in failures]
+                call_with_breaker(breaker, lambda: store.remember_sent(sent), retry_on=(UnavailableError,))
                 lost = {mid: e for mid, e in failures.items() if not isinstance(e, UnavailableError)}
                 if lost:
                     raise DelayProviderError(
-                        f"{len(lost)} of {len(batch)} message(s) were refused by {self.transport}: "
+                        f"{len(lost)} of {len(batch)} message(s) were refused by {self.transport} (the "
+                        f"{len(sent)} confirmed ones are recorded and a retry will not send them again): "
                         + "; ".join(f"{mid}: {e}" for mid, e in list(lost.items())[:5])
                     )
                 pending = [m for m in pending if m.message_id in failures]
@@ -290,10 +302,9 @@ class SendDelayedMessageOperator(DelayOperatorBase):
                     breaker.failure(next(iter(failures.values())))
             if isinstance(transport, SqsTransport):
                 self._log_sqs_plans(transport, batch)
-            self.log.info("Sent %d message(s) natively through %s", len(batch), transport)
+            self.log.info("Sent %d message(s) natively through %s", len(fresh), transport)
         finally:
             transport.close()
-
 
     def _log_sqs_plans(self, transport: SqsTransport, batch: list[DelayedMessage]) -> None:
         now = utcnow()

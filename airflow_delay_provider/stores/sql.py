@@ -114,6 +114,28 @@ def sweeps_table(metadata: MetaData, name: str, schema: str | None) -> Table:
     )
 
 
+def ids_table(metadata: MetaData, store_table_name: str, schema: str | None) -> Table:
+    """Message ids accepted in the last de-duplication window (stored or sent natively): a send
+    retried after its messages were delivered finds its ids here and sends nothing twice."""
+    name = f"{store_table_name}_ids"
+    short = hashlib.sha1(f"{schema}.{name}".encode()).hexdigest()[:16]  # <table>_ids_... may exceed 63
+    return Table(
+        name,
+        metadata,
+        Column("message_id", String(200), primary_key=True),
+        Column("seen_at_us", BigInteger, nullable=False),
+        Index(f"ix_ids_{short}", "seen_at_us"),
+        schema=schema,
+    )
+
+
+#: How long an accepted message id is remembered (seconds): within it, the same id is neither stored
+#: nor sent natively again. Like SQS FIFO's five-minute window or Cloud Tasks' task names, but longer.
+DEFAULT_DEDUP_WINDOW_SECONDS = 86_400
+#: Expired ids are deleted at most this often per store object.
+_EXPIRE_EVERY_SECONDS = 60.0
+
+
 class _SqlClaim(Claim):
     """Claimed rows are deleted by the claiming statement itself, inside the claim's transaction.
 
@@ -305,8 +327,8 @@ class LeasedRows(DelayedMessageStore):
             counts[row[2]] = counts.get(row[2], 0) + 1
         return counts
 
-    def store(self, messages: Sequence[DelayedMessage]) -> int:
-        return self.home.store(messages)
+    def store(self, messages: Sequence[DelayedMessage], deduplicate: bool = True) -> int:
+        return self.home.store(messages, deduplicate)
 
     def policies(self) -> dict[str, dict]:
         return self.home.policies()
@@ -318,10 +340,20 @@ class LeasedRows(DelayedMessageStore):
 class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     """Delayed messages in one table; claims lock rows (`FOR UPDATE SKIP LOCKED` on PostgreSQL)."""
 
-    def __init__(self, url: URL | str, table: str = DEFAULT_TABLE, schema: str | None = None) -> None:
+    def __init__(
+        self, url: URL | str, table: str = DEFAULT_TABLE, schema: str | None = None,
+        dedup_window_seconds: float = DEFAULT_DEDUP_WINDOW_SECONDS,
+    ) -> None:
         self.table_name = check_store_table(table)
         super().__init__(url, schema)
+        if isinstance(dedup_window_seconds, bool) or not isinstance(dedup_window_seconds, (int, float)) \
+                or dedup_window_seconds < 0:
+            raise InvalidInputError(f"dedup_window_seconds must be a number of seconds >= 0 (0 turns "
+                                    f"de-duplication off), got {dedup_window_seconds!r}")
+        self.dedup_window_us = int(dedup_window_seconds * 1_000_000)
+        self._expired_at = 0.0
         self.table = store_table(MetaData(), self.table_name, self.schema)
+        self.ids = ids_table(self.table.metadata, self.table_name, self.schema)
         # Delivery policies per destination live beside the messages, so every pump sees the same.
         self.policy_table = Table(
             f"{self.table_name}_policies",
@@ -378,7 +410,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     def _check_existing_shape(self) -> None:
         with self._errors("inspect the delay store"), self.engine.connect() as conn:
             inspector = inspect(conn)
-            for table in (self.table, self.policy_table, self.sweeps):
+            for table in (self.table, self.policy_table, self.sweeps, self.ids):
                 if not inspector.has_table(table.name, schema=self.schema):
                     continue
                 found = {c["name"] for c in inspector.get_columns(table.name, schema=self.schema)}
@@ -409,7 +441,10 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             return inspect(conn).has_table(self.table_name, schema=self.schema)
 
     # -- writes -----------------------------------------------------------------------------------
-    def store(self, messages: Sequence[DelayedMessage]) -> int:
+    def store(self, messages: Sequence[DelayedMessage], deduplicate: bool = True) -> int:
+        """Store messages atomically; ids already stored, or accepted within the de-duplication window,
+        are skipped. Returns how many were new. `deduplicate=False` (a migration moving messages that
+        were accepted before) skips only ids that are stored right now."""
         if not messages:
             return 0
         now = to_us(utcnow())
@@ -425,8 +460,11 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             }
             for m in messages
         ]
+        remember = deduplicate and self.dedup_window_us > 0
         with self._errors("store delayed messages"), self.engine.begin() as conn:
-            stored = self._insert_new(conn, rows)
+            if remember:
+                self._expire_ids(conn, now)
+            stored = self._insert_new(conn, rows, now if remember else None)
             if self.is_postgres and stored:
                 # Delivered at commit; wakes idle pumps that sleep past this due time.
                 soonest = min(r["due_at_us"] for r in rows)
@@ -436,21 +474,67 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     _COPY_COLUMNS = ("message_id", "destination", "body", "headers", "due_at_us", "stored_at_us", "failures")
     _COPY_TYPES = ("text", "text", "bytea", "text", "int8", "int8", "int4")
 
-    def _insert_new(self, conn: Connection, rows: list[dict]) -> int:
-        """Insert the rows whose message id is new (a retried task stores nothing twice); returns how many."""
+    def _insert_new(self, conn: Connection, rows: list[dict], seen_at_us: int | None) -> int:
+        """Insert the rows whose message id is new (a retried task stores nothing twice); returns how many.
+        With `seen_at_us`, their ids are remembered in the ids table and ids found there are skipped."""
         if self.is_postgres:
             from psycopg.errors import UniqueViolation
 
             try:
                 with conn.begin_nested():  # COPY is the fast way, for the usual case of all-new ids
+                    if seen_at_us is not None:
+                        copy_rows(conn, self.ids, ("message_id", "seen_at_us"), ("text", "int8"),
+                                  ((r["message_id"], seen_at_us) for r in rows))
                     copy_rows(conn, self.table, self._COPY_COLUMNS, self._COPY_TYPES,
                               ([r[c] for c in self._COPY_COLUMNS] for r in rows))
                 return len(rows)
             except UniqueViolation:
                 pass
+        if seen_at_us is not None:
+            fresh = set(self._remember(conn, [r["message_id"] for r in rows], seen_at_us))
+            rows = [r for r in rows if r["message_id"] in fresh]
+            if not rows:
+                return 0
         insert = (postgresql.insert if self.is_postgres else sqlite.insert)(self.table)
         stmt = insert.on_conflict_do_nothing(index_elements=["message_id"]).returning(self.table.c.id)
         return len(conn.execute(stmt, rows).all())
+
+    def _remember(self, conn: Connection, message_ids: Sequence[str], seen_at_us: int) -> list[str]:
+        """Add ids to the ids table; returns those that were not there within the window (the new ones:
+        an id seen longer ago than the window counts as new, even before the expiry deleted it)."""
+        t = self.ids
+        insert = (postgresql.insert if self.is_postgres else sqlite.insert)(t)
+        stmt = insert.on_conflict_do_update(
+            index_elements=["message_id"], set_={"seen_at_us": insert.excluded.seen_at_us},
+            where=t.c.seen_at_us < seen_at_us - self.dedup_window_us,
+        ).returning(t.c.message_id)
+        rows = [{"message_id": m, "seen_at_us": seen_at_us} for m in dict.fromkeys(message_ids)]
+        return list(conn.execute(stmt, rows).scalars()) if rows else []
+
+    def _expire_ids(self, conn: Connection, now_us: int) -> None:
+        if time.monotonic() - self._expired_at >= _EXPIRE_EVERY_SECONDS:
+            self._expired_at = time.monotonic()
+            conn.execute(delete(self.ids).where(self.ids.c.seen_at_us < now_us - self.dedup_window_us))
+
+    def unseen(self, message_ids: Sequence[str]) -> list[str]:
+        """The ids not accepted within the de-duplication window: what a native send may still send."""
+        if self.dedup_window_us <= 0 or not message_ids:
+            return list(message_ids)
+        cutoff = to_us(utcnow()) - self.dedup_window_us
+        t = self.ids
+        with self._errors("read sent message ids"), self.engine.connect() as conn:
+            seen = set(conn.execute(select(t.c.message_id).where(
+                t.c.message_id.in_(list(message_ids)), t.c.seen_at_us >= cutoff)).scalars())
+        return [m for m in message_ids if m not in seen]
+
+    def remember_sent(self, message_ids: Sequence[str]) -> None:
+        """Record ids a broker confirmed (a native send), so a retried send skips them."""
+        if self.dedup_window_us <= 0 or not message_ids:
+            return
+        now = to_us(utcnow())
+        with self._errors("record sent message ids"), self.engine.begin() as conn:
+            self._expire_ids(conn, now)
+            self._remember(conn, message_ids, now)
 
     @contextmanager
     def claim_due(

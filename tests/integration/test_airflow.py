@@ -340,3 +340,32 @@ def test_rendered_arguments_are_checked_and_errors_name_them(airflow_home):
     with pytest.raises(InvalidInputError, match="due_from .* must be before due_before"):
         DispatchDueMessagesOperator(task_id="d", due_from="2026-01-01T10:00:00+00:00",
                                     due_before="2026-01-01T10:00:00+00:00").execute({})
+
+
+def test_a_retried_native_send_sends_nothing_twice(rabbit_vhost, monkeypatch):
+    from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+    from airflow_delay_provider.hooks.rabbitmq import RabbitMQDelayHook
+    from airflow_delay_provider.operators.delay import (
+        MigrateDelayedMessagesOperator,
+        ProvisionDelayInfrastructureOperator,
+        SendDelayedMessageOperator,
+    )
+    from tests.integration.test_rabbitmq import collect
+
+    conn_id = _rabbit_conn(monkeypatch, rabbit_vhost, "dd")
+    rabbit = {"transport": "rabbitmq", "transport_conn_id": conn_id}
+    ProvisionDelayInfrastructureOperator(task_id="p", endpoints=["orders"], create_store=False, **rabbit).execute({})
+    ti = {"ti": type("TI", (), {"dag_id": "d", "run_id": f"r{uuid.uuid4().hex[:6]}", "task_id": "n", "map_index": -1})()}
+    op = SendDelayedMessageOperator(task_id="n", destination="orders", messages=[{"body": "a"}, {"body": "b"}], **rabbit)
+    first = op.execute(ti)
+    assert op.execute(ti) == first  # the task retried after its messages were sent: the same ids, nothing sent
+    transport = RabbitMQDelayHook(conn_id).get_transport()
+    got = collect(transport, "orders", 2, timeout=5)
+    transport.close()
+    assert sorted(m.body for _, m in got) == [b"a", b"b"]  # once each
+    # Messages sent natively and then migrated into the store are not taken for duplicates.
+    later = SendDelayedMessageOperator(task_id="later", destination="orders", body="l", delay_seconds=120, **rabbit)
+    message_id = later.execute({"ti": type("TI", (), {"dag_id": "d", "run_id": ti["ti"].run_id, "task_id": "later",
+                                                      "map_index": -1})()})
+    moved = MigrateDelayedMessagesOperator(task_id="m", direction="rabbitmq_to_store", **rabbit).execute({})
+    assert moved["moved"] == 1 and DelayStoreHook().get_store().get(message_id).body == b"l"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -165,3 +166,32 @@ def test_postgres_sessions_bound_what_a_vanished_pump_can_hold(pg):
         assert conn.exec_driver_sql("SHOW lock_timeout").scalar() == "500ms"
     with pytest.raises(InvalidInputError, match="lock_timeout must be a duration"):
         SqlDelayedMessageStore(make_url(url).update_query_dict({"lock_timeout": "1s -c work_mem=1GB"}), table=table)
+
+
+def test_ids_are_not_accepted_twice_within_the_dedup_window(db):
+    from airflow_delay_provider.core.pump import Pump
+    from tests.helpers import drain, make_transport
+
+    url, schema, table = db
+    store = make_store(url, schema, table)
+    queue = make_transport(url, schema, table, "orders", "error")
+    assert store.store(messages(5, delay=-1)) == 5
+    assert Pump(store, queue).run(stop_when_idle=True).stats.dispatched == 5  # delivered: gone from the store
+    # A send retried after its messages were delivered stores none of them again.
+    assert store.store(messages(5, delay=-1)) == 0
+    assert store.store(messages(7, delay=-1)) == 2  # only the new ids
+    assert len(drain(queue, "orders")) == 5
+    # Native sends check and record the same ids.
+    assert store.unseen(["m-1", "m-9", "n-1"]) == ["m-9", "n-1"]
+    store.remember_sent(["n-1"])
+    assert store.unseen(["n-1"]) == []
+    # Past the window an id is accepted again; a window of 0 turns de-duplication off.
+    short = SqlDelayedMessageStore(url, table=table, schema=schema, dedup_window_seconds=0.5)
+    time.sleep(0.6)
+    assert short.unseen(["m-1", "n-1"]) == ["m-1", "n-1"]
+    assert short.store(messages(1, delay=-1)) == 1
+    off = SqlDelayedMessageStore(url, table=table, schema=schema, dedup_window_seconds=0)
+    assert off.store(messages(1, delay=-1, start=1)) == 1
+    # A migration of messages accepted before bypasses the window (only stored ids are skipped).
+    Pump(store, queue).run(stop_when_idle=True)
+    assert store.store(messages(3, delay=60), deduplicate=False) == 3
