@@ -9,7 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 from airflow_delay_provider.core.message import DelayedMessage
@@ -61,6 +61,10 @@ class DelayedMessageStore(ABC):
     def policies(self) -> dict[str, dict]:
         """Delivery policies stored per destination (seed 003 JSON); none by default."""
         return {}
+
+    def clock(self) -> datetime:
+        """Now, on the clock due times are kept on (a shared database's, where hosts' clocks differ)."""
+        return datetime.now(timezone.utc)
 
     @abstractmethod
     def wait(self, until: datetime) -> None:

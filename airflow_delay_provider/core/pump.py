@@ -109,7 +109,7 @@ class Pump:
         config: PumpConfig | None = None,
         policy: DeliveryPolicy | None = None,
         policies: Mapping[str, DeliveryPolicy] | None = None,
-        clock: Callable[[], datetime] = utcnow,
+        clock: Callable[[], datetime] | None = None,
         sleep: Callable[[float], None] = time.sleep,
         throttle_share: float = 1.0,
     ) -> None:
@@ -123,7 +123,7 @@ class Pump:
         self.policies = dict(policies or {})
         self._stored_policies: dict[str, DeliveryPolicy] = {}
         self._buckets: dict[str, TokenBucket] = {}
-        self._clock = clock
+        self._clock = clock or store.clock  # due times are compared on the store's clock
         self.exactly_once = transport.joins(store)
         c = self.config
         self.fetch_breaker = CircuitBreaker("fetching due messages", c.time_to_trigger_fetch_circuit_breaker, sleep=sleep)
@@ -132,6 +132,10 @@ class Pump:
         # Two claims open at once need a store that allows it and a transport that can wait later.
         self.pipelined = transport.pipelined and store.concurrent_claims and not self.exactly_once
         self._inflight: _InFlight | None = None
+
+    def from_host_time(self, moment: datetime) -> datetime:
+        """A time on this host's clock (a task's deadline) as a time on the pump's (the store's) clock."""
+        return moment + (self._clock() - utcnow())
 
     def policy_for(self, destination: str) -> DeliveryPolicy:
         """The task's policy for the destination, else the one stored for it, else the task's default."""

@@ -226,7 +226,12 @@ class SendDelayedMessageOperator(DelayOperatorBase):
             items = _literal("messages", items)
         if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
             raise InvalidInputError(f"messages must be a list of dicts, got {type(items).__name__}")
-        now = utcnow()
+        # Relative delays count from the store's clock (the database's), which its dispatchers compare
+        # due times on; a broker's own delays count from this host's, as the broker's TTLs do.
+        store = self.hook.get_store() if self.transport == "sql" else None
+        now = utcnow() if store is None else call_with_breaker(
+            CircuitBreaker("reading the store's clock", self.time_to_trigger_store_circuit_breaker), store.clock,
+            retry_on=(UnavailableError,))
         # Every message is checked before anything is stored: a bad one stores none.
         batch = [
             build_message(
@@ -245,8 +250,7 @@ class SendDelayedMessageOperator(DelayOperatorBase):
                 "delivers through the broker's own delays"
             )
         breaker = CircuitBreaker("storing delayed messages", self.time_to_trigger_store_circuit_breaker)
-        if self.transport == "sql":
-            store = self.hook.get_store()
+        if store is not None:
             # Idempotent and cheap; a missing table would otherwise look like an unreachable database.
             call_with_breaker(breaker, store.create_schema, retry_on=(UnavailableError,))
             stored = call_with_breaker(breaker, lambda: store.store(batch), retry_on=(UnavailableError,))
@@ -432,7 +436,7 @@ class DispatchDueMessagesOperator(DelayOperatorBase):
                       "exactly once" if pump.exactly_once else "at least once", trigger.deadline,
                       scope or "every due message")
         try:
-            result = pump.run(deadline=datetime.fromisoformat(trigger.deadline),
+            result = pump.run(deadline=pump.from_host_time(datetime.fromisoformat(trigger.deadline)),
                               max_messages=trigger.max_messages, due_before=_optional(trigger.due_before))
         finally:
             pump.store.close()

@@ -10,12 +10,13 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import re
 import time
 from collections import deque
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
-from typing import Collection, Iterable, Iterator, Mapping, Sequence
+from typing import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
 from sqlalchemy import (
     BigInteger,
@@ -41,7 +42,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection
 
 from airflow_delay_provider.core.delays import utcnow
-from airflow_delay_provider.core.errors import InvalidInputError, InvalidNameError
+from airflow_delay_provider.core.errors import InvalidInputError, InvalidNameError, UnavailableError
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
 from airflow_delay_provider.stores.engine import (
@@ -132,6 +133,8 @@ def ids_table(metadata: MetaData, store_table_name: str, schema: str | None) -> 
 #: How long an accepted message id is remembered (seconds): within it, the same id is neither stored
 #: nor sent natively again. Like SQS FIFO's five-minute window or Cloud Tasks' task names, but longer.
 DEFAULT_DEDUP_WINDOW_SECONDS = 86_400
+#: How often a store re-measures the offset between the database's clock and this host's.
+_CLOCK_CHECK_SECONDS = 300.0
 #: Expired ids are deleted at most this often per store object.
 _EXPIRE_EVERY_SECONDS = 60.0
 
@@ -262,6 +265,7 @@ class LeasedRows(DelayedMessageStore):
 
     def __init__(self, store: SqlDelayedMessageStore, claim_id: str, rows: Iterable[tuple]) -> None:
         self.home = store
+        self.clock = store.clock
         self.engine = store.engine  # a SQL transport on the same database joins the settling transaction
         self.table = store.table
         self.claim_id = check_claim_id(claim_id)
@@ -319,7 +323,7 @@ class LeasedRows(DelayedMessageStore):
             claim.restore_unsettled()
 
     def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:
-        return utcnow() if self.remaining else None
+        return self.clock() if self.remaining else None
 
     def count_scheduled(self, due_before: datetime | None = None) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -334,7 +338,7 @@ class LeasedRows(DelayedMessageStore):
         return self.home.policies()
 
     def wait(self, until: datetime) -> None:
-        time.sleep(max(0.0, min((until - utcnow()).total_seconds(), 0.05)))
+        time.sleep(max(0.0, min((until - self.clock()).total_seconds(), 0.05)))
 
 
 class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
@@ -343,6 +347,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     def __init__(
         self, url: URL | str, table: str = DEFAULT_TABLE, schema: str | None = None,
         dedup_window_seconds: float = DEFAULT_DEDUP_WINDOW_SECONDS,
+        local_clock: Callable[[], datetime] = utcnow,
     ) -> None:
         self.table_name = check_store_table(table)
         super().__init__(url, schema)
@@ -352,6 +357,9 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
                                     f"de-duplication off), got {dedup_window_seconds!r}")
         self.dedup_window_us = int(dedup_window_seconds * 1_000_000)
         self._expired_at = 0.0
+        self._local_clock = local_clock
+        self._offset: timedelta | None = None  # the database's clock minus this host's
+        self._offset_at = -math.inf
         self.table = store_table(MetaData(), self.table_name, self.schema)
         self.ids = ids_table(self.table.metadata, self.table_name, self.schema)
         # Delivery policies per destination live beside the messages, so every pump sees the same.
@@ -392,6 +400,31 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
 
     def __repr__(self) -> str:
         return f"SqlDelayedMessageStore({safe_url(self.url)!r}, table={self.table_name!r}, schema={self.schema!r})"
+
+    # -- time ----------------------------------------------------------------------------------------
+    def clock(self) -> datetime:
+        """Now on the database's clock: due times are stored and compared on it, so senders and pumps
+        on hosts whose clocks disagree never deliver early. The offset to this host's clock is measured
+        (to within half a round trip) and re-measured every few minutes; SQLite is this host."""
+        local = self._local_clock()
+        if not self.is_postgres:
+            return local
+        if time.monotonic() - self._offset_at > (_CLOCK_CHECK_SECONDS if self._offset is not None else 1.0):
+            self._offset_at = time.monotonic()
+            try:
+                self._offset = self._measure_offset()
+            except UnavailableError as exc:
+                # The database is down: nothing can be claimed until it is back, and the caller's own
+                # reads meet the same error under their circuit breakers. Measure again soon.
+                log.warning("could not read the database clock (%s); using this host's until it can", exc)
+        return local + (self._offset or timedelta(0))
+
+    def _measure_offset(self) -> timedelta:
+        with self._errors("read the database clock"), self.engine.connect() as conn:
+            before = self._local_clock()
+            database = conn.execute(select(func.clock_timestamp())).scalar()
+            after = self._local_clock()
+        return database - (before + (after - before) / 2)
 
     # -- schema --------------------------------------------------------------------------------
     def create_schema(self) -> None:
@@ -447,7 +480,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         were accepted before) skips only ids that are stored right now."""
         if not messages:
             return 0
-        now = to_us(utcnow())
+        now = to_us(self.clock())
         rows = [
             {
                 "message_id": m.message_id,
@@ -520,7 +553,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         """The ids not accepted within the de-duplication window: what a native send may still send."""
         if self.dedup_window_us <= 0 or not message_ids:
             return list(message_ids)
-        cutoff = to_us(utcnow()) - self.dedup_window_us
+        cutoff = to_us(self.clock()) - self.dedup_window_us
         t = self.ids
         with self._errors("read sent message ids"), self.engine.connect() as conn:
             seen = set(conn.execute(select(t.c.message_id).where(
@@ -531,7 +564,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         """Record ids a broker confirmed (a native send), so a retried send skips them."""
         if self.dedup_window_us <= 0 or not message_ids:
             return
-        now = to_us(utcnow())
+        now = to_us(self.clock())
         with self._errors("record sent message ids"), self.engine.begin() as conn:
             self._expire_ids(conn, now)
             self._remember(conn, message_ids, now)
@@ -571,7 +604,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         that moment are skipped (it is dispatching them). Returns how many rows were claimed.
         """
         check_claim_id(claim_id)
-        now_us = to_us(utcnow())
+        now_us = to_us(self.clock())
         if lease_seconds <= 0:
             raise InvalidInputError(f"lease_seconds must be > 0, got {lease_seconds!r}")
         t, s = self.table, self.sweeps
@@ -608,7 +641,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     def renew_lease(self, claim_id: str, lease_seconds: float) -> bool:
         """Extend a running sweep's lease; False when it is no longer running (finished or never started)."""
         s = self.sweeps
-        until = to_us(utcnow()) + int(lease_seconds * 1e6)
+        until = to_us(self.clock()) + int(lease_seconds * 1e6)
         with self._errors("renew a sweep's lease"), self.engine.begin() as conn:
             stmt = update(s).where(s.c.claim_id == claim_id, s.c.status == "running").values(lease_until_us=until)
             return conn.execute(stmt).rowcount == 1
@@ -637,7 +670,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         """End a sweep: rows it still holds are released to the pump at once, its lease ends, its
         summary is kept. Returns how many rows were released."""
         t, s = self.table, self.sweeps
-        now_us = to_us(utcnow())
+        now_us = to_us(self.clock())
         with self._errors("finish a sweep"), self.engine.begin() as conn:
             released = conn.execute(update(t).where(t.c.claim_id == claim_id).values(claim_id=None)).rowcount
             conn.execute(update(s).where(s.c.claim_id == claim_id).values(
@@ -660,7 +693,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     # -- reads -----------------------------------------------------------------------------------
     def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:
         t = self.table
-        query = select(func.min(t.c.due_at_us)).where(self._unleased(to_us(utcnow())), *self._scope)
+        query = select(func.min(t.c.due_at_us)).where(self._unleased(to_us(self.clock())), *self._scope)
         if destination is not None:
             query = query.where(t.c.destination == destination)
         if due_before is not None:
@@ -691,7 +724,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         """Sleep until `until`, returning early when a message due sooner is stored (LISTEN/NOTIFY on
         PostgreSQL, a short poll on SQLite). A lost listening connection is dropped and opened again on
         the next call; the caller re-reads the store in between, under its own circuit breaker."""
-        remaining = (until - utcnow()).total_seconds()
+        remaining = (until - self.clock()).total_seconds()
         if remaining <= 0:
             return
         if not self.is_postgres:
@@ -720,7 +753,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
 
     async def wait_async(self, until: datetime) -> None:
         """`wait` for an event loop (a trigger): the same wake-ups, on psycopg's async connection."""
-        remaining = (until - utcnow()).total_seconds()
+        remaining = (until - self.clock()).total_seconds()
         if remaining <= 0:
             return
         if not self.is_postgres:

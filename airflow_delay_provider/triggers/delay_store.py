@@ -156,12 +156,13 @@ class DispatchTrigger(_StoreTrigger):
                 await self._close(pump)
 
     async def _dispatch(self, pump: Pump, stats: PumpStats) -> tuple[str, datetime | None]:
-        deadline = _parse(self.deadline)
+        """The loop, on the store's clock (due times are kept on it; the deadline is the task's)."""
+        deadline = await self._in_thread(pump.from_host_time, _parse(self.deadline))
         due_before = _parse(self.due_before)
         backoff = MIN_HELD_BACKOFF_SECONDS
         next_due: datetime | None = None
         while True:
-            now = utcnow()
+            now = await self._in_thread(pump.store.clock)
             if now >= deadline:
                 return "deadline", next_due
             left = None if self.max_messages is None else self.max_messages - stats.dispatched - stats.dead_lettered
@@ -179,7 +180,7 @@ class DispatchTrigger(_StoreTrigger):
                 return "drained", None
             if result.reason in ("deadline", "max_messages"):
                 continue  # a stretch ended; the checks above decide whether the whole run has
-            now = utcnow()
+            now = await self._in_thread(pump.store.clock)
             if next_due is not None and next_due <= now:
                 await asyncio.sleep(backoff)  # due, but held elsewhere for now
                 backoff = min(backoff * 2, MAX_HELD_BACKOFF_SECONDS)

@@ -31,8 +31,10 @@ def store_conn(pg, monkeypatch):
         "conn_type": "delay_store", "host": host, "port": int(port), "login": login, "schema": database,
         "extra": {"db_schema": schema, "table": table}}))
     store = make_store(url, schema, table)
-    queue = make_transport(url, schema, "delay", "q", "error")  # the transport's default table prefix
-    return conn_id, store, queue
+    # The transport's default table prefix, shared by the run's tests: a queue name of this test's own.
+    name = f"q{uuid.uuid4().hex[:8]}"
+    queue = make_transport(url, schema, "delay", name, "error")
+    return conn_id, store, queue, name
 
 
 def _kill_listeners(store) -> int:
@@ -58,20 +60,20 @@ async def _events(*triggers: DispatchTrigger) -> list[dict]:
 
 
 def test_a_sooner_message_stored_while_the_trigger_sleeps_wakes_it(store_conn):
-    conn_id, store, queue = store_conn
-    store.store(messages(1, "q", delay=3600, start=100))  # the trigger would sleep an hour for this one
+    conn_id, store, queue, Q = store_conn
+    store.store(messages(1, Q, delay=3600, start=100))  # the trigger would sleep an hour for this one
     trigger = _trigger(conn_id, 8, poll_interval=60)
 
     def send_soon():
         time.sleep(1.5)
-        store.store(messages(1, "q", delay=1.0))
+        store.store(messages(1, Q, delay=1.0))
 
     sender = threading.Thread(target=send_soon)
     sender.start()
     [event] = asyncio.run(_events(trigger))
     sender.join()
     assert event["status"] == "done" and event["summary"]["dispatched"] == 1
-    got = collect(queue, "q", 1, timeout=2)
+    got = collect(queue, Q, 1, timeout=2)
     [(_, message)] = got
     assert message.message_id == "m-0"
     lateness = (message.enqueued_at - message.due_at).total_seconds()
@@ -79,17 +81,17 @@ def test_a_sooner_message_stored_while_the_trigger_sleeps_wakes_it(store_conn):
 
 
 def test_two_copies_of_a_trigger_share_the_store_and_deliver_each_message_once(store_conn):
-    conn_id, store, queue = store_conn
+    conn_id, store, queue, Q = store_conn
     n = 3000
     for start in range(0, n, 1000):  # due over the next two seconds, and some already due
-        store.store(messages(1000, "q", delay=start / 1000 - 0.5, start=start))
+        store.store(messages(1000, Q, delay=start / 1000 - 0.5, start=start))
     window = (utcnow() + timedelta(seconds=5)).isoformat()
     events = asyncio.run(_events(*(_trigger(conn_id, 60, due_before=window, pump_config={"batch_size": 100})
                                    for _ in range(2))))
     assert [e["status"] for e in events] == ["done", "done"]
     assert sum(e["summary"]["dispatched"] for e in events) == n
     assert all(e["summary"]["dispatched"] > 0 for e in events)  # both took a share
-    got = collect(queue, "q", n, timeout=10)
+    got = collect(queue, Q, n, timeout=10)
     ids = [m.message_id for _, m in got]
     assert len(ids) == len(set(ids)) == n  # exactly once: a SQL-table queue in the store's database
     assert all(m.enqueued_at >= m.due_at for _, m in got)  # none early
@@ -97,26 +99,26 @@ def test_two_copies_of_a_trigger_share_the_store_and_deliver_each_message_once(s
 
 
 def test_the_trigger_keeps_dispatching_after_its_listen_connection_is_killed(store_conn):
-    conn_id, store, queue = store_conn
+    conn_id, store, queue, Q = store_conn
     trigger = _trigger(conn_id, 10, poll_interval=60)
 
     def kill_listener_then_send():
         time.sleep(1.5)
         assert _kill_listeners(store) >= 1
         time.sleep(0.5)
-        store.store(messages(1, "q", delay=1.0))
+        store.store(messages(1, Q, delay=1.0))
 
     helper = threading.Thread(target=kill_listener_then_send)
     helper.start()
     [event] = asyncio.run(_events(trigger))
     helper.join()
     assert event["status"] == "done" and event["summary"]["dispatched"] == 1
-    [(_, message)] = collect(queue, "q", 1, timeout=2)
+    [(_, message)] = collect(queue, Q, 1, timeout=2)
     assert (message.enqueued_at - message.due_at).total_seconds() < 3.0  # not after the 60 s poll
 
 
 def test_a_pump_in_a_worker_survives_its_listen_connection_being_killed(store_conn):
-    _, store, queue = store_conn
+    _, store, queue, Q = store_conn
     pump = Pump(store, queue)
     result = {}
 
@@ -128,7 +130,7 @@ def test_a_pump_in_a_worker_survives_its_listen_connection_being_killed(store_co
     time.sleep(1.5)  # idle, listening
     assert _kill_listeners(store) >= 1
     time.sleep(0.5)
-    store.store(messages(2, "q", delay=1.0))
+    store.store(messages(2, Q, delay=1.0))
     runner.join()
     assert result["r"].reason == "deadline" and result["r"].stats.dispatched == 2
-    assert len(collect(queue, "q", 2, timeout=2)) == 2
+    assert len(collect(queue, Q, 2, timeout=2)) == 2

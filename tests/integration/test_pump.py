@@ -262,3 +262,23 @@ def test_a_pump_backs_off_while_the_only_due_rows_are_held_by_another(pg):
     assert claims["n"] <= 20, claims
     again = Pump(store, transport).run(deadline=utcnow() + timedelta(seconds=3), stop_when_idle=True)
     assert again.stats.dispatched == 3
+
+
+def test_due_times_are_kept_on_the_database_clock_so_skewed_hosts_never_deliver_early(pg):
+    url, schema, table = pg
+    make_store(url, schema, table)
+    transport = make_transport(url, schema, table, "orders", "error")
+    # A sender whose clock is 30 s behind and a pump whose clock is 30 s ahead of the database's.
+    sender = SqlDelayedMessageStore(url, table=table, schema=schema, local_clock=lambda: utcnow() - timedelta(seconds=30))
+    pump_store = SqlDelayedMessageStore(url, table=table, schema=schema,
+                                        local_clock=lambda: utcnow() + timedelta(seconds=30))
+    assert abs((sender.clock() - utcnow()).total_seconds()) < 1  # both read the database's time
+    assert abs((pump_store.clock() - utcnow()).total_seconds()) < 1
+    now = sender.clock()
+    sender.store([DelayedMessage("orders", b"x", now + timedelta(seconds=2), {}, "skew-1")])
+    result = Pump(pump_store, transport).run(deadline=utcnow() + timedelta(seconds=1))
+    assert result.stats.dispatched == 0  # on the pump host's own clock it was due 28 s ago
+    result = Pump(pump_store, transport).run(deadline=utcnow() + timedelta(seconds=4), max_messages=1)
+    assert result.stats.dispatched == 1
+    [got] = drain(transport, "orders")
+    assert got.enqueued_at >= got.due_at
