@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from airflow.sdk import BaseHook
 
 from airflow_delay_provider.transports.rabbitmq import RabbitMQTransport
 
+# pika logs every connection and channel it opens at INFO: noise in task logs, not news.
+logging.getLogger("pika").setLevel(logging.WARNING)
+
 
 def connection_spec(conn: Any) -> dict:
     """A `rabbitmq` connection as plain data (host, port, login, password, schema = virtual host).
 
     Extras: heartbeat (s, default 60), tls (bool), tls_verify (bool, default true), prefix (default
-    "delay"), levels (default 28), confirm_window (default 1000).
+    "delay"), levels (default 28), confirm_window (default 1000), delivery_limit (redeliveries an
+    endpoint queue allows before a message goes to `<prefix>.poison`, default 20; applies to queues
+    declared from then on).
     """
     extra = conn.extra_dejson or {}
+    options = ("heartbeat", "tls", "tls_verify", "prefix", "levels", "confirm_window", "delivery_limit")
     return {
-        **{k: extra[k] for k in ("heartbeat", "tls", "tls_verify", "prefix", "levels", "confirm_window") if k in extra},
+        **{k: extra[k] for k in options if k in extra},
         "host": conn.host, "port": conn.port, "virtual_host": conn.schema,
         "login": conn.login, "password": conn.password,
     }

@@ -1,20 +1,27 @@
-"""RabbitMQ native delays (seed 002): 28 levels of TTL quorum queues driven by a binary routing key.
+"""RabbitMQ native delays: the 28-level TTL topology, quorum queues driven by a binary routing key.
 
 A delay of d seconds is written as 28 bits, most significant first, followed by the destination:
 `0.0.....1.0.1.orders`. Level n is a topic exchange that routes a message whose bit n is 1 into a
 quorum queue with a TTL of 2^n s, and one whose bit n is 0 straight on to level n-1; an expired
 message is dead-lettered (at least once) to level n-1 as well. Level 0 ends in the delivery
-exchange, where every endpoint queue is bound `#.<endpoint>`. Unlike the reference design, the
-delivery exchange has an alternate exchange: a message for a destination with no binding lands
-in the `unroutable` queue instead of being dropped.
+exchange, where every endpoint queue is bound on exactly 28 one-word bits and its own name
+(`*.*. … .*.<endpoint>`), so `cancel` does not also catch `orders.cancel`. The delivery exchange
+has an alternate exchange: a message for a destination with no binding lands in the `unroutable`
+queue instead of being dropped. Endpoint queues dead-letter a message redelivered more than
+`delivery_limit` times to the `poison` queue.
 
 Publishing uses publisher confirms with many messages in flight (a window), so a batch is fast
-and every message is known to be queued, returned (no such queue) or nacked.
+and every message is known to be queued, returned (no such queue) or nacked (the broker cannot
+take it now: an outage, never the message's fault).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import re
+import shlex
 import ssl
 from collections import deque
 from dataclasses import dataclass, field
@@ -36,6 +43,8 @@ from airflow_delay_provider.core.errors import (
 from airflow_delay_provider.core.message import HEADER_DUE_AT, DelayedMessage, check_destination
 from airflow_delay_provider.core.ports import DelayedMessageStore, ReceivedMessage, Transport
 
+log = logging.getLogger(__name__)
+
 LEVELS = 28
 MAX_DELAY_SECONDS = 2**LEVELS - 1  # 268,435,455 s, about 8.5 years
 DELAY_HEADER = "x-delay-seconds"
@@ -46,6 +55,9 @@ STRIPPED_HEADERS = frozenset(
 )
 #: Routing keys are at most 255 bytes; the delay bits take 2 bytes per level.
 MAX_ROUTING_KEY_BYTES = 255
+#: Redeliveries an endpoint queue allows before a message goes to poison: RabbitMQ 4.x's own default
+#: (3.x has no limit), set explicitly so every broker version behaves alike and nothing is dropped.
+DELIVERY_LIMIT = 20
 
 
 def max_delay(levels: int = LEVELS) -> int:
@@ -77,21 +89,30 @@ def first_level(delay_seconds: int) -> int:
     return max(0, int(delay_seconds).bit_length() - 1)
 
 
+def naming_rule(levels: int = LEVELS) -> str:
+    return (
+        "a RabbitMQ destination is one or more words separated by single dots, since it travels as the tail of "
+        "a topic routing key; a word is any characters (Unicode too) but no '*' or '#' (topic wildcards), and none "
+        "is empty (no leading, trailing or doubled dot); names starting with 'amq.' are reserved by RabbitMQ; "
+        f"at most {MAX_ROUTING_KEY_BYTES - 2 * levels} bytes in UTF-8 with {levels} delay levels"
+    )
+
+
 def check_endpoint(name: object, levels: int = LEVELS) -> str:
     """An endpoint (queue) name that is safe as the tail of a topic routing key."""
     name = check_destination(name)
-    words = name.split(".")
-    if any(ch in name for ch in "*#") or "" in words:
-        raise InvalidNameError(
-            f"RabbitMQ destination {name!r} is not allowed: no '*' or '#', and no empty words "
-            "(leading, trailing or doubled dots), since it is matched as topic routing-key words"
-        )
-    if len(name.encode()) > MAX_ROUTING_KEY_BYTES - 2 * levels:
-        raise InvalidNameError(
-            f"RabbitMQ destination {name!r} takes {len(name.encode())} bytes; with {levels} delay levels at most "
-            f"{MAX_ROUTING_KEY_BYTES - 2 * levels} are allowed (routing keys are limited to 255 bytes)"
-        )
-    return name
+    size = len(name.encode())
+    if "" in name.split("."):
+        problem = "it has an empty word"
+    elif "*" in name or "#" in name:
+        problem = "it contains a topic wildcard ('*' or '#')"
+    elif name.startswith("amq."):
+        problem = "the 'amq.' prefix is reserved"
+    elif size > MAX_ROUTING_KEY_BYTES - 2 * levels:
+        problem = f"it takes {size} bytes"
+    else:
+        return name
+    raise InvalidNameError(f"RabbitMQ destination {name!r} cannot be routed, {problem}: {naming_rule(levels)}")
 
 
 # -- the topology, as data --------------------------------------------------------------------
@@ -106,6 +127,9 @@ class Exchange:
 class Queue:
     name: str
     arguments: dict = field(default_factory=dict)
+    #: Arguments an earlier version declared this queue with: such a queue is kept (arguments
+    #: cannot change in place) and reported as outdated instead of failing the declaration.
+    legacy_arguments: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +145,8 @@ class Topology:
     exchanges: tuple[Exchange, ...]
     queues: tuple[Queue, ...]
     bindings: tuple[Binding, ...]
+    #: Bindings of earlier versions, removed once `bindings` are in place.
+    retired: tuple[Binding, ...] = ()
 
 
 QUORUM = {"x-queue-type": "quorum"}
@@ -144,7 +170,11 @@ class Names:
 
 
 def delay_topology(names: Names) -> Topology:
-    """The seed's levels and bindings, the delivery exchange, and the unroutable safety net."""
+    """The TTL levels and their bindings, the delivery exchange, the unroutable safety net and poison.
+
+    Level queues get no delivery limit: their dead-letter exchange is the next level (for TTL
+    expiry), so a message redelivered past a limit would move on early instead of reaching poison.
+    """
     exchanges, queues, bindings = [], [], []
     top = names.levels - 1
     for n in range(top, -1, -1):
@@ -174,9 +204,48 @@ def delay_topology(names: Names) -> Topology:
     return Topology(tuple(exchanges), tuple(queues), tuple(bindings))
 
 
-def endpoint_topology(names: Names, endpoint: str) -> Topology:
+def endpoint_binding_key(names: Names, endpoint: str) -> str:
+    """Exactly `levels` one-word bits and the endpoint: `cancel` does not match `<bits>.orders.cancel`."""
+    return "*." * names.levels + endpoint
+
+
+def endpoint_arguments(names: Names, delivery_limit: int) -> dict:
+    """A quorum queue that dead-letters a message redelivered more than `delivery_limit` times to
+    poison, at least once (which needs reject-publish), through the default exchange."""
+    return {
+        **QUORUM,
+        "x-delivery-limit": delivery_limit,
+        "x-dead-letter-exchange": "",
+        "x-dead-letter-routing-key": names.poison,
+        "x-dead-letter-strategy": "at-least-once",
+        "x-overflow": "reject-publish",
+    }
+
+
+def endpoint_topology(names: Names, endpoint: str, delivery_limit: int = DELIVERY_LIMIT) -> Topology:
     check_endpoint(endpoint, names.levels)
-    return Topology((), (Queue(endpoint, dict(QUORUM)),), (Binding(names.delivery, endpoint, "queue", f"#.{endpoint}"),))
+    return Topology(
+        (),
+        (Queue(endpoint, endpoint_arguments(names, delivery_limit), legacy_arguments=dict(QUORUM)),),
+        (Binding(names.delivery, endpoint, "queue", endpoint_binding_key(names, endpoint)),),
+        # `#.<endpoint>` also matched `<bits>.orders.<endpoint>`; every key in flight has exactly
+        # `levels` bits, so the exact binding, added first, takes all of them over.
+        retired=(Binding(names.delivery, endpoint, "queue", f"#.{endpoint}"),),
+    )
+
+
+def delivery_limit_policy(names: Names, vhost: str, queues: Sequence[str], delivery_limit: int) -> str:
+    """The rabbitmqctl command giving outdated endpoint queues what their arguments lack."""
+    pattern = "^(" + "|".join(re.escape(q) for q in queues) + ")$"
+    definition = {
+        "delivery-limit": delivery_limit,
+        "dead-letter-exchange": "",
+        "dead-letter-routing-key": names.poison,
+        "dead-letter-strategy": "at-least-once",
+        "overflow": "reject-publish",
+    }
+    return shlex.join(["rabbitmqctl", "set_policy", "-p", vhost, f"{names.prefix}.delivery-limit", pattern,
+                       json.dumps(definition), "--apply-to", "queues"])
 
 
 # -- the transport ------------------------------------------------------------------------------
@@ -191,8 +260,11 @@ def parameters_from_spec(spec: dict) -> tuple[pika.ConnectionParameters, dict]:
         heartbeat = int(spec.get("heartbeat", 60))
         levels = int(spec.get("levels", LEVELS))
         window = int(spec.get("confirm_window", 1000))
+        delivery_limit = int(spec.get("delivery_limit", DELIVERY_LIMIT))
     except (TypeError, ValueError) as exc:
-        raise InvalidInputError(f"rabbitmq connection extras heartbeat, levels and confirm_window must be integers: {exc}") from None
+        raise InvalidInputError(
+            f"rabbitmq connection extras heartbeat, levels, confirm_window and delivery_limit must be integers: {exc}"
+        ) from None
     tls = None
     if _flag(spec.get("tls", False)):
         context = ssl.create_default_context()
@@ -210,7 +282,9 @@ def parameters_from_spec(spec: dict) -> tuple[pika.ConnectionParameters, dict]:
         connection_attempts=1,
         blocked_connection_timeout=30,
     )
-    return params, {"prefix": spec.get("prefix") or "delay", "levels": levels, "confirm_window": window}
+    options = {"prefix": spec.get("prefix") or "delay", "levels": levels, "confirm_window": window,
+               "delivery_limit": delivery_limit}
+    return params, options
 
 
 class RabbitMQTransport(Transport):
@@ -225,9 +299,14 @@ class RabbitMQTransport(Transport):
         levels: int = LEVELS,
         confirm_window: int = 1000,
         confirm_timeout: float = 30.0,
+        delivery_limit: int = DELIVERY_LIMIT,
     ) -> None:
+        if isinstance(delivery_limit, bool) or not isinstance(delivery_limit, int) or delivery_limit < 1:
+            # RabbitMQ 4.x reads -1 as "no limit", 3.x as "drop at the first redelivery": neither is allowed.
+            raise InvalidInputError(f"delivery_limit must be an int >= 1, got {delivery_limit!r}")
         self.parameters = parameters
         self.names = Names(prefix, levels)
+        self.delivery_limit = delivery_limit
         self.confirm_window = confirm_window
         self.confirm_timeout = confirm_timeout
         self._publisher: ConfirmingPublisher | None = None
@@ -277,21 +356,34 @@ class RabbitMQTransport(Transport):
 
     # -- provisioning ------------------------------------------------------------------------------
     def declare(self, topology: Topology) -> dict:
+        """Declare everything in `topology`; a queue an earlier version declared is kept as it is and
+        listed under `outdated` (with what its arguments lack)."""
+        outdated: dict[str, str] = {}
         channel = self._channel()
         try:
             for ex in topology.exchanges:
                 channel.exchange_declare(ex.name, ex.type, durable=True, arguments=ex.arguments or None)
             for q in topology.queues:
-                channel.queue_declare(q.name, durable=True, arguments=q.arguments or None)
+                try:
+                    channel.queue_declare(q.name, durable=True, arguments=q.arguments or None)
+                except ChannelClosedByBroker as exc:
+                    if q.legacy_arguments is None or exc.reply_code != 406:
+                        raise
+                    channel = self._channel()  # the refusal closed the channel
+                    self._declare_legacy(channel, q, exc)
+                    outdated[q.name] = ", ".join(sorted(set(q.arguments) - set(q.legacy_arguments)))
             for b in topology.bindings:
                 if b.destination_type == "queue":
                     channel.queue_bind(b.destination, b.source, routing_key=b.routing_key)
                 else:
                     channel.exchange_bind(b.destination, b.source, routing_key=b.routing_key)
+            for b in topology.retired:
+                channel.queue_unbind(b.destination, b.source, routing_key=b.routing_key)  # a no-op when absent
         except ChannelClosedByBroker as exc:
             raise InvalidNameError(
                 f"{self.where} refused the delay topology ({exc.reply_code} {exc.reply_text}); something with the same "
-                "name exists with other arguments: run the provision task with verify=True to see what differs"
+                "name exists with other arguments (for an endpoint queue, perhaps another delivery_limit): run the "
+                "provision task with verify=True to see what differs"
             ) from None
         finally:
             if channel.is_open:
@@ -300,24 +392,46 @@ class RabbitMQTransport(Transport):
             "exchanges": [e.name for e in topology.exchanges],
             "queues": [q.name for q in topology.queues],
             "bindings": len(topology.bindings),
+            "outdated": outdated,
         }
 
+    def _declare_legacy(self, channel, queue: Queue, refusal: ChannelClosedByBroker) -> None:
+        """Accept `queue` as an earlier version declared it; otherwise re-raise the first refusal,
+        which names the argument that differs."""
+        try:
+            channel.queue_declare(queue.name, durable=True, arguments=queue.legacy_arguments)
+        except ChannelClosedByBroker:
+            raise refusal from None
+
     def provision(self, endpoint: str) -> dict:
-        """Declare the endpoint's queue and binding, and (once per transport) the delay levels."""
-        topology = endpoint_topology(self.names, endpoint)
+        """Declare the endpoint's queue and binding, and (once per transport) the delay levels.
+
+        An endpoint of an earlier version is brought up to date where RabbitMQ allows it: its
+        `#.<endpoint>` binding is replaced, after the exact one is in place; its queue, declared
+        without a delivery limit, is kept and reported under `outdated` (verify() gives the policy
+        that adds the limit)."""
+        topology = endpoint_topology(self.names, endpoint, self.delivery_limit)
         if not self._levels_declared:
             self.declare(delay_topology(self.names))
             self._levels_declared = True
-        self.declare(topology)
-        return {"transport": self.name, "endpoint": endpoint, "levels": self.names.levels,
-                "queue": endpoint, "binding": topology.bindings[0].routing_key}
+        declared = self.declare(topology)
+        result = {"transport": self.name, "endpoint": endpoint, "levels": self.names.levels,
+                  "queue": endpoint, "binding": topology.bindings[0].routing_key, "delivery_limit": self.delivery_limit}
+        if declared["outdated"]:
+            result["delivery_limit"] = None
+            result["outdated"] = f"queue declared by an earlier version without {declared['outdated'][endpoint]}"
+            log.warning("RabbitMQ queue %r on %s was declared by an earlier version without %s: a message redelivered "
+                        "over and over never reaches %s (RabbitMQ 3.x redelivers it forever, 4.x drops it after 20); "
+                        "verify gives the policy that adds them", endpoint, self.where, declared["outdated"][endpoint],
+                        self.names.poison)
+        return result
 
     def teardown(self, endpoint: str) -> dict:
         """Delete an endpoint's queue. Its delayed messages still in the levels land in `unroutable`."""
         check_endpoint(endpoint, self.names.levels)
         channel = self._channel()
         try:
-            channel.queue_unbind(endpoint, self.names.delivery, routing_key=f"#.{endpoint}")
+            channel.queue_unbind(endpoint, self.names.delivery, routing_key=endpoint_binding_key(self.names, endpoint))
             deleted = channel.queue_delete(endpoint).method.message_count
         finally:
             if channel.is_open:
@@ -327,21 +441,30 @@ class RabbitMQTransport(Transport):
     def verify(self, endpoints: Iterable[str] = ()) -> dict:
         """Report what is missing or declared with other arguments, changing nothing.
 
+        An endpoint queue an earlier version declared (no delivery limit) still works: it is listed
+        under `outdated`, not `different`, and `outdated_fix` is the rabbitmqctl command whose policy
+        adds what it lacks (policies are not visible over AMQP, so it stays listed after that).
         Bindings cannot be listed over AMQP, so they are not checked here (provisioning re-binds)."""
         topology = delay_topology(self.names)
-        queues = list(topology.queues) + [endpoint_topology(self.names, e).queues[0] for e in endpoints]
-        report: dict[str, Any] = {"missing": [], "different": [], "ok": []}
+        queues = list(topology.queues) + [endpoint_topology(self.names, e, self.delivery_limit).queues[0]
+                                          for e in endpoints]
+        report: dict[str, Any] = {"missing": [], "different": [], "outdated": [], "ok": []}
         for ex in topology.exchanges:
             self._check(report, ex.name, lambda ch, ex=ex: ch.exchange_declare(ex.name, passive=True),
                         lambda ch, ex=ex: ch.exchange_declare(ex.name, ex.type, durable=True, arguments=ex.arguments or None))
         for q in queues:
+            legacy = None if q.legacy_arguments is None else (
+                lambda ch, q=q: ch.queue_declare(q.name, durable=True, arguments=q.legacy_arguments))
             self._check(report, q.name, lambda ch, q=q: ch.queue_declare(q.name, passive=True),
-                        lambda ch, q=q: ch.queue_declare(q.name, durable=True, arguments=q.arguments or None))
+                        lambda ch, q=q: ch.queue_declare(q.name, durable=True, arguments=q.arguments or None), legacy)
+        outdated = [o["name"] for o in report["outdated"]]
+        report["outdated_fix"] = (delivery_limit_policy(self.names, self.parameters.virtual_host, outdated,
+                                                        self.delivery_limit) if outdated else None)
         report["unroutable_depth"] = None if self.names.unroutable in report["missing"] else self.depth(self.names.unroutable)
         report["complete"] = not report["missing"] and not report["different"]
         return report
 
-    def _check(self, report: dict, name: str, exists, equivalent) -> None:
+    def _check(self, report: dict, name: str, exists, equivalent, legacy=None) -> None:
         channel = self._channel()
         try:
             exists(channel)
@@ -352,12 +475,21 @@ class RabbitMQTransport(Transport):
             equivalent(channel)  # it exists: declaring it again changes nothing, or fails when it differs
             report["ok"].append(name)
         except ChannelClosedByBroker as exc:
+            if legacy is not None:
+                channel = self._channel()
+                try:
+                    legacy(channel)
+                    report["outdated"].append({"name": name, "broker_says": exc.reply_text})
+                    return
+                except ChannelClosedByBroker:
+                    pass  # neither current nor earlier arguments: really different
             report["different"].append({"name": name, "broker_says": exc.reply_text})
         finally:
             if channel.is_open:
                 channel.close()
 
     def depth(self, queue: str) -> int:
+        check_endpoint(queue, self.names.levels)  # a name that cannot exist says why, not "no such queue"
         channel = self._channel()
         try:
             return channel.queue_declare(queue, passive=True).method.message_count
@@ -424,6 +556,7 @@ class RabbitMQTransport(Transport):
     def receive(self, endpoint: str, max_messages: int = 10, visibility_timeout: float = 30.0) -> list[ReceivedMessage]:
         """Basic.get up to `max_messages`; unacked messages go back to the queue when the channel closes
         (RabbitMQ has no visibility timeout: `visibility_timeout` is ignored)."""
+        check_endpoint(endpoint, self.names.levels)
         for attempt in (1, 2):
             if self._consumer is None or self._consumer.is_closed:
                 self._consumer = self._channel()
@@ -476,7 +609,7 @@ class RabbitMQTransport(Transport):
                             batch.append(message)
                     if not tags:
                         break
-                    store.store(batch)
+                    store.store(batch, deduplicate=False)  # their ids were recorded when first sent
                     for properties, body in poison:
                         channel.basic_publish("", self.names.poison, body, properties)
                     channel.basic_ack(tags[-1], multiple=True)
@@ -543,9 +676,10 @@ class Publication:
     properties: pika.BasicProperties
 
 
-class PublishNacked(DelayProviderError):
-    """The broker refused to take responsibility for a message (for example a full quorum queue):
-    a failure of this message, counted against its retries."""
+class PublishNacked(UnavailableError):
+    """The broker could not take responsibility for a message now (a resource alarm, a quorum queue
+    leader change, a queue at its length limit with reject-publish): an outage, not the message's
+    fault, so the pump releases it untouched and its dispatch circuit breaker decides."""
 
 
 class _Batch:
@@ -561,7 +695,9 @@ class ConfirmingPublisher:
 
     Up to `window` messages are in flight, across batches: `start` queues a batch and returns at
     once, `wait` runs the I/O loop until that batch is settled. Each message ends acked (queued),
-    returned (no queue takes it: acked after a return) or nacked.
+    returned (no queue takes it: acked after a return) or nacked. After a nack the channel is
+    replaced once nothing is in flight on it: RabbitMQ 3.x keeps a channel that a full queue
+    refused refusing even after the limit is lifted, while a new channel is asked afresh.
     """
 
     def __init__(self, parameters: pika.ConnectionParameters, window: int = 1000, timeout: float = 30.0) -> None:
@@ -574,6 +710,7 @@ class ConfirmingPublisher:
         self._outstanding: dict[int, tuple[_Batch, str]] = {}
         self._pending: deque[tuple[_Batch, Publication]] = deque()
         self._returned: dict[str, Exception] = {}
+        self._renewing = False  # nacked: publish nothing more on this channel, replace it when settled
         self._until = lambda: True
         self._connection = pika.SelectConnection(
             parameters,
@@ -590,17 +727,29 @@ class ConfirmingPublisher:
 
     @property
     def is_open(self) -> bool:
-        return self._ready and self._error is None and self._connection.is_open
+        return self._error is None and self._connection.is_open  # ready once constructed; renewing is open too
 
     def _on_channel(self, channel) -> None:
         self._channel = channel
-        channel.add_on_close_callback(self._on_failure)
+        channel.add_on_close_callback(self._on_channel_closed)
         channel.add_on_return_callback(self._on_return)
         channel.confirm_delivery(self._on_confirm, callback=self._on_confirm_mode)
 
     def _on_confirm_mode(self, _frame) -> None:
         self._ready = True
+        self._tag = 0
+        self._fill()
         self._check_done()
+
+    def _on_channel_closed(self, channel, error) -> None:
+        if channel is self._channel:  # a channel retired after a nack closes quietly
+            self._on_failure(channel, error)
+
+    def _renew_channel(self) -> None:
+        self._renewing = self._ready = False
+        retired, self._channel = self._channel, None
+        retired.close()
+        self._connection.channel(on_open_callback=self._on_channel)
 
     def _on_failure(self, _source, error) -> None:
         self._error = error
@@ -636,7 +785,13 @@ class ConfirmingPublisher:
             if returned is not None:
                 batch.failures[mid] = returned
             elif nacked:
-                batch.failures[mid] = PublishNacked(f"the broker nacked message {mid}")
+                batch.failures[mid] = PublishNacked(
+                    f"RabbitMQ nacked message {mid}: it cannot take it now (resource alarm, leader change or a "
+                    "queue at its length limit); send it again later"
+                )
+        self._renewing = self._renewing or nacked
+        if self._renewing and not self._outstanding:
+            self._renew_channel()
         self._fill()
         self._check_done()
 
@@ -648,7 +803,7 @@ class ConfirmingPublisher:
         )
 
     def _fill(self) -> None:
-        while self._pending and len(self._outstanding) < self.window:
+        while self._ready and not self._renewing and self._pending and len(self._outstanding) < self.window:
             batch, p = self._pending.popleft()
             self._tag += 1
             self._outstanding[self._tag] = (batch, p.message_id)

@@ -16,7 +16,7 @@ from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import DestinationNotFoundError, InvalidNameError, UnavailableError
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.pump import Pump, PumpConfig, hand_over
-from airflow_delay_provider.transports.rabbitmq import RabbitMQTransport, routing_key
+from airflow_delay_provider.transports.rabbitmq import RabbitMQTransport, delay_topology, routing_key
 from tests.conftest import _rabbitmqctl
 from tests.helpers import collect, make_store, messages
 
@@ -30,7 +30,7 @@ def args_of(item: dict) -> dict:
     return {key: value for key, _type, value in item["arguments"]}
 
 
-def test_declared_topology_is_the_seeds(rabbit, rabbit_vhost):
+def test_declared_topology_is_the_28_level_ttl_topology(rabbit, rabbit_vhost):
     rabbit.provision("orders")
     rabbit.provision("orders")  # idempotent
     p = rabbit.names.prefix
@@ -57,11 +57,20 @@ def test_declared_topology_is_the_seeds(rabbit, rabbit_vhost):
     assert args_of(exchanges[f"{p}.delivery"]) == {"alternate-exchange": f"{p}.unroutable"}
     assert exchanges[f"{p}.unroutable"]["type"] == "fanout"
     assert (f"{p}.unroutable", f"{p}.unroutable", "queue", "") in bindings
-    assert (f"{p}.delivery", "orders", "queue", "#.orders") in bindings
+    assert (f"{p}.delivery", "orders", "queue", "*." * 28 + "orders") in bindings
+    assert args_of(queues["orders"]) == {
+        "x-queue-type": "quorum",
+        "x-delivery-limit": 20,
+        "x-dead-letter-exchange": "",
+        "x-dead-letter-routing-key": f"{p}.poison",
+        "x-dead-letter-strategy": "at-least-once",
+        "x-overflow": "reject-publish",
+    }
     ours = {b for b in bindings if b[0].startswith(p)}
-    assert len(ours) == 28 * 2 + 1 + 1  # nothing more than the seed's plus ours
+    assert len(ours) == 28 * 2 + 1 + 1  # the levels, unroutable and one endpoint: nothing more
     report = rabbit.verify(["orders"])
     assert report["complete"] and report["unroutable_depth"] == 0
+    assert report["outdated"] == [] and report["outdated_fix"] is None
 
 
 def test_verify_reports_missing_and_different_and_changes_nothing(rabbit, rabbit_vhost):
@@ -206,3 +215,54 @@ def test_teardown_of_an_endpoint_sends_its_pending_delays_to_unroutable(rabbit):
         time.sleep(0.1)
     assert [m.message_id for m in rabbit.receive(rabbit.names.unroutable)] == ["gone-1"]
     assert rabbit.depth(rabbit.names.level(0)) == 0  # nothing stalls in a level queue
+
+
+def binding_keys(vhost: str, queue: str) -> set[str]:
+    rows = listing("bindings", vhost, "source_name", "destination_name", "routing_key")
+    return {b["routing_key"] for b in rows if b["destination_name"] == queue and b["source_name"].endswith(".delivery")}
+
+
+def test_an_endpoint_binding_takes_only_its_own_destination(rabbit, rabbit_vhost):
+    rabbit.provision("cancel")
+    rabbit.provision("orders.cancel")
+    due = utcnow() + timedelta(seconds=1)
+    assert rabbit.send([DelayedMessage("orders.cancel", b"oc", due, {}, "oc-1"),
+                        DelayedMessage("cancel", b"c", due, {}, "c-1")]) == {}
+    assert [m.message_id for _, m in collect(rabbit, "orders.cancel", 1, timeout=10)] == ["oc-1"]
+    time.sleep(0.5)  # a copy would have been routed together with the original
+    assert [m.message_id for _, m in collect(rabbit, "cancel", 1, timeout=10)] == ["c-1"]
+    assert binding_keys(rabbit_vhost, "cancel") == {"*." * 28 + "cancel"}
+
+
+def test_reprovisioning_an_old_deployment_rebinds_without_losing_messages_in_flight(rabbit, rabbit_vhost):
+    rabbit.declare(delay_topology(rabbit.names))
+    channel = rabbit._channel()  # the endpoint as earlier versions declared and bound it
+    channel.queue_declare("orders", durable=True, arguments={"x-queue-type": "quorum"})
+    channel.queue_bind("orders", rabbit.names.delivery, routing_key="#.orders")
+    channel.close()
+    assert rabbit.send([DelayedMessage("orders", b"in flight", utcnow() + timedelta(seconds=3), {}, "fly-1")]) == {}
+    assert rabbit.depth(rabbit.names.level(1)) == 1  # waiting in the levels while we re-provision
+    rabbit.provision("orders")
+    assert binding_keys(rabbit_vhost, "orders") == {"*." * 28 + "orders"}
+    got = collect(rabbit, "orders", 1, timeout=15)
+    assert [m.message_id for _, m in got] == ["fly-1"]
+    assert rabbit.depth(rabbit.names.unroutable) == 0
+
+
+def test_names_rabbitmq_cannot_route_are_refused_with_the_naming_rule(rabbit):
+    rabbit.provision("orders")
+    problems = {"a..b": "empty word", "x.": "empty word", "orders.*": "wildcard", "#": "wildcard",
+                "amq.orders": "reserved"}
+    for name, problem in problems.items():
+        errors = [rabbit.send([DelayedMessage(name, b"", utcnow() + timedelta(seconds=delay), {}, "bad")])["bad"]
+                  for delay in (0, 5)]
+        for call in (rabbit.provision, rabbit.depth, rabbit.receive):
+            with pytest.raises(InvalidNameError) as err:
+                call(name)
+            errors.append(err.value)
+        for error in errors:
+            text = str(error)
+            assert isinstance(error, InvalidNameError), (name, text)
+            assert problem in text and "words separated by single dots" in text and "'amq.'" in text, (name, text)
+            assert "not exist" not in text and "provision the destination" not in text, (name, text)
+    assert rabbit.depth(rabbit.names.unroutable) == 0  # nothing was published under those names
