@@ -343,7 +343,7 @@ class DispatchDueMessagesOperator(DelayOperatorBase):
     :param destinations: dispatch only these destinations (templated), so one store can serve several teams.
     :param destination_prefix: dispatch only destinations starting with this (with `destinations`: either).
     :param max_messages: stop after this many messages (templated).
-    :param max_runtime: stop after this long (timedelta or seconds).
+    :param max_runtime: stop after this long (timedelta or seconds; templated, e.g. from a param).
     :param batch_size: messages claimed per batch (1..10,000).
     :param number_of_retries: immediate retries when no delivery policy is given.
     :param error_queue: where exhausted messages go.
@@ -352,7 +352,9 @@ class DispatchDueMessagesOperator(DelayOperatorBase):
     :param delivery_policy: the default delivery policy; `destination_policies` per destination.
     """
 
-    template_fields: Sequence[str] = ("due_before", "due_from", "destinations", "destination_prefix", "max_messages")
+    template_fields: Sequence[str] = (
+        "due_before", "due_from", "destinations", "destination_prefix", "max_messages", "max_runtime",
+    )
 
     def __init__(
         self,
@@ -362,7 +364,7 @@ class DispatchDueMessagesOperator(DelayOperatorBase):
         destinations: Sequence[str] | str | None = None,
         destination_prefix: str | None = None,
         max_messages: int | str | None = None,
-        max_runtime: timedelta | float = timedelta(minutes=10),
+        max_runtime: timedelta | float | str = timedelta(minutes=10),
         batch_size: int = 1000,
         number_of_retries: int = 0,
         error_queue: str = "error",
@@ -384,7 +386,7 @@ class DispatchDueMessagesOperator(DelayOperatorBase):
         self.destinations = destinations
         self.destination_prefix = destination_prefix
         self.max_messages = max_messages
-        self.max_runtime = max_runtime if isinstance(max_runtime, timedelta) else timedelta(seconds=max_runtime)
+        self.max_runtime = _runtime(max_runtime)
         self.deferrable = deferrable
         self.poll_interval = poll_interval
         # Checked here so a bad value fails when the DAG is parsed, not at run time.
@@ -419,7 +421,7 @@ class DispatchDueMessagesOperator(DelayOperatorBase):
         )
 
     def execute(self, context: Context) -> dict:
-        trigger = self._trigger(utcnow() + self.max_runtime)
+        trigger = self._trigger(utcnow() + _runtime(self.max_runtime))
         for destination, p in self.destination_policies.items():
             self.log.info("Delivery policy for %s %s:\n%s", destination, json.dumps(p.to_dict()), p.phase_table())
         if self.delivery_policy is not None:
@@ -478,6 +480,25 @@ def _public(summary: dict) -> dict:
 
 def _optional(moment: str | None) -> datetime | None:
     return None if moment is None else datetime.fromisoformat(moment)
+
+
+def _runtime(value: Any) -> timedelta | str:
+    """`max_runtime` as a timedelta: a timedelta, or seconds (a number or a rendered number > 0); a
+    template is left for rendering."""
+    if isinstance(value, str) and "{{" in value:
+        return value
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    else:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            seconds = -1.0
+        if isinstance(value, bool):
+            seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise InvalidInputError(f"max_runtime must be a timedelta or a number of seconds > 0, got {value!r}")
+    return timedelta(seconds=seconds)
 
 
 def _count(name: str, value: Any) -> int | None:
@@ -539,9 +560,10 @@ class MigrateDelayedMessagesOperator(DelayOperatorBase):
 
 
 class RelayDelayedMessagesOperator(DelayOperatorBase):
-    """Run the SQS relay of one endpoint for a bounded time (seed 000's delayed message consumer).
+    """Run the SQS relay of one endpoint for a bounded time (the consumer of its -delay.fifo queue).
 
-    Checks the delay queue first (present, delay >= Q, retention >= 4 days, no redrive policy), then
+    Checks the delay queue first (present, delay >= Q, retention longer than Q, no redrive policy; a
+    warning when retention leaves less than `max_relay_downtime` for the relay to be down), then
     long-polls it, sending each message back for another cycle or on to the endpoint with the rest
     of its delay. With `deferrable=True`, while the delay queue has nothing to relay the task waits
     on SqsDelayQueueTrigger instead of a worker (and pays for no empty polls). A `delivery_policy`
@@ -549,13 +571,13 @@ class RelayDelayedMessagesOperator(DelayOperatorBase):
     relayed, handed_over, failed, held (by the throttle, for a later receive).
     """
 
-    template_fields: Sequence[str] = ("endpoint",)
+    template_fields: Sequence[str] = ("endpoint", "max_runtime")
 
     def __init__(
         self,
         *,
         endpoint: str,
-        max_runtime: timedelta | float = timedelta(minutes=5),
+        max_runtime: timedelta | float | str = timedelta(minutes=5),
         wait_time_seconds: int = 20,
         deferrable: bool = False,
         poll_interval: float = 30.0,
@@ -569,7 +591,7 @@ class RelayDelayedMessagesOperator(DelayOperatorBase):
         if self.transport != "sqs":
             raise InvalidInputError("the relay serves SQS delay queues: use transport='sqs'")
         self.endpoint = endpoint
-        self.max_runtime = max_runtime if isinstance(max_runtime, timedelta) else timedelta(seconds=max_runtime)
+        self.max_runtime = _runtime(max_runtime)
         self.wait_time_seconds = wait_time_seconds
         self.deferrable = deferrable
         self.poll_interval = poll_interval
@@ -577,7 +599,7 @@ class RelayDelayedMessagesOperator(DelayOperatorBase):
     def execute(self, context: Context) -> dict:
         transport = self.get_transport()
         self.log.info("Delay queue checked: %s", transport.verify(self.endpoint))
-        return self._relay(transport, RelayCounts(), utcnow() + self.max_runtime)
+        return self._relay(transport, RelayCounts(), utcnow() + _runtime(self.max_runtime))
 
     def execute_complete(self, context: Context, event: dict) -> dict:
         if event.get("status") == "error":

@@ -1,10 +1,10 @@
 """Amazon SQS: native delays up to 15 minutes, and unrestricted delays through a `-delay.fifo` relay queue.
 
-Seed 000. A delay of at most `NATIVE_MAX_DELAY` (900 s, exactly 900 included) is SQS's own
-DelaySeconds on the destination. A longer one goes to the destination's FIFO delay queue, whose
-queue-level delay is Q (900 s by default), carrying the full delay in a message attribute; the
-relay (`relay_once`) receives it after Q and either sends it back with the remaining delay, or,
-once the remainder fits, hands it to the destination with DelaySeconds = remainder.
+A delay of at most `NATIVE_MAX_DELAY` (900 s, exactly 900 included) is SQS's own DelaySeconds on
+the destination. A longer one goes to the destination's FIFO delay queue, whose queue-level delay
+is Q (900 s by default), carrying the full delay in a message attribute; the relay (`relay_once`)
+receives it after Q and either sends it back with the remaining delay, or, once the remainder
+fits, hands it to the destination with DelaySeconds = remainder.
 
 The boto3 client comes from the amazon provider's SqsHook (an `aws` connection; `endpoint_url`
 in its extra points at moto in tests). Headers travel as one JSON message attribute, so any
@@ -14,7 +14,9 @@ number of them fits SQS's limit of 10 attributes per message.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
+import logging
 import math
 import re
 import uuid
@@ -36,9 +38,17 @@ from airflow_delay_provider.core.message import HEADER_DUE_AT, DelayedMessage
 from airflow_delay_provider.core.ports import ReceivedMessage, Transport
 from airflow_delay_provider.core.throttle import TokenBucket
 
+log = logging.getLogger(__name__)
+
 NATIVE_MAX_DELAY = 900
 DELAY_QUEUE_SUFFIX = "-delay.fifo"
-DELAY_QUEUE_RETENTION = 345_600  # 4 days
+DELAY_QUEUE_RETENTION = 1_209_600  # 14 days, SQS's maximum
+#: The longest the relay may be down by default: verify() warns when the delay queue's retention is shorter.
+MAX_RELAY_DOWNTIME = 7 * 86_400
+#: Large bodies expire after the longest delay the operators take (7 days), plus the longest a
+#: destination queue keeps a message (14 days), plus a relay outage as long as the delay queue's retention.
+BODY_EXPIRATION_DAYS = 35
+BODY_KEY_PREFIX = "delay-bodies/"
 MAX_QUEUE_NAME = 80
 BATCH_SIZE = 10
 MAX_BATCH_BYTES = 1024 * 1024  # SQS's message and batch limit (1 MiB)
@@ -49,6 +59,9 @@ ATTR_DUE_AT = HEADER_DUE_AT
 ATTR_DELAY = "x-delay-seconds"
 ATTR_ENCODING = "x-body-encoding"
 ATTR_BODY_S3 = "x-body-s3"
+ATTR_CYCLE = "x-relay-cycle"
+#: A receipt of a message whose body is in S3 carries the object too, so any process can ack it.
+RECEIPT_S3 = " s3://"
 #: Bodies above this go to S3: SQS's old 256 KiB limit, which every SQS (and moto) accepts.
 MAX_BODY_BYTES = 256 * 1024 - 8 * 1024  # room left for the attributes
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
@@ -132,9 +145,16 @@ def _aws_error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _code(exc: Exception) -> str:
+    return exc.response.get("Error", {}).get("Code", "") if isinstance(exc, ClientError) else ""
+
+
 def _not_found(exc: Exception) -> bool:
-    return isinstance(exc, ClientError) and exc.response.get("Error", {}).get("Code", "") in (
-        "AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist", "NonExistentQueue")
+    return _code(exc) in ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist", "NonExistentQueue")
+
+
+def _is_fifo(queue: str) -> bool:
+    return queue.endswith(".fifo")
 
 
 class SqsTransport(Transport):
@@ -151,6 +171,8 @@ class SqsTransport(Transport):
         s3_client: Any = None,
         max_body_bytes: int = MAX_BODY_BYTES,
         unrestricted: bool = True,
+        max_relay_downtime: int | float = MAX_RELAY_DOWNTIME,
+        body_expiration_days: int = BODY_EXPIRATION_DAYS,
     ) -> None:
         self.client = client
         self.unrestricted = unrestricted
@@ -161,8 +183,16 @@ class SqsTransport(Transport):
         self.max_body_bytes = max_body_bytes
         if large_body_bucket and s3_client is None:
             raise InvalidInputError("large_body_bucket needs an S3 client (SqsDelayHook.get_transport makes one)")
+        if isinstance(max_relay_downtime, bool) or not isinstance(max_relay_downtime, (int, float)) \
+                or not max_relay_downtime > 0:
+            raise InvalidInputError(f"max_relay_downtime must be a number of seconds > 0, got {max_relay_downtime!r}")
+        if isinstance(body_expiration_days, bool) or not isinstance(body_expiration_days, int) or body_expiration_days < 1:
+            raise InvalidInputError(f"body_expiration_days must be an int >= 1, got {body_expiration_days!r}")
+        self.max_relay_downtime = max_relay_downtime
+        self.body_expiration_days = body_expiration_days
         self._urls: dict[str, str] = {}
-        self._s3_objects: dict[str, str] = {}  # receipt handle -> key of a received large body
+        #: Copies received after another copy's ack had deleted their shared S3 body, deleted unseen.
+        self.duplicates_dropped = 0
 
     @classmethod
     def from_spec(cls, spec: dict) -> SqsTransport:
@@ -194,8 +224,9 @@ class SqsTransport(Transport):
 
     # -- provisioning ------------------------------------------------------------------------------
     def provision(self, endpoint: str, queue_delay_seconds: int | None = None, unrestricted: bool = True) -> dict:
-        """The endpoint queue (optionally with a queue-level delay) and, for unrestricted delays, its
-        `-delay.fifo` queue (FIFO, DelaySeconds = Q, retention 4 days). Idempotent."""
+        """The endpoint queue (optionally with a queue-level delay), for unrestricted delays its
+        `-delay.fifo` queue (FIFO, DelaySeconds = Q, retention 14 days; an existing one is updated
+        to these), and with a `large_body_bucket` the bucket's rule expiring bodies. Idempotent."""
         name = self.queue_name(endpoint)
         attributes = {}
         if queue_delay_seconds:
@@ -208,20 +239,61 @@ class SqsTransport(Transport):
             summary = {"transport": self.name, "endpoint": endpoint, "queue": name}
             if unrestricted:
                 fifo = delay_queue_name(endpoint, self.prefix)
-                self._urls[fifo] = self.client.create_queue(QueueName=fifo, Attributes={
+                self._urls[fifo] = self._create_or_update(fifo, {
                     "FifoQueue": "true",
                     "DelaySeconds": str(self.queue_delay),
                     "MessageRetentionPeriod": str(DELAY_QUEUE_RETENTION),
-                })["QueueUrl"]
+                })
                 summary["delay_queue"] = fifo
         except ClientError as exc:
             raise InvalidInputError(f"SQS refused to create the queues of {endpoint!r}: {_aws_error(exc)}") from None
         except BotoCoreError as exc:
             raise UnavailableError(f"could not reach SQS: {_aws_error(exc)}") from None
+        if self.large_body_bucket:
+            summary["body_expiration_days"] = self._expire_bodies()
         return summary
 
+    def _create_or_update(self, queue: str, attributes: dict[str, str]) -> str:
+        try:
+            return self.client.create_queue(QueueName=queue, Attributes=attributes)["QueueUrl"]
+        except ClientError as exc:
+            if _code(exc) not in ("QueueAlreadyExists", "QueueNameExists"):
+                raise
+        # Made earlier with other attributes (an older 4-day retention, another Q): bring it up to date.
+        url = self.client.get_queue_url(QueueName=queue)["QueueUrl"]
+        self.client.set_queue_attributes(QueueUrl=url, Attributes={k: v for k, v in attributes.items() if k != "FifoQueue"})
+        return url
+
+    def _expire_bodies(self) -> int:
+        """A lifecycle rule expiring this prefix's large bodies: those whose message was never acked
+        (a send that failed after the upload, a message that expired) would otherwise stay forever."""
+        bucket, key_prefix = self.large_body_bucket, f"{self.prefix}{BODY_KEY_PREFIX}"
+        rule_id = f"airflow-delay-provider {key_prefix}"
+        try:
+            try:
+                current = self.s3.get_bucket_lifecycle_configuration(Bucket=bucket)
+            except ClientError as exc:
+                if _code(exc) != "NoSuchLifecycleConfiguration":
+                    raise
+                current = {}
+            # A put replaces the bucket's whole configuration: keep every rule but ours.
+            rules = [r for r in current.get("Rules", []) if r.get("ID") != rule_id]
+            rules.append({"ID": rule_id, "Status": "Enabled", "Filter": {"Prefix": key_prefix},
+                          "Expiration": {"Days": self.body_expiration_days}})
+            extra = {k: current[k] for k in ("TransitionDefaultMinimumObjectSize",) if current.get(k)}
+            self.s3.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": rules}, **extra)
+        except ClientError as exc:
+            raise InvalidInputError(
+                f"could not set the expiry of large bodies on S3 bucket {bucket!r} (it must exist and allow "
+                f"s3:GetLifecycleConfiguration and s3:PutLifecycleConfiguration): {_aws_error(exc)}") from None
+        except BotoCoreError as exc:
+            raise UnavailableError(f"could not reach S3: {_aws_error(exc)}") from None
+        return self.body_expiration_days
+
     def verify(self, endpoint: str) -> dict:
-        """Start-up check of the delay queue: present, delay >= Q, retention >= 4 days, no redrive policy."""
+        """Start-up check of the delay queue: present, delay >= Q, retention longer than the delay, no
+        redrive policy. A retention too short to outlast `max_relay_downtime` is a warning (logged and
+        in the report's `warnings`): a relay down that long would lose messages silently."""
         fifo = delay_queue_name(endpoint, self.prefix)
         try:
             url = self._url(fifo)
@@ -231,23 +303,33 @@ class SqsTransport(Transport):
                 "provision it with unrestricted delays"
             ) from None
         attrs = self.client.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])["Attributes"]
+        delay, retention = int(attrs.get("DelaySeconds", 0)), int(attrs.get("MessageRetentionPeriod", 0))
         problems = []
-        if int(attrs.get("DelaySeconds", 0)) < self.queue_delay:
-            problems.append(f"DelaySeconds is {attrs.get('DelaySeconds')}, must be at least {self.queue_delay}")
-        if int(attrs.get("MessageRetentionPeriod", 0)) < DELAY_QUEUE_RETENTION:
-            problems.append(f"MessageRetentionPeriod is {attrs.get('MessageRetentionPeriod')}, must be at least {DELAY_QUEUE_RETENTION} (4 days)")
+        if delay < self.queue_delay:
+            problems.append(f"DelaySeconds is {delay}, must be at least {self.queue_delay}")
+        if retention <= delay:
+            problems.append(f"MessageRetentionPeriod is {retention}, must be longer than DelaySeconds or every message "
+                            f"expires before the relay sees it (provisioning sets {DELAY_QUEUE_RETENTION})")
         if attrs.get("RedrivePolicy"):
             problems.append("it has a RedrivePolicy; a delay queue must not dead-letter its messages")
         if problems:
             raise InvalidInputError(f"delay queue {fifo!r} is misconfigured: " + "; ".join(problems))
-        return {"delay_queue": fifo, "delay_seconds": int(attrs["DelaySeconds"]), "ok": True}
+        warnings = []
+        if retention - delay < self.max_relay_downtime:
+            warnings.append(
+                f"MessageRetentionPeriod is {retention} s, so a relay down for more than {retention - delay} s loses "
+                f"messages, less than max_relay_downtime ({self.max_relay_downtime:g} s); provision the endpoint again "
+                f"to raise it to {DELAY_QUEUE_RETENTION} s (SQS's maximum)")
+            log.warning("delay queue %s: %s", fifo, warnings[-1])
+        return {"delay_queue": fifo, "delay_seconds": delay, "retention_seconds": retention,
+                "max_relay_downtime": self.max_relay_downtime, "warnings": warnings, "ok": True}
 
     def depth(self, endpoint: str) -> int:
         """Visible messages in the endpoint's queue (raises DestinationNotFoundError when it is missing)."""
         return self.lifecycle(endpoint)["visible"]
 
     def lifecycle(self, endpoint: str, delay_queue: bool = False) -> dict[str, int]:
-        """Seed 004's states as SQS counts them: scheduled (delayed), visible, in flight."""
+        """A queue's messages as SQS counts them: scheduled (delayed), visible, in flight."""
         name = delay_queue_name(endpoint, self.prefix) if delay_queue else self.queue_name(endpoint)
         attrs = self.client.get_queue_attributes(QueueUrl=self._url(name), AttributeNames=[
             "ApproximateNumberOfMessagesDelayed", "ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible",
@@ -295,9 +377,11 @@ class SqsTransport(Transport):
             attributes[ATTR_HEADERS] = {"DataType": "String", "StringValue": json.dumps(m.headers)}
         entry = {"MessageBody": self._body(m, attributes), "MessageAttributes": attributes}
         if delay <= self.queue_delay:
-            if delay:
+            queue = self.queue_name(m.destination)
+            if not _is_fifo(queue):  # FIFO queues refuse a per-message delay
+                # Even 0: without it SQS applies the queue's default delay to a message due now.
                 entry["DelaySeconds"] = delay
-            return self.queue_name(m.destination), entry
+            return queue, entry
         if not self.unrestricted:
             raise DelayError(
                 f"a delay of {delay} s exceeds {self.queue_delay} s and this sender has unrestricted delays disabled; "
@@ -305,11 +389,12 @@ class SqsTransport(Transport):
             )
         # Beyond SQS's limit: the FIFO delay queue, full delay in an attribute, no per-message delay.
         attributes[ATTR_DELAY] = {"DataType": "Number", "StringValue": str(delay)}
-        entry["MessageDeduplicationId"] = entry["MessageGroupId"] = _fifo_id(m.message_id)
+        entry["MessageDeduplicationId"] = _dedup_id(m.message_id, 0)
+        entry["MessageGroupId"] = _fifo_id(m.message_id)
         return delay_queue_name(m.destination, self.prefix), entry
 
     def _body(self, m: DelayedMessage, attributes: dict) -> str:
-        """The SQS body; one over the size limit goes to S3 and the message carries a pointer (seed 000)."""
+        """The SQS body; one over the size limit goes to S3 and the message carries a pointer."""
         body = _encode_body(m.body, attributes)
         if len(body.encode()) <= self.max_body_bytes:
             return body
@@ -318,7 +403,7 @@ class SqsTransport(Transport):
                 f"message {m.message_id} has a body of {len(body.encode())} bytes; SQS takes {self.max_body_bytes}: "
                 "set large_body_bucket to carry larger bodies through S3"
             )
-        key = f"{self.prefix}delay-bodies/{uuid.uuid4().hex}"
+        key = f"{self.prefix}{BODY_KEY_PREFIX}{uuid.uuid4().hex}"
         try:
             self.s3.put_object(Bucket=self.large_body_bucket, Key=key, Body=m.body)
         except (ClientError, BotoCoreError) as exc:
@@ -352,31 +437,62 @@ class SqsTransport(Transport):
         received = []
         for m in got:
             pointer = _attr(m, ATTR_BODY_S3)
-            body = None
-            if pointer:
-                bucket, key = pointer.split("/", 1)
-                body = self.s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-                self._s3_objects[m["ReceiptHandle"]] = pointer
-            received.append(_received(endpoint, m, body))
+            if not pointer:
+                received.append(_received(endpoint, m))
+                continue
+            body = self._large_body(url, m, pointer)
+            if body is not None:
+                received.append(_received(endpoint, m, body, receipt=f"{m['ReceiptHandle']}{RECEIPT_S3}{pointer}"))
         return received
 
+    def _large_body(self, url: str, m: dict, pointer: str) -> bytes | None:
+        """The body from S3, or None when it is gone: the message is then deleted, not delivered."""
+        bucket, key = pointer.split("/", 1)
+        message_id = _attr(m, ATTR_MESSAGE_ID) or m["MessageId"]
+        try:
+            return self.s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+        except ClientError as exc:
+            if _code(exc) not in ("NoSuchKey", "404"):
+                raise UnavailableError(f"could not read the large body of {message_id} from S3: {_aws_error(exc)}") from None
+        except BotoCoreError as exc:
+            raise UnavailableError(f"could not read the large body of {message_id} from S3: {_aws_error(exc)}") from None
+        # Copies of one message share its object (a relay re-send under at-least-once), and the
+        # first copy's ack deleted it: this one was delivered already. (Or the lifecycle rule
+        # expired it, and there is nothing left to deliver.)
+        log.warning("dropping a copy of message %s: its body %s is gone from S3 (another copy was acked, or it expired)",
+                    message_id, pointer)
+        self.duplicates_dropped += 1
+        try:
+            self.client.delete_message(QueueUrl=url, ReceiptHandle=m["ReceiptHandle"])
+        except (ClientError, BotoCoreError) as exc:  # it comes back after its visibility timeout, and goes then
+            log.warning("could not delete the copy of message %s: %s", message_id, _aws_error(exc))
+        return None
+
     def ack(self, endpoint: str, receipts: Iterable[Any]) -> int:
+        """Delete received messages, and the S3 bodies of those that had one (best effort: the
+        bucket's lifecycle rule expires what a failed delete leaves)."""
         url = self._url(self.queue_name(endpoint))
-        receipts = list(receipts)
+        parts = [str(r).partition(RECEIPT_S3) for r in receipts]  # (handle, separator, pointer)
         deleted = 0
-        for i in range(0, len(receipts), BATCH_SIZE):
-            chunk = receipts[i : i + BATCH_SIZE]
+        for i in range(0, len(parts), BATCH_SIZE):
+            chunk = parts[i : i + BATCH_SIZE]
             result = self.client.delete_message_batch(
-                QueueUrl=url, Entries=[{"Id": str(n), "ReceiptHandle": r} for n, r in enumerate(chunk)])
+                QueueUrl=url, Entries=[{"Id": str(n), "ReceiptHandle": r[0]} for n, r in enumerate(chunk)])
             deleted += len(result.get("Successful", []))
             for ok in result.get("Successful", []):
-                pointer = self._s3_objects.pop(chunk[int(ok["Id"])], None)
+                pointer = chunk[int(ok["Id"])][2]
                 if pointer:  # delivered: its large body is no longer needed
-                    bucket, key = pointer.split("/", 1)
-                    self.s3.delete_object(Bucket=bucket, Key=key)
+                    self._delete_body(pointer)
         return deleted
 
-    # -- the relay (seed 000's delayed message consumer) ------------------------------------------
+    def _delete_body(self, pointer: str) -> None:
+        bucket, key = pointer.split("/", 1)
+        try:
+            self.s3.delete_object(Bucket=bucket, Key=key)
+        except (ClientError, BotoCoreError) as exc:
+            log.warning("could not delete the large body %s from S3 (its lifecycle rule will): %s", pointer, _aws_error(exc))
+
+    # -- the relay: the delay queue's consumer ---------------------------------------------------
     def relay_once(self, endpoint: str, wait_time_seconds: int = 20, visibility_timeout: int = 30,
                    throttle: TokenBucket | None = None) -> RelayCounts:
         """One long poll of the endpoint's delay queue; every message received is sent on and deleted.
@@ -387,7 +503,8 @@ class SqsTransport(Transport):
         messages deleted in one batch; a failed send is made visible again at once.
         """
         fifo_url = self._url(delay_queue_name(endpoint, self.prefix))
-        dest_url = self._url(self.queue_name(endpoint))
+        destination = self.queue_name(endpoint)
+        dest_url = self._url(destination)
         try:
             got = self.client.receive_message(
                 QueueUrl=fifo_url, MaxNumberOfMessages=BATCH_SIZE, WaitTimeSeconds=wait_time_seconds,
@@ -408,17 +525,23 @@ class SqsTransport(Transport):
             remaining = float(_attr(m, ATTR_DELAY) or 0) - (received - sent) / 1000
             attributes = dict(m.get("MessageAttributes", {}))
             entry = {"MessageBody": m["Body"], "MessageAttributes": attributes}
+            source = _attr(m, ATTR_MESSAGE_ID) or m["MessageId"]
             if remaining > self.queue_delay:
                 # Milliseconds carried along, so rounding happens once, at the hand-over.
                 attributes[ATTR_DELAY] = {"DataType": "Number", "StringValue": f"{remaining:.3f}"}
-                dedup = _fifo_id(f"{_attr(m, ATTR_MESSAGE_ID) or m['MessageId']}")[:100] + f"-{int(remaining * 1000)}"
-                entry["MessageDeduplicationId"] = dedup  # a new id per cycle: FIFO dedups for 5 minutes
-                entry["MessageGroupId"] = attrs.get("MessageGroupId") or dedup
+                cycle = int(_attr(m, ATTR_CYCLE) or 0) + 1
+                attributes[ATTR_CYCLE] = {"DataType": "Number", "StringValue": str(cycle)}
+                # One id per message and cycle: re-sending the same cycle (a relay that died before
+                # its delete) is dropped by SQS within 5 minutes, while the next cycle is new even when Q < 5 min.
+                entry["MessageDeduplicationId"] = _dedup_id(source, cycle)
+                entry["MessageGroupId"] = attrs.get("MessageGroupId") or _fifo_id(source)
                 back.append((m, entry))
             else:
                 attributes.pop(ATTR_DELAY, None)
-                if remaining > 0:
-                    entry["DelaySeconds"] = math.ceil(remaining)
+                attributes.pop(ATTR_CYCLE, None)
+                if not _is_fifo(destination):
+                    # Even 0: without it SQS applies the destination's default delay to an overdue message.
+                    entry["DelaySeconds"] = max(0, math.ceil(remaining))
                 onward.append((m, entry))
         if throttle is not None and onward:
             # The destination's maxReceivesPerSecond: what may not go yet comes back in a second.
@@ -490,10 +613,17 @@ def _decode_body(message: dict) -> bytes:
     return message["Body"].encode("utf-8")
 
 
-def _fifo_id(message_id: str) -> str:
-    """FIFO dedup and group ids allow 128 characters of a limited set: keep the id when it fits."""
-    safe = re.sub(r"[^A-Za-z0-9!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~]", "_", message_id)
-    return safe[:128]
+_FIFO_ID = re.compile(r"[A-Za-z0-9!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~]{1,128}")
+
+
+def _fifo_id(value: str) -> str:
+    """FIFO dedup and group ids allow 128 characters of a limited set: the value when it fits, else
+    its SHA-256 (cutting or replacing characters could make two ids one, and SQS drop a message)."""
+    return value if _FIFO_ID.fullmatch(value) else hashlib.sha256(value.encode()).hexdigest()
+
+
+def _dedup_id(message_id: str, cycle: int) -> str:
+    return _fifo_id(f"{message_id}:{cycle}")
 
 
 def _chunks(entries: list[tuple[DelayedMessage, dict]]):
@@ -515,7 +645,7 @@ def _attr(message: dict, name: str) -> str | None:
     return None if value is None else value.get("StringValue")
 
 
-def _received(endpoint: str, m: dict, body: bytes | None = None) -> ReceivedMessage:
+def _received(endpoint: str, m: dict, body: bytes | None = None, receipt: str | None = None) -> ReceivedMessage:
     attrs = m.get("Attributes", {})
     sent = int(attrs.get("SentTimestamp", "0")) / 1000
     due = _attr(m, ATTR_DUE_AT)
@@ -524,7 +654,7 @@ def _received(endpoint: str, m: dict, body: bytes | None = None) -> ReceivedMess
         destination=endpoint,
         body=_decode_body(m) if body is None else body,
         headers=json.loads(_attr(m, ATTR_HEADERS) or "{}"),
-        receipt=m["ReceiptHandle"],
+        receipt=receipt or m["ReceiptHandle"],
         enqueued_at=datetime.fromtimestamp(sent, tz=timezone.utc),
         due_at=datetime.fromisoformat(due) if due else None,
         receive_count=int(attrs.get("ApproximateReceiveCount", "1")),
