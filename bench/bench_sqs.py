@@ -1,7 +1,7 @@
 """Benchmark: the SQS relay on moto's server, ours (batches of 10) against one message at a time.
 
 Prints relay throughput and SQS requests per relayed message, moto's raw batched-send rate in
-the same run, and the relay cost of long delays at the seed's FIFO price. moto stands in for SQS
+the same run, and the relay cost of long delays at SQS's FIFO price. moto stands in for SQS
 here: its rates say how the two relays compare, not what AWS would do.
 """
 
@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
-import urllib.request
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 from airflow_delay_provider.core.delays import utcnow  # noqa: E402
 from airflow_delay_provider.core.message import DelayedMessage  # noqa: E402
 from airflow_delay_provider.transports.sqs import SqsTransport, delay_plan, estimate_cost  # noqa: E402
+from tests.services import MotoServer  # noqa: E402
 
 
 class Counting:
@@ -67,16 +66,8 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=500)
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "sqs.json")
     args = parser.parse_args()
-    port = 5000 + int(time.time()) % 1000
-    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            urllib.request.urlopen(url + "/moto-api/", timeout=0.5)
-            break
-        except OSError:
-            time.sleep(0.1)
+    moto = MotoServer()
+    url = moto.url
     r: dict = {}
     try:
         raw = boto3.client("sqs", endpoint_url=url, region_name="us-east-1",
@@ -109,7 +100,7 @@ def main() -> None:
         r["naive_rate"] = n / (time.perf_counter() - started)
         r["naive_requests"] = sum(counting.calls.values()) / n
     finally:
-        server.terminate()
+        moto.stop()
 
     print(f"\nmoto server on loopback, {n} messages relayed once (Q = {q} s)\n")
     print("| relay | messages/s | SQS requests per message and cycle |")

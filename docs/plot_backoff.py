@@ -1,4 +1,4 @@
-"""Draws docs/backoff_functions.png: the four backoff functions, 10 retries from 5 s to 260 s (seed 003's diagram).
+"""Draws docs/backoff_functions.png: the four backoff functions, 10 retries from 5 s to 260 s (as SNS documents them).
 
 Run: .venv/bin/pip install matplotlib && .venv/bin/python docs/plot_backoff.py
 """

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.services import MotoServer
+
 ROOT = Path(__file__).resolve().parent.parent
 PG_URL = os.environ.get("DELAY_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
@@ -164,37 +166,17 @@ def rabbit(rabbit_vhost):
     transport.close()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
 def moto_server():
     """moto's server (SQS, S3) on a free loopback port, for this run; its URL."""
-    import time
-    import urllib.request
-
-    port = _free_port()
-    binary = Path(sys.executable).parent / "moto_server"
-    proc = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            urllib.request.urlopen(url + "/moto-api/", timeout=0.5)
-            break
-        except OSError:
-            time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail(f"moto_server did not start on port {port}; install the test extra (`make test` does)", pytrace=False)
-    yield url
-    proc.terminate()
-    proc.wait(10)
+    try:
+        server = MotoServer()
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    yield server.url
+    server.stop()
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Circuit breakers of seed 001: keep going through short outages, stop loudly when they last."""
+"""Circuit breakers of the external store's poller: keep going through short outages, stop loudly when they last."""
 
 from __future__ import annotations
 

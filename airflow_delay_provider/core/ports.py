@@ -56,10 +56,10 @@ class DelayedMessageStore(ABC):
 
     @abstractmethod
     def count_scheduled(self, due_before: datetime | None = None) -> dict[str, int]:
-        """Messages still stored per destination (seed 004's NumberOfMessagesDelayed)."""
+        """Messages still stored per destination (a queue's NumberOfMessagesDelayed)."""
 
     def policies(self) -> dict[str, dict]:
-        """Delivery policies stored per destination (seed 003 JSON); none by default."""
+        """Delivery policies stored per destination (delivery-policy JSON); none by default."""
         return {}
 
     def clock(self) -> datetime:

@@ -1,4 +1,4 @@
-"""The dispatch pump (seed 001's poller, in batches): claim due messages, send them, remove them.
+"""The dispatch pump (the external store's poller, in batches): claim due messages, send them, remove them.
 
 A batch is claimed inside one store transaction. Delivered messages are removed in that same
 transaction, so a crash anywhere releases the claim and the batch is dispatched again (at least
@@ -118,7 +118,7 @@ class Pump:
         self.throttle_share = throttle_share
         self.transport = transport
         self.config = config or PumpConfig()
-        # Seed 001's flat number_of_retries is the shorthand for that many immediate retries.
+        # The flat number_of_retries is the shorthand for that many immediate retries.
         self.policy = policy or DeliveryPolicy.immediate(self.config.number_of_retries)
         self.policies = dict(policies or {})
         self._stored_policies: dict[str, DeliveryPolicy] = {}

@@ -1,4 +1,4 @@
-"""Delivery retry policies (seed 003): four phases of retries, a backoff function, and throttling.
+"""Delivery retry policies (SNS-style): four phases of retries, a backoff function, and throttling.
 
 A policy says how long to wait before each retry of a failed dispatch:
 
@@ -65,7 +65,7 @@ class DeliveryPolicy:
     num_max_delay_retries: int = 0
     backoff_function: str = "linear"
     max_receives_per_second: int | None = None
-    #: The seed's built-in policies exceed the limits of custom (HTTP) ones.
+    #: The built-in policies (SNS's own per protocol) exceed the limits of custom (HTTP) ones.
     builtin: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -89,7 +89,7 @@ class DeliveryPolicy:
     # -- JSON ----------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: Any) -> DeliveryPolicy:
-        """The seed's JSON: `healthyRetryPolicy` (missing attributes take the defaults) and an optional
+        """The delivery-policy JSON: `healthyRetryPolicy` (missing attributes take the defaults) and an optional
         `throttlePolicy.maxReceivesPerSecond`."""
         if not isinstance(data, dict):
             raise PolicyError(f"a delivery policy must be a JSON object, got {type(data).__name__}")
@@ -122,7 +122,7 @@ class DeliveryPolicy:
 
     @property
     def total_attempts(self) -> int:
-        """Retries the policy allows, as the seed counts them (numRetries)."""
+        """Retries the policy allows, as SNS counts them (numRetries)."""
         return self.num_retries
 
     def retry_delays(self, jitter: float = 0.0, seed: int | None = None) -> list[float]:
@@ -172,7 +172,7 @@ class DeliveryPolicy:
         return min(max(spread, float(self.min_delay_target)), float(self.max_delay_target))
 
     def phase_table(self) -> str:
-        """The seed's phase table for this policy, for task logs."""
+        """The phase table of this policy, for task logs."""
         rows = [
             ("immediate", self.num_no_delay_retries, "no delay"),
             ("pre-backoff", self.num_min_delay_retries, f"{self.min_delay_target} s apart"),
@@ -188,7 +188,7 @@ class DeliveryPolicy:
     # -- built-ins and shorthands --------------------------------------------------------------------
     @classmethod
     def for_endpoint(cls, kind: str) -> DeliveryPolicy:
-        """The seed's built-in policies: sqs, lambda, smtp, sms, mobile-push; http takes the defaults."""
+        """SNS's built-in policies: sqs, lambda, smtp, sms, mobile-push; http takes the defaults."""
         if kind in ("sqs", "lambda"):
             return cls(1, 20, 100_015, 3, 2, 100_000, "exponential", builtin=True)
         if kind in ("smtp", "sms", "mobile-push"):
@@ -199,7 +199,7 @@ class DeliveryPolicy:
 
     @classmethod
     def immediate(cls, number_of_retries: int) -> DeliveryPolicy:
-        """Seed 001's flat NumberOfRetries: that many retries, at once."""
+        """The external store's flat NumberOfRetries: that many retries, at once."""
         n = _int("number_of_retries", number_of_retries, 0, MAX_RETRIES)
         return cls(0, 0, n, n, 0, 0)
 

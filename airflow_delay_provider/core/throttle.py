@@ -1,4 +1,4 @@
-"""Token buckets: at most `rate` deliveries per second per destination (seed 003's maxReceivesPerSecond)."""
+"""Token buckets: at most `rate` deliveries per second per destination (a delivery policy's maxReceivesPerSecond)."""
 
 from __future__ import annotations
 

@@ -157,12 +157,12 @@ class SendDelayedMessageOperator(DelayOperatorBase):
 
     Give `delay_seconds` (int, float or timedelta; fractions round up) or `deliver_at` (an aware
     datetime or ISO string; a time in the past means now), and optionally `queue_delay_seconds`, the
-    destination's queue-level delay that applies when the message has none (seed 004). For a batch,
+    destination's queue-level delay that applies when the message has none. For a batch,
     pass `messages`: dicts with destination, body, headers, delay_seconds, deliver_at, message_id;
     missing keys take the operator's values. Ids not given are derived from the task instance, so
     a retried task stores the same messages again instead of duplicates.
 
-    `delivery_policy` (seed 003 JSON, a dict or a built-in name; templated) is stored as the
+    `delivery_policy` (delivery-policy JSON, a dict or a built-in name; templated) is stored as the
     destinations' policy beside the messages (`transport="sql"`), so whichever dispatch task or
     sweep sends them retries them that way.
     """

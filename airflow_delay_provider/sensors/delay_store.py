@@ -88,7 +88,7 @@ class DelayBacklogSensor(BaseSensorOperator):
     e.g. start a bulk sweep only when one pump is not enough).
 
     `measure="due"` counts messages already due (the dispatch backlog), `"scheduled"` every stored
-    message (seed 004's NumberOfMessagesDelayed). Counts one `destination`, or all. Each poke sets the
+    message (a queue's NumberOfMessagesDelayed). Counts one `destination`, or all. Each poke sets the
     `delay_provider.store.<destination>.<measure>` gauges; the task returns the counts.
     """
 

@@ -223,7 +223,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=1000)
     parser.add_argument("--number-of-retries", type=int, default=0)
     parser.add_argument("--error-queue", default="error")
-    parser.add_argument("--delivery-policy", default=None, help="seed 003 JSON or a built-in name (sqs, smtp, ...)")
+    parser.add_argument("--delivery-policy", default=None, help="delivery-policy JSON or a built-in name (sqs, smtp, ...)")
     parser.add_argument("--destination-policies", default="{}", help="JSON: destination -> policy")
     parser.add_argument("--progress-seconds", type=float, default=10.0)
     return parser.parse_args(argv)

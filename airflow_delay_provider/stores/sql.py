@@ -1,4 +1,4 @@
-"""The SQL delayed-message store (seed 001's external store, in batches): SQLite and PostgreSQL.
+"""The SQL delayed-message store (an external store of delayed messages, claimed in batches): SQLite and PostgreSQL.
 
 All SQL of the store is in this module. Times are integer microseconds since the epoch (UTC),
 which compare and index the same way on every database.
@@ -457,7 +457,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
                     )
 
     def set_policies(self, policies: Mapping[str, dict]) -> None:
-        """Store each destination's delivery policy (seed 003 JSON), replacing what was there."""
+        """Store each destination's delivery policy (delivery-policy JSON), replacing what was there."""
         t = self.policy_table
         with self._errors("store delivery policies"), self.engine.begin() as conn:
             if policies:

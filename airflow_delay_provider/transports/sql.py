@@ -2,7 +2,7 @@
 
 Every queue's messages live in one table, keyed by queue name, beside a registry of provisioned
 queues. A message is visible, in flight (received, hidden until its visibility timeout) or
-deleted (acked): seed 004's lifecycle. When the delayed-message store is in the same database
+deleted (acked): a queue message's lifecycle. When the delayed-message store is in the same database
 the pump inserts here inside its claim transaction, so dispatch is exactly once.
 """
 

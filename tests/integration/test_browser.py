@@ -20,7 +20,8 @@ from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.pump import Pump
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
 from airflow_delay_provider.transports.sql import SqlTableTransport
-from tests.conftest import ROOT, _free_port
+from tests.conftest import ROOT
+from tests.services import free_port
 
 CHROMIUM = "/usr/bin/chromium"
 #: Set DELAY_UPDATE_SCREENSHOT=1 to refresh the docs' picture of the form.
@@ -42,7 +43,7 @@ def standalone(tmp_path_factory):
     dags = home / "dags"
     dags.mkdir()
     shutil.copy(ROOT / "dags" / "delay_manual_send.py", dags)
-    port = _free_port()
+    port = free_port()
     bin_dir = str(Path(sys.executable).parent)
     env = {
         **os.environ,

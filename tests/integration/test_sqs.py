@@ -28,7 +28,7 @@ def test_delay_queue_names_and_limits():
         delay_queue_name(name69 + "x")
 
 
-def test_seed_worked_examples_and_the_cost_of_a_year():
+def test_worked_examples_and_the_cost_of_a_year():
     assert delay_plan(845) == delay_plan(845.0)
     p = delay_plan(845)
     assert (p.native, p.fifo_cycles, p.final_delay) == (True, 0, 845)
@@ -329,7 +329,7 @@ def test_relay_crashing_between_send_and_delete_loses_nothing(sqs_client):
 
 @pytest.mark.parametrize(("sender", "receiver", "long_ok"), [
     (False, False, False), (False, True, False), (True, False, False), (True, True, True)])
-def test_seed_matrix_of_unrestricted_delays(sqs_client, sender, receiver, long_ok):
+def test_sender_receiver_matrix_of_unrestricted_delays(sqs_client, sender, receiver, long_ok):
     t = SqsTransport(sqs_client, queue_delay=2, unrestricted=sender)
     t.provision("orders", unrestricted=receiver)
     now = utcnow()

@@ -8,7 +8,7 @@ from airflow_delay_provider.core.delays import MAX_DELAY_SECONDS, DelayError, re
 @pytest.mark.parametrize(
     ("message", "queue", "expected"),
     [
-        (30, 600, 30),  # seed 004 Message1: the message-level delay wins
+        (30, 600, 30),  # Message1 of the queue-level example: the message-level delay wins
         (1200, 600, 1200),  # Message2
         (None, 600, 600),  # Message3: the queue-level delay applies
         (0, 600, 600),
@@ -19,7 +19,7 @@ from airflow_delay_provider.core.delays import MAX_DELAY_SECONDS, DelayError, re
         (0, MAX_DELAY_SECONDS, MAX_DELAY_SECONDS),
     ],
 )
-def test_resolve_delay_follows_seed_004(message, queue, expected):
+def test_resolve_delay_message_level_wins_over_queue_level(message, queue, expected):
     assert resolve_delay(message, queue) == expected
 
 

@@ -61,7 +61,7 @@ def test_build_message_delay_forms():
     assert build_message({"destination": "q", "deliver_at": at}, NOW).due_at == NOW + timedelta(seconds=10)
     past = build_message({"destination": "q", "deliver_at": NOW - timedelta(days=2)}, NOW)
     assert past.due_at == NOW
-    # No message delay: the queue-level delay applies (seed 004); "600" as a rendered template.
+    # No message delay: the queue-level delay applies; "600" as a rendered template.
     assert build_message({"destination": "q"}, NOW, queue_delay_seconds="600").due_at == NOW + timedelta(seconds=600)
     assert build_message({"destination": "q", "delay_seconds": 5}, NOW, 600).due_at == NOW + timedelta(seconds=5)
 

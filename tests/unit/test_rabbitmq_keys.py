@@ -17,7 +17,7 @@ def bits(key: str, levels: int = 28) -> str:
     return "".join(key.split(".")[:levels])
 
 
-def test_seed_example_with_four_levels():
+def test_documented_example_with_four_levels():
     assert routing_key(5, "destination", levels=4) == "0.1.0.1.destination"
 
 

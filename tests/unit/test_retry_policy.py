@@ -12,7 +12,7 @@ SEED_EXAMPLE = {
 }
 
 
-def test_seed_example_phases():
+def test_documented_example_phases():
     p = DeliveryPolicy.from_dict(SEED_EXAMPLE)
     d = p.retry_delays()
     assert len(d) == p.total_attempts == 50
