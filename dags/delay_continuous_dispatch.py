@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from airflow.sdk import DAG
+from airflow.sdk import DAG, Param
 
 from airflow_delay_provider.operators.delay import DispatchDueMessagesOperator
 
@@ -19,6 +19,11 @@ with DAG(
     # there is always a dispatcher, and two at once share the store safely (claims skip locked rows).
     max_active_runs=2,
     default_args={"retries": 3, "retry_delay": timedelta(seconds=10)},
+    params={
+        "dispatch_seconds": Param(int((INTERVAL + timedelta(minutes=1)).total_seconds()), type="integer", minimum=1,
+                                  maximum=86_400, title="Dispatch for (seconds)",
+                                  description="How long this run dispatches; scheduled runs overlap the next one"),
+    },
     tags=["delay", "dispatch"],
     doc_md="""
 ### Continuous dispatch
@@ -29,7 +34,7 @@ triggerer, sleeping until the next due time (woken by LISTEN/NOTIFY on PostgreSQ
 message is stored), so no worker slot is held while waiting and no message waits for a task to be
 resumed. Runs start every ten minutes and dispatch for eleven, so one is always running; the task
 resumes only to report its counts (dispatched, retried, dead-lettered, lateness p50/p99, per
-destination).
+destination). A manual run dispatches for `dispatch_seconds`.
 
 To serve only some destinations (one store, several teams), set `destinations=[...]` or
 `destination_prefix="team-a."`; for a SQL-table destination in another database, RabbitMQ or SQS, set
@@ -39,6 +44,6 @@ To serve only some destinations (one store, several teams), set `destinations=[.
     DispatchDueMessagesOperator(
         task_id="dispatch",
         deferrable=True,
-        max_runtime=INTERVAL + timedelta(minutes=1),
+        max_runtime="{{ params.dispatch_seconds }}",
         delivery_policy="http",
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from airflow.sdk import DAG
+from airflow.sdk import DAG, Param
 
 from airflow_delay_provider.operators.delay import ProvisionDelayInfrastructureOperator, RelayDelayedMessagesOperator
 
@@ -16,6 +16,7 @@ with DAG(
     start_date=datetime(2026, 1, 1),
     catchup=False,
     max_active_runs=1,
+    params={"relay_seconds": Param(600, type="integer", minimum=1, maximum=86_400, title="Relay for (seconds)")},
     tags=["delay", "sqs"],
     doc_md="""
 ### The SQS relay
@@ -25,7 +26,8 @@ minutes, sending each message back for another 15-minute cycle or on to the endp
 of its delay. While the delay queue has nothing to relay the task waits in the triggerer. Runs do
 not overlap (`max_active_runs=1`); a run that was missed is not made up (`catchup=False`), since the
 delay queue keeps its messages for days. The first task makes sure each endpoint's queues exist
-(idempotent), so the DAG works on a fresh deployment; connection `aws_default`.
+(idempotent), so the DAG works on a fresh deployment; connection `aws_default`. A manual run relays
+for `relay_seconds`.
 """,
 ) as dag:
     provision = ProvisionDelayInfrastructureOperator(task_id="provision", transport="sqs", endpoints=ENDPOINTS,
@@ -34,6 +36,6 @@ delay queue keeps its messages for days. The first task makes sure each endpoint
         provision >> RelayDelayedMessagesOperator(
             task_id=f"relay_{endpoint}",
             endpoint=endpoint,
-            max_runtime=timedelta(minutes=10),
+            max_runtime="{{ params.relay_seconds }}",
             deferrable=True,
         )
