@@ -39,6 +39,7 @@ bench: $(STAMP) $(JDBC_JAR)
 	$(BIN)/python bench/bench_rabbitmq.py
 	$(BIN)/python bench/bench_sqs.py
 	$(BIN)/python bench/bench_spark.py
+	$(BIN)/python bench/bench_deployment.py
 
 clean:
 	rm -rf $(VENV) .airflow

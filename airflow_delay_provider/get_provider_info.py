@@ -46,7 +46,13 @@ def get_provider_info() -> dict:
                     "table": {
                         "label": "Store table",
                         "schema": {"type": ["string", "null"], "default": "delayed_messages",
-                                   "pattern": "^[A-Za-z_][A-Za-z0-9_]{0,62}$"},
+                                   "pattern": "^[A-Za-z_][A-Za-z0-9_]{0,53}$"},
+                        "description": "At most 54 characters: the store also creates <table>_policies and friends",
+                    },
+                    "dedup_window_seconds": {
+                        "label": "De-duplication window (s)",
+                        "schema": {"type": ["number", "null"], "default": 86400, "minimum": 0},
+                        "description": "How long a stored or sent message id is not accepted again (0: off)",
                     },
                     "db_schema": {
                         "label": "Database schema (PostgreSQL)",
@@ -76,6 +82,11 @@ def get_provider_info() -> dict:
                     "confirm_window": {
                         "label": "Publisher confirms in flight",
                         "schema": {"type": ["integer", "null"], "default": 1000, "minimum": 1},
+                    },
+                    "delivery_limit": {
+                        "label": "Redeliveries before poison",
+                        "schema": {"type": ["integer", "null"], "default": 20, "minimum": 1},
+                        "description": "x-delivery-limit of endpoint queues; past it a message goes to <prefix>.poison",
                     },
                 },
                 "ui-field-behaviour": {

@@ -30,6 +30,7 @@ from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.core.stats import PumpStats
 from airflow_delay_provider.hooks.delay_store import DEFAULT_CONN_ID, DelayStoreHook
 from airflow_delay_provider.hooks.transport import transport_hook, transport_options
+from airflow_delay_provider.triggers.base import hold_final_event
 
 #: The longest stretch of pump work handed to a thread at once, so a cancelled trigger stops soon.
 STRETCH_SECONDS = 10.0
@@ -142,15 +143,19 @@ class DispatchTrigger(_StoreTrigger):
         return await self._running
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        started = time.monotonic()
         stats = PumpStats()
         pump: Pump | None = None
         try:
-            pump = await self._in_thread(self.open_pump)
-            reason, next_due = await self._dispatch(pump, stats)
-            yield TriggerEvent({"status": "done", "summary": self._summary(pump, stats, reason, next_due)})
-        except Exception as exc:  # reported to execute_complete, which fails the task with it
-            yield TriggerEvent({"status": "error", "message": f"{type(exc).__name__}: {exc}",
-                                "summary": self._summary(pump, stats, "error", None)})
+            try:
+                pump = await self._in_thread(self.open_pump)
+                reason, next_due = await self._dispatch(pump, stats)
+                event = TriggerEvent({"status": "done", "summary": self._summary(pump, stats, reason, next_due)})
+            except Exception as exc:  # reported to execute_complete, which fails the task with it
+                event = TriggerEvent({"status": "error", "message": f"{type(exc).__name__}: {exc}",
+                                      "summary": self._summary(pump, stats, "error", None)})
+            await hold_final_event(self, started)
+            yield event
         finally:
             if pump is not None:
                 await self._close(pump)
@@ -252,19 +257,23 @@ class ScheduledMessagesTrigger(_StoreTrigger):
         self.destination = destination
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        started = time.monotonic()
         try:
-            store = await self._store_hook().aget_store()
-            due_before, deadline = _parse(self.due_before), _parse(self.deadline)
-            while True:
-                counts = await asyncio.to_thread(store.count_scheduled, due_before, self.destination)
-                if not counts:
-                    yield TriggerEvent({"status": "drained"})
-                    return
-                now = utcnow()
-                if deadline is not None and now >= deadline:
-                    yield TriggerEvent({"status": "timeout", "scheduled": counts})
-                    return
-                left = self.poll_interval if deadline is None else (deadline - now).total_seconds()
-                await asyncio.sleep(max(0.0, min(self.poll_interval, left)))
+            event = await self._wait()
         except Exception as exc:  # reported to execute_complete, which fails the task with it
-            yield TriggerEvent({"status": "error", "message": f"{type(exc).__name__}: {exc}"})
+            event = TriggerEvent({"status": "error", "message": f"{type(exc).__name__}: {exc}"})
+        await hold_final_event(self, started)
+        yield event
+
+    async def _wait(self) -> TriggerEvent:
+        store = await self._store_hook().aget_store()
+        due_before, deadline = _parse(self.due_before), _parse(self.deadline)
+        while True:
+            counts = await asyncio.to_thread(store.count_scheduled, due_before, self.destination)
+            if not counts:
+                return TriggerEvent({"status": "drained"})
+            now = utcnow()
+            if deadline is not None and now >= deadline:
+                return TriggerEvent({"status": "timeout", "scheduled": counts})
+            left = self.poll_interval if deadline is None else (deadline - now).total_seconds()
+            await asyncio.sleep(max(0.0, min(self.poll_interval, left)))

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import datetime
 from typing import Any, AsyncIterator
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.triggers.base import hold_final_event
 
 
 class SqsDelayQueueTrigger(BaseTrigger):
@@ -49,22 +51,26 @@ class SqsDelayQueueTrigger(BaseTrigger):
         return TriggerEvent({"status": status, "carry": self.carry, **fields})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        started = time.monotonic()
+        try:
+            event = await self._wait()
+        except Exception as exc:  # reported to execute_complete, which fails the task with it
+            event = self._event("error", message=f"{type(exc).__name__}: {exc}")
+        await hold_final_event(self, started)
+        yield event
+
+    async def _wait(self) -> TriggerEvent:
         from airflow_delay_provider.hooks.sqs import SqsDelayHook
 
-        try:
-            transport = await asyncio.to_thread(
-                lambda: SqsDelayHook(aws_conn_id=self.aws_conn_id).get_transport(**self.transport_options))
-            deadline = None if self.deadline is None else datetime.fromisoformat(self.deadline)
-            while True:
-                counts = await asyncio.to_thread(transport.lifecycle, self.endpoint, True)
-                if counts["visible"] > 0:
-                    yield self._event("ready", **counts)
-                    return
-                now = utcnow()
-                if deadline is not None and now >= deadline:
-                    yield self._event("timeout", **counts)
-                    return
-                left = self.poll_interval if deadline is None else (deadline - now).total_seconds()
-                await asyncio.sleep(max(0.0, min(self.poll_interval, left)))
-        except Exception as exc:  # reported to execute_complete, which fails the task with it
-            yield self._event("error", message=f"{type(exc).__name__}: {exc}")
+        transport = await asyncio.to_thread(
+            lambda: SqsDelayHook(aws_conn_id=self.aws_conn_id).get_transport(**self.transport_options))
+        deadline = None if self.deadline is None else datetime.fromisoformat(self.deadline)
+        while True:
+            counts = await asyncio.to_thread(transport.lifecycle, self.endpoint, True)
+            if counts["visible"] > 0:
+                return self._event("ready", **counts)
+            now = utcnow()
+            if deadline is not None and now >= deadline:
+                return self._event("timeout", **counts)
+            left = self.poll_interval if deadline is None else (deadline - now).total_seconds()
+            await asyncio.sleep(max(0.0, min(self.poll_interval, left)))

@@ -369,3 +369,30 @@ def test_a_retried_native_send_sends_nothing_twice(rabbit_vhost, monkeypatch):
                                                       "map_index": -1})()})
     moved = MigrateDelayedMessagesOperator(task_id="m", direction="rabbitmq_to_store", **rabbit).execute({})
     assert moved["moved"] == 1 and DelayStoreHook().get_store().get(message_id).body == b"l"
+
+
+def test_in_a_triggerer_the_final_event_waits_out_airflows_stale_executor_event_race(monkeypatch):
+    import asyncio
+    import time
+
+    from airflow_delay_provider.triggers import base
+    from airflow_delay_provider.triggers.delay_store import DispatchTrigger
+
+    monkeypatch.setattr(base, "MIN_SECONDS_BEFORE_EVENT", 1.5)
+    monkeypatch.setenv("AIRFLOW_CONN_DELAY_DOWN", json.dumps(
+        {"conn_type": "delay_store", "host": "127.0.0.1", "port": 1, "login": "u", "schema": "x"}))
+
+    def seconds_to_event(trigger_id):
+        trigger = DispatchTrigger(delay_store_conn_id="delay_down", deadline=datetime.now().astimezone().isoformat())
+        trigger.trigger_id = trigger_id  # set by a real triggerer; None when run in line by dag.test()
+
+        async def first():
+            async for event in trigger.run():
+                return event.payload
+
+        started = time.monotonic()
+        assert asyncio.run(first())["status"] == "error"  # the store is down: an immediate outcome
+        return time.monotonic() - started
+
+    assert seconds_to_event(7) >= 1.5
+    assert seconds_to_event(None) < 1.0
