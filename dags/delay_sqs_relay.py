@@ -15,7 +15,7 @@ with DAG(
     schedule=timedelta(minutes=10),
     start_date=datetime(2026, 1, 1),
     catchup=False,
-    max_active_runs=1,
+    max_active_runs=2,  # a manual run can start beside the scheduled one
     params={"relay_seconds": Param(600, type="integer", minimum=1, maximum=86_400, title="Relay for (seconds)")},
     tags=["delay", "sqs"],
     doc_md="""
@@ -23,8 +23,9 @@ with DAG(
 
 For each endpoint with unrestricted delays, a task long-polls its `-delay.fifo` queue for up to ten
 minutes, sending each message back for another 15-minute cycle or on to the endpoint with the rest
-of its delay. While the delay queue has nothing to relay the task waits in the triggerer. Runs do
-not overlap (`max_active_runs=1`); a run that was missed is not made up (`catchup=False`), since the
+of its delay. While the delay queue has nothing to relay the task waits in the triggerer. At most two
+runs at once (a manual run beside the scheduled one: two relays share a delay queue safely, each
+message being invisible to one while the other holds it); a run that was missed is not made up (`catchup=False`), since the
 delay queue keeps its messages for days. The first task makes sure each endpoint's queues exist
 (idempotent), so the DAG works on a fresh deployment; connection `aws_default`. A manual run relays
 for `relay_seconds`.

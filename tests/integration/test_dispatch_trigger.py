@@ -59,19 +59,23 @@ async def _events(*triggers: DispatchTrigger) -> list[dict]:
     return await asyncio.gather(*(first(t) for t in triggers))
 
 
+def _run_while(trigger: DispatchTrigger, meanwhile) -> dict:
+    """Run the trigger to its event while `meanwhile()` runs in a thread (after the trigger settled in)."""
+    def act():
+        time.sleep(1.5)
+        meanwhile()
+
+    helper = threading.Thread(target=act)
+    helper.start()
+    [event] = asyncio.run(_events(trigger))
+    helper.join()
+    return event
+
+
 def test_a_sooner_message_stored_while_the_trigger_sleeps_wakes_it(store_conn):
     conn_id, store, queue, Q = store_conn
     store.store(messages(1, Q, delay=3600, start=100))  # the trigger would sleep an hour for this one
-    trigger = _trigger(conn_id, 8, poll_interval=60)
-
-    def send_soon():
-        time.sleep(1.5)
-        store.store(messages(1, Q, delay=1.0))
-
-    sender = threading.Thread(target=send_soon)
-    sender.start()
-    [event] = asyncio.run(_events(trigger))
-    sender.join()
+    event = _run_while(_trigger(conn_id, 8, poll_interval=60), lambda: store.store(messages(1, Q, delay=1.0)))
     assert event["status"] == "done" and event["summary"]["dispatched"] == 1
     got = collect(queue, Q, 1, timeout=2)
     [(_, message)] = got
@@ -100,18 +104,15 @@ def test_two_copies_of_a_trigger_share_the_store_and_deliver_each_message_once(s
 
 def test_the_trigger_keeps_dispatching_after_its_listen_connection_is_killed(store_conn):
     conn_id, store, queue, Q = store_conn
-    trigger = _trigger(conn_id, 10, poll_interval=60)
+    killed = []
 
     def kill_listener_then_send():
-        time.sleep(1.5)
-        assert _kill_listeners(store) >= 1
+        killed.append(_kill_listeners(store))
         time.sleep(0.5)
         store.store(messages(1, Q, delay=1.0))
 
-    helper = threading.Thread(target=kill_listener_then_send)
-    helper.start()
-    [event] = asyncio.run(_events(trigger))
-    helper.join()
+    event = _run_while(_trigger(conn_id, 10, poll_interval=60), kill_listener_then_send)
+    assert killed[0] >= 1
     assert event["status"] == "done" and event["summary"]["dispatched"] == 1
     [(_, message)] = collect(queue, Q, 1, timeout=2)
     assert (message.enqueued_at - message.due_at).total_seconds() < 3.0  # not after the 60 s poll
