@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-from sqlalchemy import Engine, MetaData, create_engine, event
+from sqlalchemy import Engine, MetaData, create_engine, event, func, select
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.schema import CreateSchema
@@ -43,10 +44,16 @@ class SqlDatabase:
         return translate_errors(self.url, action)
 
     def _create_tables(self, metadata: MetaData, what: str) -> None:
-        """Create the schema (PostgreSQL) and the tables of `metadata` if missing: idempotent."""
+        """Create the schema (PostgreSQL) and the tables of `metadata` if missing: idempotent, and safe
+        when several tasks provision at once (on PostgreSQL "check, then CREATE" races; a transaction-level
+        advisory lock per schema makes the others wait and then find the tables there)."""
         with self._errors(f"create {what}"), self.engine.begin() as conn:
-            if self.schema and self.is_postgres:
-                conn.execute(CreateSchema(self.schema, if_not_exists=True))
+            if self.is_postgres:
+                key = int.from_bytes(hashlib.sha1(f"airflow_delay_provider:{self.schema}".encode()).digest()[:8],
+                                     "big", signed=True)
+                conn.execute(select(func.pg_advisory_xact_lock(key)))
+                if self.schema:
+                    conn.execute(CreateSchema(self.schema, if_not_exists=True))
             metadata.create_all(conn, checkfirst=True)
 
 

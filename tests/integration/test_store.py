@@ -195,3 +195,36 @@ def test_ids_are_not_accepted_twice_within_the_dedup_window(db):
     # A migration of messages accepted before bypasses the window (only stored ids are skipped).
     Pump(store, queue).run(stop_when_idle=True)
     assert store.store(messages(3, delay=60), deduplicate=False) == 3
+
+
+def test_provisioning_from_several_tasks_at_once_creates_each_table_once(pg):
+    import uuid
+
+    from sqlalchemy import create_engine, text
+
+    from tests.helpers import make_transport
+
+    url, _, table = pg
+    schema = f"adp_race_{uuid.uuid4().hex[:8]}"  # nothing created yet: every task races to create it all
+    errors = []
+
+    def provision(n):
+        try:
+            make_store(url, schema, table)
+            make_transport(url, schema, "delay", f"q{n}", "error")
+        except Exception as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=provision, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert errors == []
+        assert set(SqlDelayedMessageStore(url, table=table, schema=schema).count_scheduled()) == set()
+    finally:
+        engine = create_engine(url)
+        with engine.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        engine.dispose()
