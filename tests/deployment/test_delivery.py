@@ -130,8 +130,10 @@ def test_every_example_dag_runs_when_triggered_by_hand(airflow):
 
 def test_a_misspelt_conf_key_fails_the_run_before_anything_is_sent(airflow, store):
     before = store.count_scheduled()
+    airflow.unpause("delay_manual_send")
     run_id = airflow.trigger("delay_manual_send", {"destination": "dep.typo", "delay": 5})
     assert airflow.wait_run("delay_manual_send", run_id, timeout=120) == "failed"
+    airflow.pause("delay_manual_send")
     assert store.count_scheduled() == before
 
 
