@@ -23,6 +23,7 @@ import math
 import re
 import shlex
 import ssl
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -528,6 +529,12 @@ class RabbitMQTransport(Transport):
                 failures[m.message_id] = exc
         if not publishes:
             return lambda: failures
+        if self._publisher is not None and self._publisher.stale(self.parameters.heartbeat):
+            # Idle past half the heartbeat: nothing ran the I/O loop to answer the broker's heartbeats,
+            # so it may have dropped the connection; a fresh one costs milliseconds, finding out costs
+            # a failed batch and a breaker's wait.
+            self._publisher.close()
+            self._publisher = None
         if self._publisher is None or not self._publisher.is_open:
             self._publisher = ConfirmingPublisher(self.parameters, self.confirm_window, self.confirm_timeout)
         publisher = self._publisher
@@ -712,6 +719,7 @@ class ConfirmingPublisher:
         self._returned: dict[str, Exception] = {}
         self._renewing = False  # nacked: publish nothing more on this channel, replace it when settled
         self._until = lambda: True
+        self._last_io = time.monotonic()
         self._connection = pika.SelectConnection(
             parameters,
             on_open_callback=lambda conn: conn.channel(on_open_callback=self._on_channel),
@@ -728,6 +736,11 @@ class ConfirmingPublisher:
     @property
     def is_open(self) -> bool:
         return self._error is None and self._connection.is_open  # ready once constructed; renewing is open too
+
+    def stale(self, heartbeat: int | None) -> bool:
+        """Idle, with nothing in flight, for more than half the heartbeat interval."""
+        idle = time.monotonic() - self._last_io
+        return not self._outstanding and not self._pending and bool(heartbeat) and idle > heartbeat / 2
 
     def _on_channel(self, channel) -> None:
         self._channel = channel
@@ -765,6 +778,7 @@ class ConfirmingPublisher:
         self._until = until
         self._connection.ioloop.start()
         self._connection.ioloop.remove_timeout(timer)
+        self._last_io = time.monotonic()
 
     def _check_done(self) -> None:
         if self._until():

@@ -142,3 +142,21 @@ def test_an_endpoint_queue_declared_without_a_delivery_limit_is_kept_reported_an
         time.sleep(0.1)
     assert rabbit.depth(rabbit.names.poison) == 1 and rabbit.depth("orders") == 0
     assert bounced <= 100  # stopped by the policy's limit (20 redeliveries), not by the deadline
+
+
+def test_a_publisher_idle_past_its_heartbeats_is_replaced_before_it_publishes(rabbit_vhost):
+    """Between batches nothing runs pika's I/O loop, so the broker may drop an idle publisher's connection
+    (missed heartbeats); the next batch must not fail on it (a failed batch costs a breaker's wait)."""
+    params = pika.ConnectionParameters(RABBIT_HOST, RABBIT_PORT, rabbit_vhost, pika.PlainCredentials("guest", "guest"),
+                                       heartbeat=2)
+    transport = RabbitMQTransport(params, prefix="hb")
+    try:
+        transport.provision("orders")
+        assert transport.send(messages(1, "orders")) == {}
+        first = transport._publisher
+        time.sleep(7)  # the broker closes a connection that missed two heartbeats
+        assert transport.send(messages(1, "orders", start=1)) == {}  # no failure: a fresh connection
+        assert transport._publisher is not first
+        assert len(collect(transport, "orders", 2, timeout=5)) == 2
+    finally:
+        transport.close()
