@@ -62,6 +62,14 @@ class DelayedMessageStore(ABC):
         """Delivery policies stored per destination (delivery-policy JSON); none by default."""
         return {}
 
+    #: True when take_tokens() keeps throttle buckets where every pump of the store shares them.
+    shared_throttle: bool = False
+
+    def take_tokens(self, destination: str, rate: float, n: int) -> tuple[int, float]:
+        """Take up to `n` delivery tokens of `destination`'s shared bucket (refilled at `rate` per second,
+        holding at most one second's worth); returns (taken, tokens left)."""
+        raise NotImplementedError
+
     def clock(self) -> datetime:
         """Now, on the clock due times are kept on (a shared database's, where hosts' clocks differ)."""
         return datetime.now(timezone.utc)

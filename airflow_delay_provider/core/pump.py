@@ -14,6 +14,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
+from functools import partial
 from typing import Callable, Mapping
 
 from airflow_delay_provider.core.breakers import CircuitBreaker, RateBreaker
@@ -33,7 +34,7 @@ from airflow_delay_provider.core.message import (
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore, Transport
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy, PolicyError
 from airflow_delay_provider.core.stats import PumpStats
-from airflow_delay_provider.core.throttle import TokenBucket
+from airflow_delay_provider.core.throttle import SharedBucket, TokenBucket
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,8 @@ class Pump:
         throttle_share: float = 1.0,
     ) -> None:
         self.store = store
-        # Several pumps splitting one destination's rate (a sweep's partitions) each take a share.
+        # Several pumps splitting one destination's rate (a sweep's partitions) each take a share, where
+        # the store cannot keep one bucket for all of them (SQLite); on PostgreSQL they share its bucket.
         self.throttle_share = throttle_share
         self.transport = transport
         self.config = config or PumpConfig()
@@ -122,7 +124,7 @@ class Pump:
         self.policy = policy or DeliveryPolicy.immediate(self.config.number_of_retries)
         self.policies = dict(policies or {})
         self._stored_policies: dict[str, DeliveryPolicy] = {}
-        self._buckets: dict[str, TokenBucket] = {}
+        self._buckets: dict[str, TokenBucket | SharedBucket] = {}
         self._clock = clock or store.clock  # due times are compared on the store's clock
         self.exactly_once = transport.joins(store)
         c = self.config
@@ -154,12 +156,17 @@ class Pump:
             except PolicyError as exc:
                 log.error("ignoring the stored delivery policy of %s: %s", destination, exc)
 
-    def _bucket(self, destination: str) -> TokenBucket | None:
+    def _bucket(self, destination: str) -> TokenBucket | SharedBucket | None:
         rate = self.policy_for(destination).max_receives_per_second
         if rate is None:
             return None
         if destination not in self._buckets:
-            self._buckets[destination] = TokenBucket(rate * self.throttle_share, clock=lambda: self._clock().timestamp())
+            if self.store.shared_throttle:  # every pump of the store takes from one bucket
+                take = partial(self.store.take_tokens, destination, rate)
+                self._buckets[destination] = SharedBucket(rate, take)
+            else:  # this pump's own share of the rate
+                self._buckets[destination] = TokenBucket(rate * self.throttle_share,
+                                                         clock=lambda: self._clock().timestamp())
         return self._buckets[destination]
 
     def _throttled_out(self) -> set[str]:

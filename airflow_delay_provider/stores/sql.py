@@ -21,6 +21,7 @@ from typing import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from sqlalchemy import (
     BigInteger,
     Column,
+    Float,
     Index,
     Integer,
     LargeBinary,
@@ -126,6 +127,18 @@ def ids_table(metadata: MetaData, store_table_name: str, schema: str | None) -> 
         Column("message_id", String(200), primary_key=True),
         Column("seen_at_us", BigInteger, nullable=False),
         Index(f"ix_ids_{short}", "seen_at_us"),
+        schema=schema,
+    )
+
+
+def throttle_table(metadata: MetaData, store_table_name: str, schema: str | None) -> Table:
+    """One token bucket per throttled destination, shared by every pump of the store."""
+    return Table(
+        f"{store_table_name}_throttle",
+        metadata,
+        Column("destination", String(255), primary_key=True),
+        Column("tokens", Float, nullable=False),
+        Column("updated_us", BigInteger, nullable=False),
         schema=schema,
     )
 
@@ -266,6 +279,7 @@ class LeasedRows(DelayedMessageStore):
     def __init__(self, store: SqlDelayedMessageStore, claim_id: str, rows: Iterable[tuple]) -> None:
         self.home = store
         self.clock = store.clock
+        self.shared_throttle = store.shared_throttle  # a sweep's partitions and the pumps share one bucket
         self.engine = store.engine  # a SQL transport on the same database joins the settling transaction
         self.table = store.table
         self.claim_id = check_claim_id(claim_id)
@@ -337,6 +351,9 @@ class LeasedRows(DelayedMessageStore):
     def policies(self) -> dict[str, dict]:
         return self.home.policies()
 
+    def take_tokens(self, destination: str, rate: float, n: int) -> tuple[int, float]:
+        return self.home.take_tokens(destination, rate, n)
+
     def wait(self, until: datetime) -> None:
         time.sleep(max(0.0, min((until - self.clock()).total_seconds(), 0.05)))
 
@@ -362,6 +379,9 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         self._offset_at = -math.inf
         self.table = store_table(MetaData(), self.table_name, self.schema)
         self.ids = ids_table(self.table.metadata, self.table_name, self.schema)
+        self.throttle = throttle_table(self.table.metadata, self.table_name, self.schema)
+        # On SQLite a claim holds the database's write lock, which a second transaction would wait for:
+        # there each pump keeps its own bucket (pumps on one SQLite file take turns anyway).
         # Delivery policies per destination live beside the messages, so every pump sees the same.
         self.policy_table = Table(
             f"{self.table_name}_policies",
@@ -372,6 +392,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         )
         self.sweeps = sweeps_table(self.table.metadata, f"{self.table_name}_sweeps", self.schema)
         self.concurrent_claims = self.is_postgres  # SQLite locks the whole database per write transaction
+        self.shared_throttle = self.is_postgres
         qualified = f"{self.schema}.{self.table_name}" if self.schema else self.table_name
         # LISTEN takes an identifier of at most 63 bytes; a hash keeps any schema.table pair within it.
         self.channel = "delay_" + hashlib.sha1(qualified.encode()).hexdigest()[:24]
@@ -443,7 +464,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     def _check_existing_shape(self) -> None:
         with self._errors("inspect the delay store"), self.engine.connect() as conn:
             inspector = inspect(conn)
-            for table in (self.table, self.policy_table, self.sweeps, self.ids):
+            for table in (self.table, self.policy_table, self.sweeps, self.ids, self.throttle):
                 if not inspector.has_table(table.name, schema=self.schema):
                     continue
                 found = {c["name"] for c in inspector.get_columns(table.name, schema=self.schema)}
@@ -463,6 +484,24 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             if policies:
                 conn.execute(delete(t).where(t.c.destination.in_(list(policies))))
                 conn.execute(insert(t), [{"destination": d, "policy": json.dumps(p)} for d, p in policies.items()])
+
+    def take_tokens(self, destination: str, rate: float, n: int) -> tuple[int, float]:
+        """Take up to `n` tokens of the destination's bucket, in a transaction of its own (the row lock
+        makes pumps take turns); the bucket refills at `rate` on the database's clock, holds at most
+        one second's worth and starts with one token, so no second sees more than `rate`."""
+        t = self.throttle
+        capacity = max(float(rate), 1.0)
+        now = to_us(self.clock())
+        with self._errors("take throttle tokens"), self.engine.begin() as conn:
+            insert = (postgresql.insert if self.is_postgres else sqlite.insert)(t)
+            conn.execute(insert.values(destination=destination, tokens=min(1.0, float(rate)), updated_us=now)
+                         .on_conflict_do_nothing(index_elements=["destination"]))
+            tokens, updated = conn.execute(
+                select(t.c.tokens, t.c.updated_us).where(t.c.destination == destination).with_for_update()).one()
+            tokens = min(capacity, tokens + max(0, now - updated) / 1e6 * rate)
+            taken = min(n, int(tokens))
+            conn.execute(update(t).where(t.c.destination == destination).values(tokens=tokens - taken, updated_us=now))
+        return taken, tokens - taken
 
     def policies(self) -> dict[str, dict]:
         t = self.policy_table

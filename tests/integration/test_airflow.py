@@ -330,7 +330,8 @@ def test_rendered_arguments_are_checked_and_errors_name_them(airflow_home):
 
     ti = {"ti": type("TI", (), {"dag_id": "d", "run_id": f"r{uuid.uuid4().hex[:6]}", "task_id": "x", "map_index": -1})()}
     # A list of dicts rendered by Jinja is a Python literal, not JSON: accepted (never evaluated as code).
-    op = SendDelayedMessageOperator(task_id="x", messages="[{'destination': 'lit.q', 'body': 'b', 'delay_seconds': 60}]")
+    op = SendDelayedMessageOperator(task_id="x",
+                                    messages="[{'destination': 'lit.q', 'body': 'b', 'delay_seconds': 604800}]")
     [message_id] = op.execute(ti)
     assert DelayStoreHook().get_store().get(message_id).destination == "lit.q"
     with pytest.raises(InvalidInputError, match="messages must render to a JSON list"):

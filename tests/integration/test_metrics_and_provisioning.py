@@ -60,7 +60,9 @@ def test_send_dispatch_and_backlog_emit_statsd_metrics(statsd, run_dag):
             {"destination": "metrics.q", "body": f"m{i}", "delay_seconds": 0} for i in range(3)])
         backlog = DelayBacklogSensor(task_id="backlog", threshold=3, comparison="above", destination="metrics.q",
                                      poke_interval=0.2, timeout=10)
-        dispatch = DispatchDueMessagesOperator(task_id="dispatch", max_messages=3, max_runtime=30)
+        # Its own destination only: the run's default store is shared with other tests.
+        dispatch = DispatchDueMessagesOperator(task_id="dispatch", max_messages=3, max_runtime=30,
+                                               destinations=["metrics.q"])
         caught_up = DelayBacklogSensor(task_id="caught_up", threshold=0, destination="metrics.q",
                                        poke_interval=0.2, timeout=10)
         send >> backlog >> dispatch >> caught_up

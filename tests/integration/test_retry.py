@@ -141,6 +141,34 @@ def test_throttle_holds_the_rate(pg):
     assert time.monotonic() - started < 10
 
 
+def test_two_pumps_of_one_store_share_a_destinations_throttle(pg):
+    import threading
+
+    url, schema, table = pg
+    store = make_store(url, schema, table)
+    transport = make_transport(url, schema, table, "slow", "error")
+    store.store(messages(200, "slow"))
+    slow = DeliveryPolicy(0, 0, 0).with_throttle(20)
+    results = []
+
+    def pump():
+        own = make_store(url, schema, table)  # each pump its own store object, as in its own process
+        results.append(Pump(own, transport, policies={"slow": slow}).run(deadline=utcnow() + timedelta(seconds=4)))
+
+    pumps = [threading.Thread(target=pump) for _ in range(2)]
+    for p in pumps:
+        p.start()
+    for p in pumps:
+        p.join()
+    got = drain(transport, "slow")
+    times = sorted(m.enqueued_at for m in got)
+    assert all(r.stats.dispatched for r in results)  # both pumps took part
+    # 20 per second for both together (each with its own bucket: 40 per second, about 160 in 4 s).
+    assert len(got) <= 20 * 4 + 5, len(got)
+    rate = (len(times) - 1) / (times[-1] - times[0]).total_seconds()
+    assert 15.0 <= rate <= 22.0, rate
+
+
 def test_operator_takes_policies_and_refuses_malformed_ones(airflow_home):
     from airflow_delay_provider.core.retry_policy import PolicyError
     from airflow_delay_provider.operators.delay import DispatchDueMessagesOperator
