@@ -246,21 +246,28 @@ def main() -> None:
             t.start()
         labels = {"sql": "store -> SQL table", "rabbitmq": "store -> RabbitMQ", "native": "RabbitMQ native levels",
                   "sqs": "store -> SQS (moto)"}
-        now = store.clock()
-        burst_at = now + timedelta(seconds=30)
-        for path, destination in destinations.items():
-            batch = [DelayedMessage(destination, BODY, now + timedelta(seconds=d), {}, f"{path}-d{d}-{i}")
-                     for d in delays for i in range(args.per_delay)]
-            batch += [DelayedMessage(destination, BODY, burst_at, {}, f"{path}-burst-{i}") for i in range(burst_n[path])]
+        def send(path: str, batch: list[DelayedMessage]) -> None:
             for m in batch:
                 due[m.message_id] = (labels[path], m.due_at)
-            if path == "native":
-                for i in range(0, len(batch), 1000):
-                    assert rabbit.send(batch[i:i + 1000]) == {}
-            else:
-                for i in range(0, len(batch), 5000):
-                    store.store(batch[i:i + 5000])
-        log(f"{len(due)} messages sent; waiting {max(delays) + 30} s for the last due time")
+            step = 1000 if path == "native" else 5000
+            for i in range(0, len(batch), step):
+                if path == "native":
+                    assert rabbit.send(batch[i:i + step]) == {}
+                else:
+                    store.store(batch[i:i + step])
+
+        # Bursts first, due well after they are all stored; then each path's single messages, timed from
+        # just before they are stored, so no message is due before it exists and no burst is being
+        # written while a single message falls due.
+        burst_at = store.clock() + timedelta(seconds=40)
+        for path, destination in destinations.items():
+            send(path, [DelayedMessage(destination, BODY, burst_at, {}, f"{path}-burst-{i}")
+                        for i in range(burst_n[path])])
+        for path, destination in destinations.items():
+            now = store.clock()
+            send(path, [DelayedMessage(destination, BODY, now + timedelta(seconds=d), {}, f"{path}-d{d}-{i}")
+                        for d in delays for i in range(args.per_delay)])
+        log(f"{len(due)} messages sent; waiting {max(delays)} s for the last due time")
         deadline = time.monotonic() + max(delays) + 120
         while time.monotonic() < deadline and len(arrivals.at) < len(due):
             time.sleep(1)

@@ -48,7 +48,7 @@ idempotent, so re-running is safe):
 - **sqs**: each endpoint's queue and, for unrestricted delays, its `-delay.fifo` relay queue.
 
 Trigger it after a deployment or when an endpoint is added. Connections: `delay_store_default`
-(none: the embedded SQLite store), `rabbitmq_default`, `aws_default`.
+(the delayed-message store, one for every component), `rabbitmq_default`, `aws_default`.
 """,
 ) as dag:
     tasks = {}

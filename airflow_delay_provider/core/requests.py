@@ -46,9 +46,13 @@ def build_message(
     queue_delay_seconds: Any = None,
     default_id: Callable[[], str] | None = None,
     where: str = "",
+    queue_delays: Mapping[str, int] | None = None,
 ) -> DelayedMessage:
     """A message from a send request's fields; errors name the field as the user wrote it, prefixed
-    by `where` (e.g. "messages[2].") for a message of a batch."""
+    by `where` (e.g. "messages[2].") for a message of a batch.
+
+    `queue_delays` are the destinations' queue-level delays set at provisioning: they apply when the
+    message has no delay of its own, and a `queue_delay_seconds` that disagrees with one is refused."""
     unknown = set(item) - MESSAGE_FIELDS
     if unknown:
         raise InvalidInputError(f"unknown message field(s) {sorted(unknown)} in {where or 'the message'}; "
@@ -62,8 +66,17 @@ def build_message(
         message_delay, field = to_seconds(delay, f"{where}delay_seconds"), f"{where}delay_seconds"
     else:
         message_delay, field = None, f"{where}delay_seconds"
-    seconds = resolve_delay(message_delay, parse_int(queue_delay_seconds, "queue_delay_seconds"),
-                            message_field=field, queue_field="queue_delay_seconds")
+    queue_delay = parse_int(queue_delay_seconds, "queue_delay_seconds")
+    provisioned = (queue_delays or {}).get(item.get("destination"))
+    if provisioned is not None:
+        if queue_delay not in (None, provisioned):
+            raise DelayError(
+                f"queue_delay_seconds={queue_delay} disagrees with the queue-level delay of {provisioned} s set when "
+                f"{item.get('destination')!r} was provisioned; give the message its own {where}delay_seconds, or "
+                "provision the destination again with the queue-level delay it should have"
+            )
+        queue_delay = provisioned
+    seconds = resolve_delay(message_delay, queue_delay, message_field=field, queue_field="queue_delay_seconds")
     kwargs = {}
     message_id = item.get("message_id") or (default_id() if default_id else None)
     if message_id:

@@ -14,7 +14,7 @@ from airflow.sdk import BaseOperator, Context, conf
 
 from airflow_delay_provider import metrics
 from airflow_delay_provider.core.breakers import CircuitBreaker, call_with_breaker
-from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.delays import resolve_delay, utcnow
 from airflow_delay_provider.core.errors import DelayProviderError, InvalidInputError, UnavailableError
 from airflow_delay_provider.core.message import DelayedMessage, check_destination, stable_message_id
 from airflow_delay_provider.core.ports import Transport
@@ -26,8 +26,15 @@ from airflow_delay_provider.hooks.delay_store import DEFAULT_CONN_ID, DelayStore
 from airflow_delay_provider.hooks.rabbitmq import RabbitMQDelayHook
 from airflow_delay_provider.hooks.sqs import SqsDelayHook
 from airflow_delay_provider.hooks.transport import check_transport, transport_hook, transport_options
+from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
 from airflow_delay_provider.transports.rabbitmq import RabbitMQTransport
-from airflow_delay_provider.transports.sqs import RelayCounts, SqsTransport, delay_plan, estimate_cost
+from airflow_delay_provider.transports.sqs import (
+    NATIVE_MAX_DELAY,
+    RelayCounts,
+    SqsTransport,
+    delay_plan,
+    estimate_cost,
+)
 from airflow_delay_provider.triggers.delay_store import DispatchTrigger
 from airflow_delay_provider.triggers.sqs import SqsDelayQueueTrigger
 
@@ -108,9 +115,21 @@ class ProvisionDelayInfrastructureOperator(DelayOperatorBase):
         # Stored with the messages: every dispatch task then retries these destinations this way.
         self.destination_policies = {d: DeliveryPolicy.parse(p) for d, p in (destination_policies or {}).items()}
         self.endpoints = endpoints
-        #: Passed to the transport's provision() for each endpoint (not the error queue), e.g. SQS's
-        #: queue_delay_seconds and unrestricted.
+        #: For each endpoint (not the error queue): `queue_delay_seconds` (0..604800, stored with the
+        #: destination and applied by every send to messages without a delay of their own; on SQS, up to
+        #: 900 s, also the queue's DelaySeconds) and, on SQS, `unrestricted`.
         self.endpoint_options = dict(endpoint_options or {})
+        allowed = {"queue_delay_seconds", "unrestricted"} if self.transport == "sqs" else {"queue_delay_seconds"}
+        if self.transport in ("sql", "rabbitmq", "sqs") and set(self.endpoint_options) - allowed:
+            raise InvalidInputError(
+                f"endpoint_options {sorted(set(self.endpoint_options) - allowed)} are not known for "
+                f"transport={self.transport!r}; allowed: {sorted(allowed)}"
+            )
+        queue_delay = self.endpoint_options.get("queue_delay_seconds")
+        resolve_delay(queue_delay=queue_delay, queue_field="endpoint_options.queue_delay_seconds")
+        if self.transport == "sqs" and queue_delay is not None and queue_delay > NATIVE_MAX_DELAY:
+            raise InvalidInputError(f"endpoint_options.queue_delay_seconds is {queue_delay}, but an SQS queue's "
+                                    f"delay is at most {NATIVE_MAX_DELAY} s; allowed: 0..{NATIVE_MAX_DELAY}")
         self.error_queue = error_queue
         self.create_store = create_store
         self.verify = verify
@@ -118,19 +137,23 @@ class ProvisionDelayInfrastructureOperator(DelayOperatorBase):
     def execute(self, context: Context) -> dict:
         endpoints = list(dict.fromkeys(check_destination(e) for e in [*self.endpoints, self.error_queue]))
         transport = self.get_transport()
+        queue_delay = self.endpoint_options.get("queue_delay_seconds")
+        # Only SQS queues take a queue-level delay (up to 15 minutes) as an attribute of their own.
+        native = self.endpoint_options if self.transport == "sqs" else {}
         try:
             if self.verify:
                 return self._verify(transport, endpoints)
             summary: dict[str, Any] = {"transport": self.transport}
-            if self.create_store or self.destination_policies:
+            if self.create_store or self.destination_policies or queue_delay is not None:
                 store = self.hook.get_store()
                 store.create_schema()
                 store.set_policies({d: p.to_dict() for d, p in self.destination_policies.items()})
                 summary["store"] = repr(store)
                 summary["policies"] = sorted(self.destination_policies)
-            summary["queues"] = [
-                transport.provision(e, **(self.endpoint_options if e != self.error_queue else {})) for e in endpoints
-            ]
+                if queue_delay is not None:
+                    store.set_queue_delays(dict.fromkeys([e for e in endpoints if e != self.error_queue], queue_delay))
+                    summary["queue_delay_seconds"] = queue_delay
+            summary["queues"] = [transport.provision(e, **(native if e != self.error_queue else {})) for e in endpoints]
         finally:
             transport.close()
         self.log.info("Provisioned: %s", json.dumps(summary))
@@ -156,8 +179,10 @@ class SendDelayedMessageOperator(DelayOperatorBase):
     it; `transport="rabbitmq"` hands it to the broker's delay levels at once (nothing to dispatch).
 
     Give `delay_seconds` (int, float or timedelta; fractions round up) or `deliver_at` (an aware
-    datetime or ISO string; a time in the past means now), and optionally `queue_delay_seconds`, the
-    destination's queue-level delay that applies when the message has none. For a batch,
+    datetime or ISO string; a time in the past means now). A message without a delay of its own takes
+    its destination's queue-level delay, set when the destination was provisioned
+    (`endpoint_options={"queue_delay_seconds": N}`); `queue_delay_seconds` gives one for destinations
+    provisioned without it, and must agree with a provisioned one. For a batch,
     pass `messages`: dicts with destination, body, headers, delay_seconds, deliver_at, message_id;
     missing keys take the operator's values. Ids not given are derived from the task instance, so
     a retried task stores the same messages again instead of duplicates.
@@ -226,10 +251,15 @@ class SendDelayedMessageOperator(DelayOperatorBase):
             items = _literal("messages", items)
         if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
             raise InvalidInputError(f"messages must be a list of dicts, got {type(items).__name__}")
+        breaker = CircuitBreaker("storing delayed messages", self.time_to_trigger_store_circuit_breaker)
+        store = self.hook.get_store()
+        # Idempotent and cheap; a missing table would otherwise look like an unreachable database.
+        call_with_breaker(breaker, store.create_schema, retry_on=(UnavailableError,))
+        destinations = {d for i in items if isinstance(d := {**defaults, **i}.get("destination"), str)}
+        queue_delays = call_with_breaker(breaker, lambda: store.queue_delays(destinations), retry_on=(UnavailableError,))
         # Relative delays count from the store's clock (the database's), which its dispatchers compare
         # due times on; a broker's own delays count from this host's, as the broker's TTLs do.
-        store = self.hook.get_store() if self.transport == "sql" else None
-        now = utcnow() if store is None else call_with_breaker(
+        now = utcnow() if self.transport != "sql" else call_with_breaker(
             CircuitBreaker("reading the store's clock", self.time_to_trigger_store_circuit_breaker), store.clock,
             retry_on=(UnavailableError,))
         # Every message is checked before anything is stored: a bad one stores none.
@@ -240,6 +270,7 @@ class SendDelayedMessageOperator(DelayOperatorBase):
                 self.queue_delay_seconds,
                 default_id=lambda n=n: stable_message_id(*origin, n),
                 where=f"messages[{n}]." if self.messages is not None else "",
+                queue_delays=queue_delays,
             )
             for n, item in enumerate(items)
         ]
@@ -249,10 +280,7 @@ class SendDelayedMessageOperator(DelayOperatorBase):
                 f"delivery_policy applies to messages kept in the store (transport='sql'); {self.transport!r} "
                 "delivers through the broker's own delays"
             )
-        breaker = CircuitBreaker("storing delayed messages", self.time_to_trigger_store_circuit_breaker)
-        if store is not None:
-            # Idempotent and cheap; a missing table would otherwise look like an unreachable database.
-            call_with_breaker(breaker, store.create_schema, retry_on=(UnavailableError,))
+        if self.transport == "sql":
             stored = call_with_breaker(breaker, lambda: store.store(batch), retry_on=(UnavailableError,))
             if stored == len(batch):
                 self.log.info("Stored %d message(s)", stored)
@@ -263,20 +291,18 @@ class SendDelayedMessageOperator(DelayOperatorBase):
                 store.set_policies(dict.fromkeys({m.destination for m in batch}, policy.to_dict()))
                 self.log.info("Delivery policy of %s:\n%s", sorted({m.destination for m in batch}), policy.phase_table())
         else:
-            self._send_native(batch, breaker)
+            self._send_native(store, batch, breaker)
         for m in batch[:20]:
             self.log.info("Scheduled %s for %s at %s", m.message_id, m.destination, m.due_at.isoformat())
         metrics.count_sent(Counter(m.destination for m in batch))
         ids = [m.message_id for m in batch]
         return ids if self.messages is not None else ids[0]
 
-    def _send_native(self, batch: list[DelayedMessage], breaker: CircuitBreaker) -> None:
+    def _send_native(self, store: SqlDelayedMessageStore, batch: list[DelayedMessage], breaker: CircuitBreaker) -> None:
         """Hand the batch to the broker's own delay mechanism; retry what an outage kept from it.
 
         Ids the store accepted within its de-duplication window are skipped, and each id the broker
         confirms is recorded there at once: a retried task sends none of them twice."""
-        store = self.hook.get_store()
-        call_with_breaker(breaker, store.create_schema, retry_on=(UnavailableError,))
         fresh = set(call_with_breaker(breaker, lambda: store.unseen([m.message_id for m in batch]),
                                       retry_on=(UnavailableError,)))
         if len(fresh) < len(batch):

@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -44,6 +45,15 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
     PostgreSQL store through `jdbc_jar` (Debian: libpostgresql-jdbc-java), `"python"` through
     PySpark's Python data source over SQLAlchemy; `"auto"` picks JDBC on PostgreSQL. Connection
     secrets reach Spark in an environment variable, never in its arguments.
+
+    :param lease_seconds: how long the claimed rows stay the sweep's without progress: the lease is
+        renewed only while rows are being settled, so a stalled sweep's rows go to the next sweep or
+        a pump after this long.
+    :param max_duration: stop after this long (seconds or a timedelta; None: no limit), release the
+        rows not yet sent and fail the task, so a retry sweeps the rest of the window.
+
+    When the task is killed (marked failed, or its worker stops it), spark-submit is stopped and the
+    sweep's rows are released at once instead of at the end of the lease.
     """
 
     template_fields: Sequence[str] = (*SparkSubmitOperator.template_fields, "due_before", "due_from")
@@ -61,6 +71,7 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
         batch_size: int = 1000,
         partitions: int = 0,
         lease_seconds: float = 600.0,
+        max_duration: float | timedelta | None = None,
         reader: str = "auto",
         jdbc_jar: str = sweep_app.DEFAULT_JDBC_JAR,
         master: str = "local[2]",
@@ -75,6 +86,14 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
             raise InvalidInputError(f"partitions must be an int >= 0 (0: twice Spark's parallelism), got {partitions!r}")
         if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, (int, float)) or lease_seconds < 5:
             raise InvalidInputError(f"lease_seconds must be a number >= 5, got {lease_seconds!r}")
+        if isinstance(max_duration, timedelta):
+            max_duration = max_duration.total_seconds()
+        if max_duration is not None and (isinstance(max_duration, bool) or not isinstance(max_duration, (int, float))
+                                         or max_duration <= 0):
+            raise InvalidInputError(f"max_duration must be a positive number of seconds, a timedelta or None, "
+                                    f"got {max_duration!r}")
+        self.max_duration = max_duration
+        self._claim_id: str | None = None
         # Checked when the DAG is parsed, like the dispatch operator's.
         PumpConfig(batch_size=batch_size, number_of_retries=number_of_retries, error_queue=error_queue)
         self.delivery_policy = None if delivery_policy is None else DeliveryPolicy.parse(delivery_policy)
@@ -134,7 +153,7 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
         bin_dir = self._check_machine(uses_jdbc=reader == "jdbc")
         local = self._ensure_master()
 
-        claim_id = uuid.uuid4().hex
+        claim_id = self._claim_id = uuid.uuid4().hex
         args = ["--claim-id", claim_id, "--due-before", due_before.isoformat(), "--reader", reader,
                 "--lease-seconds", str(self.lease_seconds), "--partitions", str(self.partitions),
                 "--batch-size", str(self.batch_size), "--number-of-retries", str(self.number_of_retries),
@@ -142,6 +161,8 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
                 "--destination-policies", json.dumps({d: p.to_dict() for d, p in self.destination_policies.items()})]
         if due_from is not None:
             args += ["--due-from", due_from.isoformat()]
+        if self.max_duration:
+            args += ["--max-seconds", str(self.max_duration)]
         if self.delivery_policy is not None:
             args += ["--delivery-policy", json.dumps(self.delivery_policy.to_dict())]
         # Set after templates were rendered, so the secret is never stored as a rendered field.
@@ -166,12 +187,35 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
         finally:
             store.close()
         record = store.sweep_record(claim_id)
+        if record is not None and record["status"] == "timed_out":
+            raise DelayProviderError(
+                f"the sweep {claim_id} reached max_duration ({self.max_duration} s) and released "
+                f"{record['summary'].get('released')} message(s) it had not sent: a retry of this task sweeps "
+                f"them, as does any dispatcher once they are due; its summary: {json.dumps(record['summary'])}"
+            )
         if record is None or record["status"] != "done":
             raise DelayProviderError(f"spark-submit succeeded but the sweep {claim_id} did not finish: {record}")
         summary = {**(record["summary"] or {}), "status": record["status"]}
         metrics.count_dispatch(summary)
         self.log.info("Sweep %s: %s", claim_id, json.dumps(summary))
         return summary
+
+    def on_kill(self) -> None:
+        """Stop spark-submit, then release the sweep's rows now rather than when its lease expires.
+
+        A row a partition is still sending stays locked by it until that batch settles; the release
+        waits for it (up to the store's lock_timeout), so no row is both sent and released."""
+        super().on_kill()
+        if self._claim_id is None:
+            return
+        store = self.hook.get_store()
+        try:
+            released = store.finish_sweep(self._claim_id, "killed", {"claim_id": self._claim_id, "status": "killed"})
+            self.log.info("Sweep %s killed: %d message(s) released to the dispatchers", self._claim_id, released)
+        except Exception as exc:  # the lease still expires
+            self.log.warning("Sweep %s killed; its rows are released when its lease expires (%s)", self._claim_id, exc)
+        finally:
+            store.close()
 
     def _log_record(self, store, claim_id: str) -> None:
         try:

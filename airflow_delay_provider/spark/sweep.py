@@ -32,7 +32,14 @@ from airflow_delay_provider.core.pump import Pump, PumpConfig
 from airflow_delay_provider.core.requests import parse_moment
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.core.stats import PumpStats
-from airflow_delay_provider.stores.sql import DEFAULT_TABLE, SWEEP_COLUMNS, SqlDelayedMessageStore, check_claim_id
+from airflow_delay_provider.stores.sql import (
+    DEFAULT_TABLE,
+    SWEEP_COLUMNS,
+    SqlDelayedMessageStore,
+    check_claim_id,
+    from_us,
+    to_us,
+)
 
 log = logging.getLogger("airflow_delay_provider.sweep")
 
@@ -167,9 +174,11 @@ def dispatch_partitions(secret: dict, claim_id: str, settings: dict) -> Callable
             policies=policies, throttle_share=1.0 / settings["partitions"],
         )
         stats = PumpStats()
+        # Past the sweep's maximum duration a partition stops; the driver releases what is left.
+        deadline = None if settings["deadline_us"] is None else from_us(settings["deadline_us"])
         try:
-            while leased.remaining:
-                stats.merge(pump.run(stop_when_idle=True).stats)
+            while leased.remaining and (deadline is None or store.clock() < deadline):
+                stats.merge(pump.run(deadline=deadline, stop_when_idle=True).stats)
                 if leased.remaining:
                     time.sleep(0.02)  # the rest waits for a throttled destination's tokens
         finally:
@@ -182,7 +191,9 @@ def dispatch_partitions(secret: dict, claim_id: str, settings: dict) -> Callable
 
 # -- the driver ----------------------------------------------------------------------------------
 class LeaseKeeper(threading.Thread):
-    """Renews the sweep's lease and logs progress (rows left, rate, ETA) until stopped."""
+    """Renews the sweep's lease while its rows are being settled, and logs progress (rows left, rate,
+    ETA) until stopped. A sweep that settles nothing for a whole lease (its executors lost, its broker
+    down) lets the lease expire, so the next sweep or a pump takes its rows over."""
 
     def __init__(self, store: SqlDelayedMessageStore, claim_id: str, lease_seconds: float, total: int,
                  interval: float) -> None:
@@ -193,10 +204,16 @@ class LeaseKeeper(threading.Thread):
         self.started_at = time.monotonic()
 
     def run(self) -> None:
+        left_before = self.total
         while not self.stopped.wait(self.interval):
             try:
-                self.store.renew_lease(self.claim_id, self.lease_seconds)
                 left = self.store.claimed_range(self.claim_id)[2]
+                if left < left_before:
+                    self.store.renew_lease(self.claim_id, self.lease_seconds)
+                    left_before = left
+                else:
+                    log.warning("sweep %s: nothing settled in the last %.0f s; the lease is not renewed",
+                                self.claim_id, self.interval)
             except Exception as exc:  # the next round tries again; the lease outlasts a few misses
                 log.warning("could not renew the lease of sweep %s: %s", self.claim_id, exc)
                 continue
@@ -217,7 +234,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--claim-id", default=None, help="unique id of this sweep (default: a new UUID)")
     parser.add_argument("--due-before", required=True, help="ISO time: sweep messages due before it (and already due)")
     parser.add_argument("--due-from", default=None, help="ISO time: and due at or after it (default: no lower bound)")
-    parser.add_argument("--lease-seconds", type=float, default=600.0)
+    parser.add_argument("--lease-seconds", type=float, default=600.0,
+                        help="how long the rows stay leased without progress before others may take them over")
+    parser.add_argument("--max-seconds", type=float, default=0.0,
+                        help="stop after this long and release the rows left (0: no limit)")
     parser.add_argument("--partitions", type=int, default=0, help="0: twice Spark's default parallelism")
     parser.add_argument("--reader", choices=("auto", "jdbc", "python"), default="auto")
     parser.add_argument("--batch-size", type=int, default=1000)
@@ -250,6 +270,7 @@ def sweep(spark, secret: dict, args: argparse.Namespace) -> dict:
                  "error_queue": args.error_queue},
         "delivery_policy": _policy_arg(args.delivery_policy),
         "destination_policies": json.loads(args.destination_policies),
+        "deadline_us": None,
     }
     # Checked here, once, before anything is claimed: a malformed policy fails the sweep up front.
     PumpConfig(**settings["pump"])
@@ -261,6 +282,8 @@ def sweep(spark, secret: dict, args: argparse.Namespace) -> dict:
     store = store_from_spec(secret["store"])
     store.create_schema()
     started = time.monotonic()
+    if args.max_seconds:
+        settings["deadline_us"] = to_us(store.clock()) + int(args.max_seconds * 1e6)
     claim = store.start_sweep(claim_id, due_before, due_from, lease_seconds=args.lease_seconds)
     low, high, total = store.claimed_range(claim_id)
     log.info("sweep %s: window [%s, %s), %d messages claimed (%d taken over from expired leases) in %.1f s",
@@ -290,7 +313,8 @@ def sweep(spark, secret: dict, args: argparse.Namespace) -> dict:
                 part = json.loads(row["stats"])
                 skipped += part.get("skipped", 0)
                 stats.merge(PumpStats.from_dict(part))
-        status = "done"
+        # Rows a partition stopped before (the maximum duration) are released below.
+        status = "done" if not store.claimed_range(claim_id)[2] else "timed_out"
     finally:
         if keeper is not None:
             keeper.stop()

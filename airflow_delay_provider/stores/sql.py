@@ -42,7 +42,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection
 
-from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.delays import resolve_delay, utcnow
 from airflow_delay_provider.core.errors import InvalidInputError, InvalidNameError, UnavailableError
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
@@ -143,6 +143,18 @@ def throttle_table(metadata: MetaData, store_table_name: str, schema: str | None
     )
 
 
+def queue_delays_table(metadata: MetaData, store_table_name: str, schema: str | None) -> Table:
+    """Each destination's queue-level delay, set when it is provisioned: every send path applies it
+    to messages that have no delay of their own, so two senders to one destination cannot disagree."""
+    return Table(
+        f"{store_table_name}_delays",
+        metadata,
+        Column("destination", String(255), primary_key=True),
+        Column("queue_delay_seconds", Integer, nullable=False),
+        schema=schema,
+    )
+
+
 #: How long an accepted message id is remembered (seconds): within it, the same id is neither stored
 #: nor sent natively again. Like SQS FIFO's five-minute window or Cloud Tasks' task names, but longer.
 DEFAULT_DEDUP_WINDOW_SECONDS = 86_400
@@ -198,7 +210,7 @@ def _rebuild(message_id: str, destination: str, body, headers: str, due_at_us: i
     )
 
 
-#: The store also creates `<table>_policies` and `<table>_sweeps`, which must fit PostgreSQL's
+#: The store also creates `<table>_policies`, `_sweeps`, `_delays` and others, which must fit PostgreSQL's
 #: 63-character identifiers too.
 MAX_TABLE_NAME = 63 - len("_policies")
 
@@ -380,6 +392,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         self.table = store_table(MetaData(), self.table_name, self.schema)
         self.ids = ids_table(self.table.metadata, self.table_name, self.schema)
         self.throttle = throttle_table(self.table.metadata, self.table_name, self.schema)
+        self.delays = queue_delays_table(self.table.metadata, self.table_name, self.schema)
         # On SQLite a claim holds the database's write lock, which a second transaction would wait for:
         # there each pump keeps its own bucket (pumps on one SQLite file take turns anyway).
         # Delivery policies per destination live beside the messages, so every pump sees the same.
@@ -464,7 +477,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     def _check_existing_shape(self) -> None:
         with self._errors("inspect the delay store"), self.engine.connect() as conn:
             inspector = inspect(conn)
-            for table in (self.table, self.policy_table, self.sweeps, self.ids, self.throttle):
+            for table in (self.table, self.policy_table, self.sweeps, self.ids, self.throttle, self.delays):
                 if not inspector.has_table(table.name, schema=self.schema):
                     continue
                 found = {c["name"] for c in inspector.get_columns(table.name, schema=self.schema)}
@@ -484,6 +497,28 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             if policies:
                 conn.execute(delete(t).where(t.c.destination.in_(list(policies))))
                 conn.execute(insert(t), [{"destination": d, "policy": json.dumps(p)} for d, p in policies.items()])
+
+    def set_queue_delays(self, delays: Mapping[str, int]) -> None:
+        """Store each destination's queue-level delay in seconds (0..7 days), replacing what was there;
+        0 removes it. Applies to messages sent from now on, as a broker's queue attribute would."""
+        for destination, seconds in delays.items():
+            resolve_delay(queue_delay=seconds, queue_field=f"queue_delay_seconds of {destination!r}")
+        t = self.delays
+        with self._errors("store queue-level delays"), self.engine.begin() as conn:
+            if delays:
+                conn.execute(delete(t).where(t.c.destination.in_(list(delays))))
+                rows = [{"destination": d, "queue_delay_seconds": s} for d, s in delays.items() if s]
+                if rows:
+                    conn.execute(insert(t), rows)
+
+    def queue_delays(self, destinations: Collection[str] | None = None) -> dict[str, int]:
+        """The queue-level delays set for these destinations (all, without `destinations`)."""
+        t = self.delays
+        query = select(t.c.destination, t.c.queue_delay_seconds)
+        if destinations is not None:
+            query = query.where(t.c.destination.in_(sorted(set(destinations))))
+        with self._errors("read queue-level delays"), self.engine.connect() as conn:
+            return dict(conn.execute(query).all())
 
     def take_tokens(self, destination: str, rate: float, n: int) -> tuple[int, float]:
         """Take up to `n` tokens of the destination's bucket, in a transaction of its own (the row lock

@@ -159,7 +159,7 @@ def test_operator_sweeps_the_embedded_sqlite_store_and_returns_the_summary(spark
     from airflow_delay_provider.hooks.delay_store import DelayStoreHook
     from airflow_delay_provider.operators.sweep import BulkSweepOperator
 
-    hook = DelayStoreHook(table="sweep_sqlite")  # no connection: the embedded SQLite database under AIRFLOW_HOME
+    hook = DelayStoreHook(table="sweep_sqlite")  # the default connection: this run's SQLite store
     store = hook.get_store()
     store.create_schema()
     transport = hook.get_transport()
@@ -200,3 +200,88 @@ def test_operator_says_how_to_install_what_is_missing(monkeypatch, tmp_path):
                 {"batch_size": 0}, {"delivery_policy": {"healthyRetryPolicy": {"numRetries": 101}}}):
         with pytest.raises(InvalidInputError):
             BulkSweepOperator(task_id="bad", due_before="2026-01-01T00:00:00+00:00", **bad)
+
+
+def test_a_sweep_stops_at_its_max_duration_and_releases_what_it_did_not_send(spark_ready, pg):
+    url, schema, table = pg
+    store = make_store(*pg)
+    transport = make_transport(*pg, "orders", "error")
+    n = 20_000
+    store.store(due_messages(n, "orders"))
+    sql = {"kind": "sql", "url": url, "schema": schema, "table_prefix": f"{table}_"}
+    slow = json.dumps({"throttlePolicy": {"maxReceivesPerSecond": 1000}})  # 20 s at least: it cannot finish
+    code, summary, output = submit(*specs(*pg, sql), "--due-before", (utcnow() + timedelta(minutes=1)).isoformat(),
+                                   "--claim-id", "bounded", "--max-seconds", "4", "--delivery-policy", slow)
+    assert code == 0, output[-3000:]
+    assert summary["status"] == "timed_out" and summary["released"] > 0, summary
+    assert summary["dispatched"] + summary["released"] == n
+    assert store.sweep_record("bounded")["status"] == "timed_out"
+    # Released at once, not at the end of the lease: a pump sends the rest straight away.
+    assert store.count_scheduled() == {"orders": summary["released"]}
+    Pump(store, transport).run(stop_when_idle=True)
+    ids = Counter(m.message_id for m in drain(transport, "orders"))
+    assert len(ids) == n and set(ids.values()) == {1}
+
+
+def test_the_lease_is_renewed_only_while_rows_are_being_settled(pg):
+    url, schema, table = pg
+    store = make_store(*pg)
+    store.store(due_messages(10, "orders"))
+    store.start_sweep("keeper", utcnow() + timedelta(minutes=1), None, lease_seconds=3)
+
+    def lease_until() -> int:
+        return store.sweep_record("keeper")["lease_until_us"]
+
+    keeper = sweep_app.LeaseKeeper(store, "keeper", lease_seconds=3, total=10, interval=0.5)
+    keeper.start()
+    try:
+        first = lease_until()
+        time.sleep(1.6)  # three rounds without progress
+        assert lease_until() == first, "a sweep that settles nothing must let its lease run out"
+        with store.engine.begin() as conn:  # a partition settles some of its rows
+            conn.execute(store.table.delete().where(store.table.c.message_id.in_(["m-0", "m-1"])))
+        time.sleep(1.1)
+        assert lease_until() > first
+    finally:
+        keeper.stop()
+
+
+def test_killing_the_sweep_task_releases_its_rows_at_once(spark_ready, pg, monkeypatch):
+    from airflow_delay_provider.operators.sweep import BulkSweepOperator
+    from tests.integration.test_airflow import _pg_conn
+
+    url, schema, table = pg
+    store = make_store(*pg)
+    transport = make_transport(url, schema, "delay", "orders", "error")  # the hook's queue tables
+    n = 20_000
+    store.store(due_messages(n, "orders"))
+    conn_id = _pg_conn(monkeypatch, schema, table)
+    op = BulkSweepOperator(task_id="sweep", due_before=(utcnow() + timedelta(minutes=1)).isoformat(),
+                           delay_store_conn_id=conn_id, lease_seconds=600, partitions=2,
+                           delivery_policy={"throttlePolicy": {"maxReceivesPerSecond": 1000}},
+                           conf={"spark.ui.enabled": "false"})
+    errors = []
+    runner = threading.Thread(target=lambda: _capture(errors, op.execute, {}), daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 120
+    while transport.depth("orders")["visible"] < 1000 and runner.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert runner.is_alive(), f"the sweep ended before it could be killed: {errors}"
+    op.on_kill()
+    runner.join(60)
+    assert not runner.is_alive() and errors, "execute should fail once spark-submit is killed"
+    record = store.sweep_record(op._claim_id)
+    assert record["status"] in ("killed", "failed")
+    left = store.count_scheduled().get("orders", 0)
+    assert left > 0
+    # None of them is still held under the 600 s lease: a pump takes them now.
+    Pump(store, transport).run(stop_when_idle=True)
+    ids = Counter(m.message_id for m in drain(transport, "orders"))
+    assert len(ids) == n and set(ids.values()) == {1}
+
+
+def _capture(errors: list, call, *args) -> None:
+    try:
+        call(*args)
+    except BaseException as exc:  # noqa: BLE001 - the test inspects it
+        errors.append(exc)
