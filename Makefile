@@ -40,6 +40,7 @@ bench: $(STAMP) $(JDBC_JAR)
 	$(BIN)/python bench/bench_sqs.py
 	$(BIN)/python bench/bench_spark.py
 	$(BIN)/python bench/bench_deployment.py
+	$(BIN)/python bench/bench_faults.py
 
 clean:
 	rm -rf $(VENV) .airflow
