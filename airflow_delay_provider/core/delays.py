@@ -56,7 +56,8 @@ def to_seconds(delay: int | float | timedelta, field: str = "delay_seconds") -> 
             delay = float(delay)  # templated fields render to strings
         except ValueError:
             raise DelayError(f"{field} must be a number of seconds or a timedelta, got {delay!r}") from None
-    if not isinstance(delay, (int, float)) or math.isnan(delay) or math.isinf(delay):
+    # No float conversion of an int: math.isnan(10**400) raises OverflowError.
+    if not isinstance(delay, (int, float)) or isinstance(delay, float) and not math.isfinite(delay):
         raise DelayError(f"{field} must be a finite number of seconds or a timedelta, got {delay!r}")
     if delay < 0:
         raise DelayError(f"{field} must be in 0..{MAX_DELAY_SECONDS} seconds, got {delay}")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
-from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.core.message import DelayedMessage, check_destination
 
 
 class Claim(ABC):
@@ -96,6 +96,11 @@ class Transport(ABC):
     """Where due messages go. One module per broker implements this."""
 
     name: str = "transport"
+
+    def check_endpoint(self, endpoint: str, **options: Any) -> str:
+        """The endpoint's name if this transport can create it; otherwise an error saying the rule.
+        Provisioning checks every endpoint first, so a bad name creates nothing."""
+        return check_destination(endpoint)
 
     @abstractmethod
     def provision(self, endpoint: str) -> dict:

@@ -63,7 +63,10 @@ class PumpConfig:
             raise InvalidInputError(f"batch_size must be an int in 1..10000, got {self.batch_size!r}")
         if isinstance(self.number_of_retries, bool) or not isinstance(self.number_of_retries, int) or not 0 <= self.number_of_retries <= 100:
             raise InvalidInputError(f"number_of_retries must be an int in 0..100, got {self.number_of_retries!r}")
-        check_destination(self.error_queue)
+        try:
+            check_destination(self.error_queue)
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"error_queue: {exc}") from None
         if isinstance(self.retry_jitter, bool) or not isinstance(self.retry_jitter, (int, float)) \
                 or not 0 <= self.retry_jitter <= 1:
             raise InvalidInputError(f"retry_jitter must be a fraction in 0..1, got {self.retry_jitter!r}")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Mapping
 
 from airflow_delay_provider.core.errors import InvalidInputError
 
@@ -73,7 +73,11 @@ class DeliveryPolicy:
             return
         _int("numRetries", self.num_retries, 0, MAX_RETRIES)
         _int("maxDelayTarget", self.max_delay_target, 0, MAX_DELAY_TARGET)
-        _int("minDelayTarget", self.min_delay_target, 0, self.max_delay_target)
+        _int("minDelayTarget", self.min_delay_target, 0, None)
+        if self.min_delay_target > self.max_delay_target:
+            raise PolicyError(f"minDelayTarget ({self.min_delay_target}) is above maxDelayTarget "
+                              f"({self.max_delay_target}); allowed: minDelayTarget <= maxDelayTarget (either one "
+                              "left out is 20 s)")
         phases = 0
         for name in ("numNoDelayRetries", "numMinDelayRetries", "numMaxDelayRetries"):
             phases += _int(name, getattr(self, _RETRY_KEYS[name]), 0, None)
@@ -96,8 +100,9 @@ class DeliveryPolicy:
         unknown = set(data) - {"healthyRetryPolicy", "throttlePolicy"}
         if unknown:
             raise PolicyError(f"unknown delivery policy section(s) {sorted(unknown)}; allowed: healthyRetryPolicy, throttlePolicy")
-        retry = data.get("healthyRetryPolicy") or {}
-        throttle = data.get("throttlePolicy") or {}
+        # null means absent; any other non-object (0, "", []) is an error, not "no attributes"
+        retry = {} if data.get("healthyRetryPolicy") is None else data["healthyRetryPolicy"]
+        throttle = {} if data.get("throttlePolicy") is None else data["throttlePolicy"]
         if not isinstance(retry, dict) or not isinstance(throttle, dict):
             raise PolicyError("healthyRetryPolicy and throttlePolicy must be JSON objects")
         unknown = (set(retry) - set(_RETRY_KEYS)) | (set(throttle) - {"maxReceivesPerSecond"})
@@ -219,6 +224,21 @@ class DeliveryPolicy:
             except ValueError as exc:
                 raise PolicyError(f"delivery policy is not valid JSON: {exc}") from None
         return cls.from_dict(value)
+
+    @classmethod
+    def parse_each(cls, policies: Mapping[str, Any] | None) -> dict[str, DeliveryPolicy]:
+        """Policies per destination (`destination_policies`); an error names the destination."""
+        if policies is None:
+            return {}
+        if not isinstance(policies, Mapping):
+            raise PolicyError(f"destination_policies must map destination names to policies, got {policies!r}")
+        parsed = {}
+        for destination, value in policies.items():
+            try:
+                parsed[destination] = cls.parse(value)
+            except PolicyError as exc:
+                raise PolicyError(f"destination_policies[{destination!r}]: {exc}") from None
+        return parsed
 
     def with_throttle(self, per_second: int | None) -> DeliveryPolicy:
         return replace(self, max_receives_per_second=per_second)

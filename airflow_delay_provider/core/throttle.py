@@ -7,9 +7,10 @@ from typing import Callable
 
 
 class TokenBucket:
-    """Up to `rate` tokens (one second's worth), refilled continuously, starting empty so that no
-    second ever sees more than `rate` deliveries. Never blocks: the pump holds back what it may not
-    send yet and claims it again later."""
+    """Up to `rate` tokens (one second's worth), refilled continuously, starting with one: any window
+    of T seconds sees at most max(rate, 1) + rate x T deliveries (a burst of one second's worth after
+    an idle spell, then the rate). Never blocks: the pump holds back what it may not send yet and
+    claims it again later."""
 
     def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
         if rate <= 0:

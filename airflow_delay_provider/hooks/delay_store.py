@@ -6,6 +6,7 @@ from typing import Any
 
 from airflow.sdk import BaseHook
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.stores.engine import check_identifier, safe_url
@@ -31,15 +32,42 @@ HOW_TO_DEFINE = (
 )
 
 
+#: What a `delay_store` connection's `driver` (or `url`) may name: the store runs on these two databases.
+SUPPORTED_DRIVERS = "postgresql+psycopg (or another installed postgresql+<driver>) or sqlite"
+
+
+def _supported(url: URL, conn: Any, field: str) -> URL:
+    """The URL, if it names a database the store runs on and a driver that is installed."""
+    problem = None
+    if url.get_backend_name() not in ("postgresql", "sqlite"):
+        problem = "is not supported"
+    else:
+        try:
+            url.get_dialect()
+        except NoSuchModuleError:
+            problem = "is not installed"
+    if problem:
+        raise InvalidInputError(f"the {field} extra of connection {conn.conn_id!r} names the driver {url.drivername!r}, "
+                                f"which {problem}; allowed: {SUPPORTED_DRIVERS}")
+    return url
+
+
 def url_from_connection(conn: Any) -> URL:
     """An SQLAlchemy URL from a `delay_store` connection: extra `url`, or host/port/login/password/schema."""
     extra = conn.extra_dejson or {}
     if extra.get("url"):
-        url = make_url(extra["url"])
+        try:
+            url = make_url(extra["url"])
+        except (ArgumentError, TypeError, ValueError):  # not repeated: the text may hold a password
+            raise InvalidInputError(f"the url extra of connection {conn.conn_id!r} is not an SQLAlchemy URL; allowed: "
+                                    f"{SUPPORTED_DRIVERS} URLs such as postgresql+psycopg://user@host:5432/db") from None
         if conn.password:
             url = url.set(password=conn.password)
-        return url
+        return _supported(url, conn, "url")
     driver = extra.get("driver") or "postgresql+psycopg"
+    if not isinstance(driver, str):
+        raise InvalidInputError(f"the driver extra of connection {conn.conn_id!r} must be a string; allowed: "
+                                f"{SUPPORTED_DRIVERS}, got {driver!r}")
     if driver.startswith("sqlite"):
         path = conn.schema or conn.host or ""
         # A relative path would name a different file in each process's working directory.
@@ -48,15 +76,15 @@ def url_from_connection(conn: Any) -> URL:
                 f"the SQLite delay store of connection {conn.conn_id!r} needs an absolute file path in Database "
                 f"(schema), got {path!r}"
             )
-        return make_url(f"{driver}:///{path}")
-    return URL.create(
+        return _supported(make_url(f"{driver}:///{path}"), conn, "driver")
+    return _supported(URL.create(
         driver,
         username=conn.login or None,
         password=conn.password or None,
         host=conn.host or None,
         port=int(conn.port) if conn.port else None,
         database=conn.schema or None,
-    )
+    ), conn, "driver")
 
 
 class DelayStoreHook(BaseHook):

@@ -39,6 +39,17 @@ def transport_hook(
     return DelayStoreHook(transport_conn_id, db_schema=db_schema)
 
 
+#: The options SqsTransport takes from `transport_options`.
+SQS_OPTIONS = ("body_expiration_days", "large_body_bucket", "max_body_bytes", "max_relay_downtime", "prefix",
+               "queue_delay", "unrestricted")
+
+
 def transport_options(transport: str, options: dict) -> dict:
-    """`transport_options` are SQS's (prefix, queue_delay, large_body_bucket); the others take none."""
-    return dict(options) if transport == "sqs" else {}
+    """`transport_options` are SQS's (prefix, queue_delay, large_body_bucket, ...); the others take none."""
+    if transport != "sqs":
+        return {}
+    unknown = sorted(set(options) - set(SQS_OPTIONS))
+    if unknown:
+        raise InvalidInputError(f"transport_options {unknown} are not known for transport='sqs'; "
+                                f"allowed: {list(SQS_OPTIONS)}")
+    return dict(options)

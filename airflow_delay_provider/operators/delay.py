@@ -113,7 +113,7 @@ class ProvisionDelayInfrastructureOperator(DelayOperatorBase):
     ) -> None:
         super().__init__(**kwargs)
         # Stored with the messages: every dispatch task then retries these destinations this way.
-        self.destination_policies = {d: DeliveryPolicy.parse(p) for d, p in (destination_policies or {}).items()}
+        self.destination_policies = DeliveryPolicy.parse_each(destination_policies)
         self.endpoints = endpoints
         #: For each endpoint (not the error queue): `queue_delay_seconds` (0..604800, stored with the
         #: destination and applied by every send to messages without a delay of their own; on SQS, up to
@@ -137,10 +137,12 @@ class ProvisionDelayInfrastructureOperator(DelayOperatorBase):
     def execute(self, context: Context) -> dict:
         endpoints = list(dict.fromkeys(check_destination(e) for e in [*self.endpoints, self.error_queue]))
         transport = self.get_transport()
-        queue_delay = self.endpoint_options.get("queue_delay_seconds")
         # Only SQS queues take a queue-level delay (up to 15 minutes) as an attribute of their own.
         native = self.endpoint_options if self.transport == "sqs" else {}
+        queue_delay = self.endpoint_options.get("queue_delay_seconds")
         try:
+            for endpoint in endpoints:  # every name is checked before anything is created
+                transport.check_endpoint(endpoint, **(native if endpoint != self.error_queue else {}))
             if self.verify:
                 return self._verify(transport, endpoints)
             summary: dict[str, Any] = {"transport": self.transport}
@@ -406,7 +408,7 @@ class DispatchDueMessagesOperator(DelayOperatorBase):
         super().__init__(**kwargs)
         # Checked at parse time: a malformed policy fails the DAG import, not a run.
         self.delivery_policy = None if delivery_policy is None else DeliveryPolicy.parse(delivery_policy)
-        self.destination_policies = {d: DeliveryPolicy.parse(p) for d, p in (destination_policies or {}).items()}
+        self.destination_policies = DeliveryPolicy.parse_each(destination_policies)
         self.due_before = due_before
         self.due_from = due_from
         self.destinations = destinations

@@ -97,7 +97,7 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
         # Checked when the DAG is parsed, like the dispatch operator's.
         PumpConfig(batch_size=batch_size, number_of_retries=number_of_retries, error_queue=error_queue)
         self.delivery_policy = None if delivery_policy is None else DeliveryPolicy.parse(delivery_policy)
-        self.destination_policies = {d: DeliveryPolicy.parse(p) for d, p in (destination_policies or {}).items()}
+        self.destination_policies = DeliveryPolicy.parse_each(destination_policies)
         self.due_before = due_before
         self.due_from = due_from
         self.number_of_retries = number_of_retries

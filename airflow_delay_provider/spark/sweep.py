@@ -167,7 +167,7 @@ def dispatch_partitions(secret: dict, claim_id: str, settings: dict) -> Callable
         rows = (row for batch in batches
                 for row in zip(*(batch.column(c).to_pylist() for c in SWEEP_COLUMNS)))
         leased = store.leased_rows(claim_id, rows)
-        policies = {d: DeliveryPolicy.parse(p) for d, p in settings["destination_policies"].items()}
+        policies = DeliveryPolicy.parse_each(settings["destination_policies"])
         pump = Pump(
             leased, transport, PumpConfig(**settings["pump"]),
             policy=None if settings["delivery_policy"] is None else DeliveryPolicy.parse(settings["delivery_policy"]),
@@ -276,8 +276,7 @@ def sweep(spark, secret: dict, args: argparse.Namespace) -> dict:
     PumpConfig(**settings["pump"])
     if settings["delivery_policy"] is not None:
         DeliveryPolicy.parse(settings["delivery_policy"])
-    for p in settings["destination_policies"].values():
-        DeliveryPolicy.parse(p)
+    DeliveryPolicy.parse_each(settings["destination_policies"])
 
     store = store_from_spec(secret["store"])
     store.create_schema()

@@ -37,6 +37,10 @@ class SqlDatabase:
     def __init__(self, url: URL | str, schema: str | None = None) -> None:
         self.url = make_url(url)
         self.schema = None if schema is None else check_identifier("schema name", schema)
+        if self.schema is not None and self.url.get_backend_name() != "postgresql":
+            # SQLite would report the unknown schema as an unreachable database, an outage retried in vain.
+            raise InvalidInputError(f"schema {schema!r}: a schema (db_schema) is only supported on PostgreSQL, "
+                                    f"not {self.url.get_backend_name()}")
         self.engine = get_engine(self.url)
         self.is_postgres = self.engine.dialect.name == "postgresql"
 

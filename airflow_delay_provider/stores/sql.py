@@ -43,9 +43,15 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection
 
 from airflow_delay_provider.core.delays import resolve_delay, utcnow
-from airflow_delay_provider.core.errors import InvalidInputError, InvalidNameError, UnavailableError
-from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.core.errors import (
+    InvalidInputError,
+    InvalidMessageError,
+    InvalidNameError,
+    UnavailableError,
+)
+from airflow_delay_provider.core.message import DelayedMessage, check_destination
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
+from airflow_delay_provider.core.retry_policy import DeliveryPolicy, PolicyError
 from airflow_delay_provider.stores.engine import (
     KEEPALIVES,
     SqlDatabase,
@@ -491,7 +497,14 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
                     )
 
     def set_policies(self, policies: Mapping[str, dict]) -> None:
-        """Store each destination's delivery policy (delivery-policy JSON), replacing what was there."""
+        """Store each destination's delivery policy (delivery-policy JSON), replacing what was there.
+        Each is checked first: a pump ignores a stored policy it cannot read."""
+        for destination, policy in policies.items():
+            check_destination(destination)
+            try:
+                DeliveryPolicy.from_dict(policy)
+            except PolicyError as exc:
+                raise PolicyError(f"the delivery policy of {destination!r}: {exc}") from None
         t = self.policy_table
         with self._errors("store delivery policies"), self.engine.begin() as conn:
             if policies:
@@ -523,7 +536,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     def take_tokens(self, destination: str, rate: float, n: int) -> tuple[int, float]:
         """Take up to `n` tokens of the destination's bucket, in a transaction of its own (the row lock
         makes pumps take turns); the bucket refills at `rate` on the database's clock, holds at most
-        one second's worth and starts with one token, so no second sees more than `rate`."""
+        one second's worth and starts with one token, as TokenBucket does."""
         t = self.throttle
         capacity = max(float(rate), 1.0)
         now = to_us(self.clock())
@@ -554,6 +567,10 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         were accepted before) skips only ids that are stored right now."""
         if not messages:
             return 0
+        wrong = next((m for m in messages if not isinstance(m, DelayedMessage)), None)
+        if wrong is not None:
+            raise InvalidMessageError(f"messages must be DelayedMessage objects (each checked when it is built), "
+                                      f"got {type(wrong).__name__}")
         now = to_us(self.clock())
         rows = [
             {

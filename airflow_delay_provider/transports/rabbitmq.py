@@ -66,8 +66,9 @@ def max_delay(levels: int = LEVELS) -> int:
 
 
 def _whole_seconds(delay_seconds: object) -> int:
-    if isinstance(delay_seconds, bool) or not isinstance(delay_seconds, (int, float)) or math.isnan(delay_seconds):
-        raise DelayError(f"delay_seconds must be a number of seconds, got {delay_seconds!r}")
+    if isinstance(delay_seconds, bool) or not isinstance(delay_seconds, (int, float)) \
+            or isinstance(delay_seconds, float) and not math.isfinite(delay_seconds):
+        raise DelayError(f"delay_seconds must be a finite number of seconds, got {delay_seconds!r}")
     return max(0, math.ceil(delay_seconds))  # negative means now; never early
 
 
@@ -157,9 +158,12 @@ class Names:
     """Every name of the delay infrastructure under one prefix."""
 
     def __init__(self, prefix: str = "delay", levels: int = LEVELS) -> None:
-        if not isinstance(levels, int) or not 1 <= levels <= LEVELS:
+        if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= LEVELS:
             raise InvalidNameError(f"levels must be an int in 1..{LEVELS}, got {levels!r}")
-        check_endpoint(f"{prefix}.level-00")
+        try:
+            check_endpoint(f"{prefix}.level-00")
+        except InvalidInputError as exc:
+            raise InvalidNameError(f"prefix {prefix!r} cannot name the delay exchanges and queues: {exc}") from None
         self.prefix = prefix
         self.levels = levels
         self.delivery = f"{prefix}.delivery"
@@ -255,17 +259,29 @@ def _flag(value: Any) -> bool:
     return value is True or str(value).lower() in ("true", "1", "yes")
 
 
+#: The integer connection extras: their default and allowed range.
+_INT_EXTRAS = {"heartbeat": (60, 0, None), "levels": (LEVELS, 1, LEVELS), "confirm_window": (1000, 1, None),
+               "delivery_limit": (DELIVERY_LIMIT, 1, None)}
+
+
+def _int_extra(spec: dict, name: str) -> int:
+    """An integer extra (a string from URI-style connections); the error names the extra and its range."""
+    default, low, high = _INT_EXTRAS[name]
+    value = spec.get(name, default)
+    try:
+        n = value if type(value) is int else int(value) if isinstance(value, str) else None
+    except ValueError:
+        n = None
+    if n is None or n < low or (high is not None and n > high):
+        allowed = f"in {low}..{high}" if high is not None else f">= {low}"
+        raise InvalidInputError(f"the rabbitmq connection extra {name} must be an int {allowed}, got {value!r}")
+    return n
+
+
 def parameters_from_spec(spec: dict) -> tuple[pika.ConnectionParameters, dict]:
     """pika parameters and transport options from a connection spec (see hooks.rabbitmq.connection_spec)."""
-    try:
-        heartbeat = int(spec.get("heartbeat", 60))
-        levels = int(spec.get("levels", LEVELS))
-        window = int(spec.get("confirm_window", 1000))
-        delivery_limit = int(spec.get("delivery_limit", DELIVERY_LIMIT))
-    except (TypeError, ValueError) as exc:
-        raise InvalidInputError(
-            f"rabbitmq connection extras heartbeat, levels, confirm_window and delivery_limit must be integers: {exc}"
-        ) from None
+    heartbeat, levels, window, delivery_limit = (
+        _int_extra(spec, name) for name in ("heartbeat", "levels", "confirm_window", "delivery_limit"))
     tls = None
     if _flag(spec.get("tls", False)):
         context = ssl.create_default_context()
@@ -305,6 +321,9 @@ class RabbitMQTransport(Transport):
         if isinstance(delivery_limit, bool) or not isinstance(delivery_limit, int) or delivery_limit < 1:
             # RabbitMQ 4.x reads -1 as "no limit", 3.x as "drop at the first redelivery": neither is allowed.
             raise InvalidInputError(f"delivery_limit must be an int >= 1, got {delivery_limit!r}")
+        if isinstance(confirm_window, bool) or not isinstance(confirm_window, int) or confirm_window < 1:
+            # 0 would publish nothing and time every send out
+            raise InvalidInputError(f"confirm_window must be an int >= 1, got {confirm_window!r}")
         self.parameters = parameters
         self.names = Names(prefix, levels)
         self.delivery_limit = delivery_limit
@@ -403,6 +422,9 @@ class RabbitMQTransport(Transport):
             channel.queue_declare(queue.name, durable=True, arguments=queue.legacy_arguments)
         except ChannelClosedByBroker:
             raise refusal from None
+
+    def check_endpoint(self, endpoint: str, **options: Any) -> str:
+        return check_endpoint(endpoint, self.names.levels)
 
     def provision(self, endpoint: str) -> dict:
         """Declare the endpoint's queue and binding, and (once per transport) the delay levels.

@@ -34,7 +34,7 @@ from airflow_delay_provider.core.errors import (
     InvalidNameError,
     UnavailableError,
 )
-from airflow_delay_provider.core.message import HEADER_DUE_AT, DelayedMessage
+from airflow_delay_provider.core.message import HEADER_DUE_AT, DelayedMessage, check_destination
 from airflow_delay_provider.core.ports import ReceivedMessage, Transport
 from airflow_delay_provider.core.throttle import TokenBucket
 
@@ -84,7 +84,8 @@ def delay_queue_name(name: str, prefix: str = "") -> str:
 
 
 def check_queue_name(name: str) -> str:
-    if not isinstance(name, str) or not 1 <= len(name) <= MAX_QUEUE_NAME or _UNSAFE.search(name.removesuffix(".fifo")):
+    stem = name.removesuffix(".fifo") if isinstance(name, str) else ""
+    if not stem or len(name) > MAX_QUEUE_NAME or _UNSAFE.search(stem):
         raise InvalidNameError(
             f"SQS queue name {name!r} is not allowed: 1-{MAX_QUEUE_NAME} characters of A-Z, a-z, 0-9, '-' and '_' "
             "(a FIFO queue ends in .fifo)"
@@ -93,8 +94,9 @@ def check_queue_name(name: str) -> str:
 
 
 def _whole_seconds(delay_seconds: object, field: str = "delay_seconds") -> int:
-    if isinstance(delay_seconds, bool) or not isinstance(delay_seconds, (int, float)) or math.isnan(delay_seconds):
-        raise DelayError(f"{field} must be a number of seconds, got {delay_seconds!r}")
+    if isinstance(delay_seconds, bool) or not isinstance(delay_seconds, (int, float)) \
+            or isinstance(delay_seconds, float) and not math.isfinite(delay_seconds):
+        raise DelayError(f"{field} must be a finite number of seconds, got {delay_seconds!r}")
     if delay_seconds < 0:
         raise DelayError(f"{field} must be >= 0, got {delay_seconds}")
     return math.ceil(delay_seconds)
@@ -212,6 +214,12 @@ class SqsTransport(Transport):
     def queue_name(self, endpoint: str) -> str:
         return check_queue_name(f"{self.prefix}{endpoint}")
 
+    def check_endpoint(self, endpoint: str, unrestricted: bool = True, **options: Any) -> str:
+        self.queue_name(check_destination(endpoint))
+        if unrestricted:
+            delay_queue_name(endpoint, self.prefix)
+        return endpoint
+
     def _url(self, queue: str) -> str:
         if queue not in self._urls:
             try:
@@ -294,6 +302,7 @@ class SqsTransport(Transport):
         """Start-up check of the delay queue: present, delay >= Q, retention longer than the delay, no
         redrive policy. A retention too short to outlast `max_relay_downtime` is a warning (logged and
         in the report's `warnings`): a relay down that long would lose messages silently."""
+        self.queue_name(endpoint)  # a name SQS cannot have says so, not "missing"
         fifo = delay_queue_name(endpoint, self.prefix)
         try:
             url = self._url(fifo)
@@ -598,13 +607,21 @@ class RelayCounts:
         self.held += other.held
 
 
+#: Characters SQS keeps in a body (XML 1.0's); it refuses others or replaces them with U+FFFD.
+_SQS_TEXT = re.compile("[\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]*")
+
+
 def _encode_body(body: bytes, attributes: dict) -> str:
-    """SQS bodies are text: UTF-8 as is, anything else base64 with an attribute saying so."""
+    """SQS bodies are text: UTF-8 as is when SQS keeps every character, anything else base64 with an
+    attribute saying so."""
     try:
-        return body.decode("utf-8")
+        text = body.decode("utf-8")
     except UnicodeDecodeError:
-        attributes[ATTR_ENCODING] = {"DataType": "String", "StringValue": "base64"}
-        return base64.b64encode(body).decode("ascii")
+        text = None
+    if text is not None and _SQS_TEXT.fullmatch(text):
+        return text
+    attributes[ATTR_ENCODING] = {"DataType": "String", "StringValue": "base64"}
+    return base64.b64encode(body).decode("ascii")
 
 
 def _decode_body(message: dict) -> bytes:

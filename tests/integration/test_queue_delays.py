@@ -99,3 +99,29 @@ def test_native_rabbitmq_sends_apply_the_destinations_queue_level_delay(store_co
     assert slow.body == b"q"
     assert fast_at - sent_at < timedelta(seconds=2)  # no queue-level delay: at once
     assert slow_at - sent_at >= timedelta(seconds=3)  # the broker's levels held it the queue's 3 s
+
+
+def test_provisioning_checks_every_name_before_it_creates_anything(rabbit_vhost, monkeypatch, store_conn):
+    from airflow_delay_provider.core.errors import InvalidNameError
+    from airflow_delay_provider.hooks.rabbitmq import RabbitMQDelayHook
+    from airflow_delay_provider.operators.delay import ProvisionDelayInfrastructureOperator
+
+    rabbit = {"transport": "rabbitmq", "transport_conn_id": _rabbit_conn(monkeypatch, rabbit_vhost, "pc"),
+              "delay_store_conn_id": store_conn}
+    with pytest.raises(InvalidNameError, match="amq.x"):
+        ProvisionDelayInfrastructureOperator(task_id="p", endpoints=["orders", "amq.x"], **rabbit).execute(_context("p"))
+    transport = RabbitMQDelayHook(rabbit["transport_conn_id"]).get_transport()
+    try:
+        report = transport.verify(["orders"])
+    finally:
+        transport.close()
+    assert not report["complete"] and "orders" in str(report["missing"])  # not even the first endpoint
+
+
+def test_a_bad_policy_among_destination_policies_names_its_destination():
+    from airflow_delay_provider.core.retry_policy import PolicyError
+    from airflow_delay_provider.operators.delay import ProvisionDelayInfrastructureOperator
+
+    with pytest.raises(PolicyError, match=r"destination_policies\['billing'\]: delivery policy is not valid JSON"):
+        ProvisionDelayInfrastructureOperator(task_id="p", endpoints=["billing"],
+                                             destination_policies={"orders": "http", "billing": "{oops"})

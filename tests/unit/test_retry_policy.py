@@ -48,7 +48,8 @@ def test_builtin_policies():
 @pytest.mark.parametrize(("retry", "fragment"), [
     ({"numRetries": 101}, "numRetries is 101; allowed: 0..100"),
     ({"numRetries": -1}, "numRetries is -1"),
-    ({"minDelayTarget": 30, "maxDelayTarget": 20}, "minDelayTarget is 30; allowed: 0..20"),
+    ({"minDelayTarget": 30, "maxDelayTarget": 20}, r"minDelayTarget \(30\) is above maxDelayTarget \(20\)"),
+    ({"maxDelayTarget": 10}, r"minDelayTarget \(20\) is above maxDelayTarget \(10\).*either one left out is 20 s"),
     ({"minDelayTarget": -1}, "minDelayTarget is -1"),
     ({"maxDelayTarget": 3601}, "maxDelayTarget is 3601; allowed: 0..3600"),
     ({"numNoDelayRetries": -1}, "numNoDelayRetries is -1; allowed: >= 0"),
