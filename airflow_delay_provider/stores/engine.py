@@ -10,7 +10,7 @@ from typing import Iterator
 
 from sqlalchemy import Engine, MetaData, create_engine, event, func, select
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import OperationalError, PendingRollbackError
 from sqlalchemy.schema import CreateSchema
 
 from airflow_delay_provider.core.errors import InvalidInputError, InvalidNameError, UnavailableError
@@ -162,3 +162,9 @@ def translate_errors(url: URL | str, action: str) -> Iterator[None]:
             f"could not {action}: the database at {safe_url(url)} is not reachable or refused the operation "
             f"({message.strip().splitlines()[0] if message.strip() else type(exc).__name__})"
         ) from None  # the driver's exception may carry the connection string
+    except PendingRollbackError:
+        # A connection lost inside a transaction: SQLAlchemy refuses it until that transaction is
+        # rolled back, which happens as the claim unwinds; the next attempt takes a fresh connection.
+        raise UnavailableError(
+            f"could not {action}: the connection to the database at {safe_url(url)} was lost inside a transaction"
+        ) from None

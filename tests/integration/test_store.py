@@ -228,3 +228,25 @@ def test_provisioning_from_several_tasks_at_once_creates_each_table_once(pg):
         with engine.begin() as conn:
             conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
         engine.dispose()
+
+
+def test_a_connection_lost_inside_a_transaction_is_reported_as_an_outage(pg):
+    from sqlalchemy import text
+
+    from airflow_delay_provider.core.errors import UnavailableError
+    from airflow_delay_provider.stores.engine import translate_errors
+
+    url, schema, table = pg
+    store = make_store(url, schema, table)
+    with store.engine.connect() as victim, store.engine.connect() as killer:
+        victim.begin()
+        pid = victim.execute(text("select pg_backend_pid()")).scalar()
+        killer.execute(text("select pg_terminate_backend(:pid)"), {"pid": pid})
+        with pytest.raises(UnavailableError, match="not reachable"):
+            with translate_errors(store.url, "claim"):
+                victim.execute(text("select 1"))
+        # SQLAlchemy refuses the connection until the transaction is rolled back: an outage, named as one.
+        with pytest.raises(UnavailableError, match="was lost inside a transaction"):
+            with translate_errors(store.url, "claim"):
+                victim.execute(text("select 1"))
+    store.close()
