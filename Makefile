@@ -7,7 +7,7 @@ JDBC_JAR := /usr/share/java/postgresql.jar
 CHROMIUM := /usr/bin/chromium
 export AIRFLOW_HOME := $(CURDIR)/.airflow
 
-.PHONY: demo test bench install clean
+.PHONY: demo test test-fast bench install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,13 @@ demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
 test: $(STAMP) $(JDBC_JAR) $(CHROMIUM)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
+
+# No services needed: unit and property tests, and the contract tests on the in-memory fakes and SQLite.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not services" -q
 
 bench: $(STAMP) $(JDBC_JAR)
 	$(BIN)/pip install --quiet -c constraints.txt matplotlib

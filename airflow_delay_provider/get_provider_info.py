@@ -19,8 +19,11 @@ def get_provider_info() -> dict:
             "airflow_delay_provider.hooks.delay_store", "airflow_delay_provider.hooks.rabbitmq",
             "airflow_delay_provider.hooks.sqs"]}],
         "operators": [{"integration-name": INTEGRATION, "python-modules": [
-            "airflow_delay_provider.operators.delay", "airflow_delay_provider.operators.sweep"]}],
-        "sensors": [{"integration-name": INTEGRATION, "python-modules": ["airflow_delay_provider.sensors.delay_store"]}],
+            "airflow_delay_provider.operators.provision", "airflow_delay_provider.operators.send",
+            "airflow_delay_provider.operators.dispatch", "airflow_delay_provider.operators.migrate",
+            "airflow_delay_provider.operators.sqs", "airflow_delay_provider.operators.sweep"]}],
+        "sensors": [{"integration-name": INTEGRATION, "python-modules": [
+            "airflow_delay_provider.sensors.delay_store"]}],
         "triggers": [{"integration-name": INTEGRATION, "python-modules": [
             "airflow_delay_provider.triggers.delay_store", "airflow_delay_provider.triggers.sqs"]}],
         "connection-types": [
@@ -70,15 +73,19 @@ def get_provider_info() -> dict:
                 "hook-name": "RabbitMQ (delayed delivery)",
                 "connection-type": "rabbitmq",
                 "conn-fields": {
-                    "heartbeat": {"label": "Heartbeat (s)", "schema": {"type": ["integer", "null"], "default": 60, "minimum": 0}},
+                    "heartbeat": {"label": "Heartbeat (s)",
+                                  "schema": {"type": ["integer", "null"], "default": 60, "minimum": 0}},
                     "tls": {"label": "Use TLS", "schema": {"type": ["boolean", "null"], "default": False}},
-                    "tls_verify": {"label": "Verify the TLS certificate", "schema": {"type": ["boolean", "null"], "default": True}},
+                    "tls_verify": {"label": "Verify the TLS certificate",
+                                   "schema": {"type": ["boolean", "null"], "default": True}},
                     "prefix": {
                         "label": "Delay topology prefix",
                         "schema": {"type": ["string", "null"], "default": "delay"},
-                        "description": "Exchanges and queues are named <prefix>.level-27 .. <prefix>.level-00, <prefix>.delivery",
+                        "description": "Exchanges and queues are named <prefix>.level-27 .. <prefix>.level-00, "
+                                       "<prefix>.delivery",
                     },
-                    "levels": {"label": "Delay levels", "schema": {"type": ["integer", "null"], "default": 28, "minimum": 1, "maximum": 28}},
+                    "levels": {"label": "Delay levels",
+                               "schema": {"type": ["integer", "null"], "default": 28, "minimum": 1, "maximum": 28}},
                     "confirm_window": {
                         "label": "Publisher confirms in flight",
                         "schema": {"type": ["integer", "null"], "default": 1000, "minimum": 1},

@@ -11,14 +11,15 @@ character outside letters, digits, `_` and `-` replaced by `_`:
 | `delay_provider.dispatch.<destination>.dead_lettered` | counter | sent to the error queue |
 | `delay_provider.dispatch.<destination>.released` | counter | handed back untouched during a transport outage |
 | `delay_provider.dispatch.lateness_p50_ms`, `..._p99_ms` | gauge | dispatch lateness of the last run |
-| `delay_provider.store.<destination>.scheduled` | gauge | stored, not yet dispatched (a queue's NumberOfMessagesDelayed) |
+| `delay_provider.store.<destination>.scheduled` | gauge | stored, not yet dispatched \
+(a queue's NumberOfMessagesDelayed) |
 | `delay_provider.store.<destination>.due` | gauge | stored and already due: the dispatch backlog |
 """
 
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 from airflow.sdk.observability.stats import Stats
 

@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +54,7 @@ DISPATCHERS = {
 }
 DAG_TEMPLATE = '''
 from airflow.sdk import DAG, Param
-from airflow_delay_provider.operators.delay import DispatchDueMessagesOperator
+from airflow_delay_provider.operators.dispatch import DispatchDueMessagesOperator
 
 with DAG(dag_id="bench_dispatch_{kind}", schedule=None, catchup=False,
          params={{"seconds": Param(600, type="integer")}}) as dag:
@@ -122,7 +122,7 @@ def consume_sqs(client, url: str, arrivals: Arrivals) -> None:
                                      MessageAttributeNames=["All"], AttributeNames=["SentTimestamp"])
         messages = got.get("Messages", [])
         for m in messages:  # SentTimestamp: when SQS accepted the dispatcher's send (ms)
-            sent = datetime.fromtimestamp(int(m["Attributes"]["SentTimestamp"]) / 1000, timezone.utc)
+            sent = datetime.fromtimestamp(int(m["Attributes"]["SentTimestamp"]) / 1000, UTC)
             arrivals.record("store -> SQS (moto)", m["MessageAttributes"][ATTR_MESSAGE_ID]["StringValue"], sent)
         if messages:
             client.delete_message_batch(QueueUrl=url, Entries=[
@@ -330,8 +330,8 @@ def report(r: dict) -> None:
     print("| path | messages | delivered | early | twice | first ms | p50 ms | p99 ms | max ms |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for row in r["rows"]:
-        print(f"| {row['path']} | {row['messages']} | {row['delivered']}/{row['n']} | {row['early']} | {row['twice']} | "
-              f"{row['first_ms']} | {row['p50_ms']} | {row['p99_ms']} | {row['max_ms']} |")
+        print(f"| {row['path']} | {row['messages']} | {row['delivered']}/{row['n']} | {row['early']} | "
+              f"{row['twice']} | {row['first_ms']} | {row['p50_ms']} | {row['p99_ms']} | {row['max_ms']} |")
     print(f"\nWorker slot held by a dispatcher: {r['worker_slot_seconds_per_minute']} s per minute of waiting "
           f"({100 * r['worker_slot_seconds_per_minute'] / 60:.1f}%)")
     d = r["dags_test"]

@@ -63,7 +63,8 @@ def raw_windowed(params: pika.ConnectionParameters, queue: str, n: int, window: 
 
     def on_channel(channel):
         channel_holder.append(channel)
-        channel.confirm_delivery(on_ack, callback=lambda _f: (state.update(start=time.perf_counter()), publish_more(channel)))
+        channel.confirm_delivery(
+            on_ack, callback=lambda _f: (state.update(start=time.perf_counter()), publish_more(channel)))
 
     channel_holder: list = []
     connection = pika.SelectConnection(params, on_open_callback=lambda c: c.channel(on_open_callback=on_channel),
@@ -190,12 +191,16 @@ def main() -> None:
     print("| measure | msg/s | vs raw windowed confirms |")
     print("|---|---:|---:|")
     print(f"| pika raw, 1,000 confirms in flight (the broker's limit) | {r['raw_windowed']:,.0f} | 100% |")
-    print(f"| **our pump, PostgreSQL store -> RabbitMQ, windowed confirms** | {r['pump']:,.0f} | {r['pump'] / r['raw_windowed']:.0%} |")
-    print(f"| pika, one confirm per message (reference way) | {r['one_confirm']:,.0f} | {r['one_confirm'] / r['raw_windowed']:.0%} |")
+    print(f"| **our pump, PostgreSQL store -> RabbitMQ, windowed confirms** | {r['pump']:,.0f} | "
+          f"{r['pump'] / r['raw_windowed']:.0%} |")
+    print(f"| pika, one confirm per message (reference way) | {r['one_confirm']:,.0f} | "
+          f"{r['one_confirm'] / r['raw_windowed']:.0%} |")
     print(f"\n| {args.lateness_messages:,} messages due in the same second | lateness p50 | p99 | missing |")
     print("|---|---:|---:|---:|")
-    print(f"| native: the 28 delay levels | {r['native_p50'] * 1000:.0f} ms | {r['native_p99'] * 1000:.0f} ms | {r['native_missing']} |")
-    print(f"| SQL store + pump -> RabbitMQ | {r['pump_p50'] * 1000:.0f} ms | {r['pump_p99'] * 1000:.0f} ms | {r['pump_missing']} |")
+    print(f"| native: the 28 delay levels | {r['native_p50'] * 1000:.0f} ms | {r['native_p99'] * 1000:.0f} ms | "
+          f"{r['native_missing']} |")
+    print(f"| SQL store + pump -> RabbitMQ | {r['pump_p50'] * 1000:.0f} ms | {r['pump_p99'] * 1000:.0f} ms | "
+          f"{r['pump_missing']} |")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(r, indent=2))
 

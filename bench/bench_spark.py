@@ -33,6 +33,7 @@ from bench_store import libpq, log, peak_rss_mb, raw_claim, raw_copy, raw_rows  
 from airflow_delay_provider.core.pump import Pump, PumpConfig  # noqa: E402
 from airflow_delay_provider.spark import sweep as sweep_app  # noqa: E402
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore  # noqa: E402
+from airflow_delay_provider.transports.registry import from_spec  # noqa: E402
 
 SPARK_SUBMIT = Path(sys.executable).with_name("spark-submit")
 APP = Path(sweep_app.__file__).with_name("sweep_app.py")
@@ -50,7 +51,7 @@ def fill(url: str, qualified: str, n: int) -> None:
 def pump_child(url: str, schema: str, table: str, transport_json: str) -> None:
     """Run in its own process, so its peak RSS is the pump's alone."""
     store = SqlDelayedMessageStore(url, table=table, schema=schema)
-    transport = sweep_app.transport_from_spec(json.loads(transport_json))
+    transport = from_spec(json.loads(transport_json))
     started = time.perf_counter()
     result = Pump(store, transport, PumpConfig(batch_size=1000)).run(stop_when_idle=True)
     elapsed = time.perf_counter() - started
@@ -136,11 +137,11 @@ def main() -> None:
     store.create_schema()
     qualified = f"{schema}.{table}"
     sql = {"kind": "sql", "url": url, "schema": schema, "table_prefix": "q_"}
-    sweep_app.transport_from_spec(sql).provision("orders")
+    from_spec(sql).provision("orders")
     rabbitmqctl("add_vhost", vhost)
     rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
     rabbit = {"kind": "rabbitmq", "host": args.rabbit_host, "virtual_host": vhost, "prefix": "bench"}
-    broker = sweep_app.transport_from_spec(rabbit)
+    broker = from_spec(rabbit)
     for queue in ("orders", "error"):
         broker.provision(queue)
     params = pika.ConnectionParameters(args.rabbit_host, virtual_host=vhost)
@@ -175,7 +176,8 @@ def main() -> None:
                 purge()
         raw_n = min(n, 200_000)
         rate = raw_windowed(params, "orders", raw_n)
-        results["rabbitmq: raw limit (pika windowed confirms, 1 process)"] = {"dispatched": raw_n, "seconds": raw_n / rate}
+        results["rabbitmq: raw limit (pika windowed confirms, 1 process)"] = {"dispatched": raw_n,
+                                                                            "seconds": raw_n / rate}
         purge()
     finally:
         with psycopg.connect(libpq(url), autocommit=True) as conn:

@@ -75,8 +75,9 @@ def main() -> None:
         n, q = args.messages, 1
         queue = raw.create_queue(QueueName="raw")["QueueUrl"]
         started = time.perf_counter()
-        for i in range(0, n, 10):
-            raw.send_message_batch(QueueUrl=queue, Entries=[{"Id": str(j), "MessageBody": "x" * 200} for j in range(10)])
+        for _i in range(0, n, 10):
+            raw.send_message_batch(QueueUrl=queue,
+                                   Entries=[{"Id": str(j), "MessageBody": "x" * 200} for j in range(10)])
         r["raw_send_batch"] = n / (time.perf_counter() - started)
 
         counting = Counting(raw)

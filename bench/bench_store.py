@@ -217,7 +217,8 @@ def main() -> None:
 def report(r: dict[str, float], args) -> None:
     rows = [
         ("store (msg/s)", r["store"], r["reference_store"], r["raw_insert"], "COPY, 1000 rows/txn"),
-        ("dispatch store -> SQL queue (msg/s)", r["pump"], r["reference_pump"], r["raw_claim"], "bare claim, 1000 rows/txn"),
+        ("dispatch store -> SQL queue (msg/s)", r["pump"], r["reference_pump"], r["raw_claim"],
+         "bare claim, 1000 rows/txn"),
     ]
     print(f"\nPostgreSQL, {args.messages:,} messages of {len(BODY)} B (reference loop: {args.reference_messages:,}); "
           f"{os.cpu_count()} cores\n")

@@ -6,7 +6,7 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import DAG, Param
 
-from airflow_delay_provider.operators.delay import DispatchDueMessagesOperator
+from airflow_delay_provider.operators.dispatch import DispatchDueMessagesOperator
 
 INTERVAL = timedelta(minutes=10)
 

@@ -7,7 +7,7 @@ from datetime import datetime
 from airflow.sdk import DAG, Param
 
 from airflow_delay_provider.dag_params import reject_unknown_conf
-from airflow_delay_provider.operators.delay import SendDelayedMessageOperator
+from airflow_delay_provider.operators.send import SendDelayedMessageOperator
 
 with DAG(
     dag_id="delay_manual_send",

@@ -9,11 +9,9 @@ from datetime import datetime, timedelta
 from airflow.sdk import DAG, Param, task
 
 from airflow_delay_provider.dag_params import reject_unknown_conf
-from airflow_delay_provider.operators.delay import (
-    DispatchDueMessagesOperator,
-    ProvisionDelayInfrastructureOperator,
-    SendDelayedMessageOperator,
-)
+from airflow_delay_provider.operators.dispatch import DispatchDueMessagesOperator
+from airflow_delay_provider.operators.provision import ProvisionDelayInfrastructureOperator
+from airflow_delay_provider.operators.send import SendDelayedMessageOperator
 
 QUEUE = "orders.cancel-check"
 

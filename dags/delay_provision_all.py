@@ -6,7 +6,7 @@ from datetime import datetime
 
 from airflow.sdk import DAG
 
-from airflow_delay_provider.operators.delay import ProvisionDelayInfrastructureOperator
+from airflow_delay_provider.operators.provision import ProvisionDelayInfrastructureOperator
 
 #: The one place that says what exists. Each key is a transport; a transport left out is not touched.
 CONFIG = {

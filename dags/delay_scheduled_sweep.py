@@ -6,7 +6,7 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import DAG, DeltaDataIntervalTimetable
 
-from airflow_delay_provider.operators.delay import DispatchDueMessagesOperator
+from airflow_delay_provider.operators.dispatch import DispatchDueMessagesOperator
 
 with DAG(
     dag_id="delay_scheduled_sweep",

@@ -6,7 +6,8 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import DAG, Param
 
-from airflow_delay_provider.operators.delay import ProvisionDelayInfrastructureOperator, RelayDelayedMessagesOperator
+from airflow_delay_provider.operators.provision import ProvisionDelayInfrastructureOperator
+from airflow_delay_provider.operators.sqs import RelayDelayedMessagesOperator
 
 ENDPOINTS = ["orders"]
 
@@ -25,10 +26,10 @@ For each endpoint with unrestricted delays, a task long-polls its `-delay.fifo` 
 minutes, sending each message back for another 15-minute cycle or on to the endpoint with the rest
 of its delay. While the delay queue has nothing to relay the task waits in the triggerer. At most two
 runs at once (a manual run beside the scheduled one: two relays share a delay queue safely, each
-message being invisible to one while the other holds it); a run that was missed is not made up (`catchup=False`), since the
-delay queue keeps its messages for days. The first task makes sure each endpoint's queues exist
-(idempotent), so the DAG works on a fresh deployment; connection `aws_default`. A manual run relays
-for `relay_seconds`.
+message being invisible to one while the other holds it); a run that was missed is not made up
+(`catchup=False`), since the delay queue keeps its messages for days. The first task makes sure each
+endpoint's queues exist (idempotent), so the DAG works on a fresh deployment; connection
+`aws_default`. A manual run relays for `relay_seconds`.
 """,
 ) as dag:
     provision = ProvisionDelayInfrastructureOperator(task_id="provision", transport="sqs", endpoints=ENDPOINTS,

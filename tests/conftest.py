@@ -137,8 +137,8 @@ def rabbit_available():
         pika.BlockingConnection(pika.ConnectionParameters(RABBIT_HOST, RABBIT_PORT, connection_attempts=1)).close()
     except Exception as exc:
         pytest.fail(
-            f"RabbitMQ is not reachable at {RABBIT_HOST}:{RABBIT_PORT} ({type(exc).__name__}). These tests need the real "
-            "broker (guest/guest): start it with `rabbitmq-server -detached`.",
+            f"RabbitMQ is not reachable at {RABBIT_HOST}:{RABBIT_PORT} ({type(exc).__name__}). "
+            "These tests need the real broker (guest/guest): start it with `rabbitmq-server -detached`.",
             pytrace=False,
         )
 
@@ -197,3 +197,14 @@ def sqs_client(aws_conn):
     from airflow.providers.amazon.aws.hooks.sqs import SqsHook
 
     return SqsHook(aws_conn_id=aws_conn).get_conn()
+
+
+_SERVICE_DIRS = ("integration", "faults", "deployment")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests under integration/, faults/ and deployment/ need the services: marked, so that
+    `make test-fast` (-m "not services") runs the rest without any."""
+    for item in items:
+        if any(part in _SERVICE_DIRS for part in item.path.parts):
+            item.add_marker(pytest.mark.services)

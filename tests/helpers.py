@@ -26,7 +26,8 @@ def make_transport(url, schema, table, *queues: str) -> SqlTableTransport:
 
 def messages(n: int, destination: str = "orders", delay: float = 0.0, start: int = 0) -> list[DelayedMessage]:
     due = utcnow() + timedelta(seconds=delay)
-    return [DelayedMessage(destination, f"body-{i}".encode(), due, {"n": str(i)}, f"m-{i}") for i in range(start, start + n)]
+    return [DelayedMessage(destination, f"body-{i}".encode(), due, {"n": str(i)}, f"m-{i}")
+            for i in range(start, start + n)]
 
 
 def drain(transport: SqlTableTransport, queue: str) -> list:
@@ -42,7 +43,7 @@ def collect(transport, queue: str, expected: int, timeout: float) -> list:
     returns (arrival time, message) for every delivery, duplicates included."""
     got, seen = [], set()
     deadline = time.monotonic() + timeout
-    while (len(seen) < expected or transport.depth(queue)) and time.monotonic() < deadline:
+    while (len(seen) < expected or transport.depth(queue)["visible"]) and time.monotonic() < deadline:
         batch = transport.receive(queue, max_messages=500)
         now = utcnow()
         got.extend((now, m) for m in batch)

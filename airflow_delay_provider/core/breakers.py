@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from airflow_delay_provider.core.errors import CriticalError
 
@@ -40,7 +41,8 @@ class CircuitBreaker:
         now = self._clock()
         if self.armed_at is None:
             self.armed_at = now
-            log.warning("%s circuit breaker armed (trips after %.0f s of failures): %s", self.name, self.time_to_trigger, error)
+            log.warning("%s circuit breaker armed (trips after %.0f s of failures): %s",
+                        self.name, self.time_to_trigger, error)
         elif now - self.armed_at >= self.time_to_trigger:
             raise CriticalError(
                 f"{self.name} kept failing for {now - self.armed_at:.0f} s (allowed: {self.time_to_trigger:.0f} s); "

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from airflow_delay_provider.core.errors import DelayError
 
-__all__ = ["MAX_DELAY_SECONDS", "DelayError", "resolve_delay", "seconds_until", "to_seconds"]
+__all__ = ["MAX_DELAY_SECONDS", "DelayError", "resolve_delay", "seconds_until", "to_seconds", "whole_seconds"]
 
 #: Both levels accept 0..604,800 seconds (7 days), as SQS-style queue- and message-level delays do.
 MAX_DELAY_SECONDS = 604_800
@@ -64,6 +64,19 @@ def to_seconds(delay: int | float | timedelta, field: str = "delay_seconds") -> 
     return math.ceil(delay)
 
 
+def whole_seconds(delay: object, field: str = "delay_seconds", negative_is_now: bool = False) -> int:
+    """A broker's delay in whole seconds, rounded up (never early): a finite int or float; a negative
+    one is now (0) where `negative_is_now` (a due time already past), else an error."""
+    if isinstance(delay, bool) or not isinstance(delay, (int, float)) \
+            or isinstance(delay, float) and not math.isfinite(delay):
+        raise DelayError(f"{field} must be a finite number of seconds, got {delay!r}")
+    if delay < 0:
+        if negative_is_now:
+            return 0
+        raise DelayError(f"{field} must be >= 0, got {delay}")
+    return math.ceil(delay)
+
+
 def seconds_until(deliver_at: datetime, now: datetime) -> int:
     """Whole seconds from now until deliver_at, rounded up; a time in the past means 0 (deliver now)."""
     if deliver_at.tzinfo is None:
@@ -72,4 +85,4 @@ def seconds_until(deliver_at: datetime, now: datetime) -> int:
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)

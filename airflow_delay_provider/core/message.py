@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from airflow_delay_provider.core.errors import InvalidMessageError
 
@@ -52,11 +52,13 @@ def check_headers(headers: object) -> dict[str, str]:
     for key, value in headers.items():
         if not isinstance(key, str) or not key or len(key) > MAX_HEADER_NAME_LENGTH:
             raise InvalidMessageError(
-                f"header names must be non-empty strings of at most {MAX_HEADER_NAME_LENGTH} characters, got {key!r:.60}"
+                f"header names must be non-empty strings of at most {MAX_HEADER_NAME_LENGTH} characters, "
+                f"got {key!r:.60}"
             )
         if not isinstance(value, str):
             raise InvalidMessageError(
-                f"header {key!r} must have a str value, got {type(value).__name__}; convert it with str() or json.dumps()"
+                f"header {key!r} must have a str value, got {type(value).__name__}; "
+                "convert it with str() or json.dumps()"
             )
     size = len(json.dumps(headers).encode())
     if size > MAX_HEADERS_BYTES:
@@ -101,7 +103,7 @@ class DelayedMessage:
             )
         if not isinstance(self.due_at, datetime) or self.due_at.tzinfo is None:
             raise InvalidMessageError(f"due_at must be a timezone-aware datetime, got {self.due_at!r}")
-        object.__setattr__(self, "due_at", self.due_at.astimezone(timezone.utc))
+        object.__setattr__(self, "due_at", self.due_at.astimezone(UTC))
 
     @classmethod
     def trusted(
@@ -119,11 +121,11 @@ class DelayedMessage:
     def dead_lettered(self, error_queue: str, reason: str, failed_at: datetime) -> DelayedMessage:
         """This message addressed to the error queue, with headers saying where it came from, when and why."""
         headers = dict(self.headers)
-        headers.setdefault(HEADER_FIRST_FAILED_AT, failed_at.astimezone(timezone.utc).isoformat())
+        headers.setdefault(HEADER_FIRST_FAILED_AT, failed_at.astimezone(UTC).isoformat())
         headers.update(
             {
                 HEADER_FAILED_DESTINATION: self.destination,
-                HEADER_FAILED_AT: failed_at.astimezone(timezone.utc).isoformat(),
+                HEADER_FAILED_AT: failed_at.astimezone(UTC).isoformat(),
                 HEADER_FAILURE_REASON: reason[:1000],
                 HEADER_FAILURES: str(self.failures),
             }

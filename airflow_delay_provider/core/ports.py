@@ -7,11 +7,13 @@ Stores and transports live in their own packages (SQL today; RabbitMQ and SQS sl
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
 
+from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import DelayedMessage, check_destination
 
 
@@ -58,7 +60,7 @@ class DelayedMessageStore(ABC):
     def count_scheduled(self, due_before: datetime | None = None) -> dict[str, int]:
         """Messages still stored per destination (a queue's NumberOfMessagesDelayed)."""
 
-    def policies(self) -> dict[str, dict]:
+    def policies(self) -> dict[str, dict[str, Any]]:
         """Delivery policies stored per destination (delivery-policy JSON); none by default."""
         return {}
 
@@ -72,7 +74,7 @@ class DelayedMessageStore(ABC):
 
     def clock(self) -> datetime:
         """Now, on the clock due times are kept on (a shared database's, where hosts' clocks differ)."""
-        return datetime.now(timezone.utc)
+        return datetime.now(UTC)
 
     @abstractmethod
     def wait(self, until: datetime) -> None:
@@ -97,13 +99,18 @@ class Transport(ABC):
 
     name: str = "transport"
 
+    @property
+    def where(self) -> str:
+        """Where the transport's queues are, for messages and logs (never with a password)."""
+        return repr(self)
+
     def check_endpoint(self, endpoint: str, **options: Any) -> str:
         """The endpoint's name if this transport can create it; otherwise an error saying the rule.
         Provisioning checks every endpoint first, so a bad name creates nothing."""
         return check_destination(endpoint)
 
     @abstractmethod
-    def provision(self, endpoint: str) -> dict:
+    def provision(self, endpoint: str) -> dict[str, Any]:
         """Create what `endpoint` needs to receive messages (idempotent); returns what was declared or found."""
 
     @abstractmethod
@@ -122,10 +129,18 @@ class Transport(ABC):
     def ack(self, endpoint: str, receipts: Iterable[Any]) -> int:
         """Delete received messages; returns how many were deleted."""
 
+    @abstractmethod
+    def depth(self, endpoint: str) -> dict[str, int]:
+        """The endpoint queue's messages by state: always `visible` (ready to receive), and where the
+        broker tells, `in_flight` (received, not acked) and `scheduled` (delayed). Raises
+        DestinationNotFoundError when the queue does not exist."""
+
     #: True when send_start() really overlaps: the pump then keeps one batch in flight while it claims the next.
     pipelined: bool = False
 
-    def send_start(self, messages: Sequence[DelayedMessage], connection: Any = None) -> Callable[[], dict[str, Exception]]:
+    def send_start(
+        self, messages: Sequence[DelayedMessage], connection: Any = None
+    ) -> Callable[[], dict[str, Exception]]:
         """Start sending a batch; the returned function waits and gives the failures, like send().
 
         Transports that keep several batches in flight override this; by default it sends at once.
@@ -133,9 +148,19 @@ class Transport(ABC):
         failures = self.send(messages, connection=connection)
         return lambda: failures
 
+    def verify(self, endpoints: Iterable[str] = ()) -> dict[str, Any]:
+        """Report, changing nothing, what provisioning `endpoints` would create or fix: a dict with
+        `complete` (bool), `missing` and `different` (lists of names), and transport-specific details."""
+        raise InvalidInputError(f"verify is not supported by transport {self.name!r}")
+
+    def describe_delay(self, seconds: int) -> str | None:
+        """How this transport carries a delay of `seconds` natively (and what it costs), for the send
+        task's log; None when there is nothing worth saying."""
+        return None
+
     def joins(self, store: DelayedMessageStore) -> bool:
         """True when sends can run inside the store's transaction, making dispatch exactly once."""
         return False
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: a transport without connections has nothing to release
         """Release connections."""

@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
+from enum import Enum
 from functools import partial
-from typing import Callable, Mapping
+from typing import Any
 
 from airflow_delay_provider.core.breakers import CircuitBreaker, RateBreaker
 from airflow_delay_provider.core.delays import utcnow
@@ -59,9 +61,11 @@ class PumpConfig:
     retry_jitter: float = 0.1
 
     def __post_init__(self) -> None:
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or not 1 <= self.batch_size <= 10_000:
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) \
+                or not 1 <= self.batch_size <= 10_000:
             raise InvalidInputError(f"batch_size must be an int in 1..10000, got {self.batch_size!r}")
-        if isinstance(self.number_of_retries, bool) or not isinstance(self.number_of_retries, int) or not 0 <= self.number_of_retries <= 100:
+        if isinstance(self.number_of_retries, bool) or not isinstance(self.number_of_retries, int) \
+                or not 0 <= self.number_of_retries <= 100:
             raise InvalidInputError(f"number_of_retries must be an int in 0..100, got {self.number_of_retries!r}")
         try:
             check_destination(self.error_queue)
@@ -96,7 +100,13 @@ class _InFlight:
     wait: Callable[[], dict[str, Exception]]
 
 
-_FAILED = object()
+class _Failed(Enum):
+    """What _begin gives when the store failed: an Enum member, so `is _FAILED` narrows the type."""
+
+    FAILED = "failed"
+
+
+_FAILED = _Failed.FAILED
 
 
 def _outage(messages: list[DelayedMessage], exc: Exception) -> dict[str, Exception]:
@@ -131,7 +141,8 @@ class Pump:
         self._clock = clock or store.clock  # due times are compared on the store's clock
         self.exactly_once = transport.joins(store)
         c = self.config
-        self.fetch_breaker = CircuitBreaker("fetching due messages", c.time_to_trigger_fetch_circuit_breaker, sleep=sleep)
+        self.fetch_breaker = CircuitBreaker("fetching due messages", c.time_to_trigger_fetch_circuit_breaker,
+                                            sleep=sleep)
         self.dispatch_breaker = CircuitBreaker("dispatching", c.time_to_trigger_dispatch_circuit_breaker, sleep=sleep)
         self.recovery_breaker = RateBreaker("handling failed dispatches", c.maximum_recovery_failures_per_second)
         # Two claims open at once need a store that allows it and a transport that can wait later.
@@ -203,7 +214,7 @@ class Pump:
             return None
         return self._finish(inflight)
 
-    def _begin(self, limit: int, due_before: datetime | None):
+    def _begin(self, limit: int, due_before: datetime | None) -> _InFlight | _Failed | None:
         """Claim a batch and start sending it. None: nothing due; _FAILED: the store failed."""
         stack = ExitStack()
         try:
@@ -250,7 +261,7 @@ class Pump:
             self.dispatch_breaker.success()
         return stats
 
-    def _start_send(self, messages: list[DelayedMessage], connection) -> Callable[[], dict[str, Exception]]:
+    def _start_send(self, messages: list[DelayedMessage], connection: Any) -> Callable[[], dict[str, Exception]]:
         """Start sending; the returned function gives the failures. A batch that fails as a whole,
         when started or while waited for, counts as an outage for each of its messages."""
         if not messages:
@@ -273,7 +284,7 @@ class Pump:
 
         return outcome
 
-    def _settle(self, claim, messages: list[DelayedMessage], stats: PumpStats,
+    def _settle(self, claim: Claim, messages: list[DelayedMessage], stats: PumpStats,
                 failures: dict[str, Exception]) -> Exception | None:
         conn = claim.connection if self.exactly_once else None
         sent_at = self._clock()
@@ -371,7 +382,15 @@ class Pump:
             return None if upcoming is _FAILED else PumpStats()
         return self._finish(previous)
 
-    def _run(self, stats, deadline, max_messages, due_before, max_wait, stop_when_idle) -> PumpResult:
+    def _run(
+        self,
+        stats: PumpStats,
+        deadline: datetime | None,
+        max_messages: int | None,
+        due_before: datetime | None,
+        max_wait: float | None,
+        stop_when_idle: bool,
+    ) -> PumpResult:
         started = time.monotonic()
         last_report = started
         held_backoff = MIN_HELD_BACKOFF_SECONDS
@@ -385,7 +404,8 @@ class Pump:
             if max_messages is not None and handled >= max_messages:
                 self._settle_inflight(stats)
                 return PumpResult(stats, "max_messages", self._next_due(due_before))
-            limit = self.config.batch_size if max_messages is None else min(self.config.batch_size, max_messages - handled)
+            limit = (self.config.batch_size if max_messages is None
+                     else min(self.config.batch_size, max_messages - handled))
             batch = self._step(limit, due_before)
             if batch is None:  # the store failed; the fetch breaker has waited
                 continue
@@ -455,10 +475,10 @@ class Pump:
 
 
 #: Later than any due time: claiming "due by then" claims everything stored.
-END_OF_TIME = datetime(9999, 1, 1, tzinfo=timezone.utc)
+END_OF_TIME = datetime(9999, 1, 1, tzinfo=UTC)
 
 
-def hand_over(store: DelayedMessageStore, transport: Transport, batch_size: int = 1000) -> dict:
+def hand_over(store: DelayedMessageStore, transport: Transport, batch_size: int = 1000) -> dict[str, Any]:
     """Move every stored message, due or not, to a transport that delays natively (a migration).
 
     The transport receives each message with its original due time, so the remaining delay is

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
-from typing import Any, Callable, Mapping
+from functools import partial
+from typing import Any, cast
 
 from airflow_delay_provider.core.delays import resolve_delay, seconds_until, to_seconds
 from airflow_delay_provider.core.errors import DelayError, InvalidInputError
-from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.core.message import DelayedMessage, check_destination, new_message_id
 
 #: The keys a message of a batch may have; anything else is a typo worth an error.
 MESSAGE_FIELDS = frozenset({"destination", "body", "headers", "delay_seconds", "deliver_at", "message_id"})
@@ -24,7 +26,8 @@ def parse_moment(value: Any, field: str = "deliver_at") -> datetime | None:
     if not isinstance(value, datetime):
         raise DelayError(f"{field} must be a datetime or an ISO-8601 string, got {type(value).__name__}")
     if value.tzinfo is None:
-        raise DelayError(f"{field} must carry a timezone (for example 2026-01-31T12:00:00+00:00), got {value.isoformat()}")
+        raise DelayError(f"{field} must carry a timezone (for example 2026-01-31T12:00:00+00:00), "
+                         f"got {value.isoformat()}")
     return value
 
 
@@ -37,7 +40,7 @@ def parse_int(value: Any, field: str) -> int | None:
             return int(value)
         except ValueError:
             raise DelayError(f"{field} must be an integer number of seconds, got {value!r}") from None
-    return value
+    return cast("int | None", value)  # not checked here: resolve_delay refuses anything but an int
 
 
 def build_message(
@@ -67,7 +70,8 @@ def build_message(
     else:
         message_delay, field = None, f"{where}delay_seconds"
     queue_delay = parse_int(queue_delay_seconds, "queue_delay_seconds")
-    provisioned = (queue_delays or {}).get(item.get("destination"))
+    destination: Any = item.get("destination")  # as the user wrote it: DelayedMessage checks it
+    provisioned = (queue_delays or {}).get(destination)
     if provisioned is not None:
         if queue_delay not in (None, provisioned):
             raise DelayError(
@@ -77,14 +81,101 @@ def build_message(
             )
         queue_delay = provisioned
     seconds = resolve_delay(message_delay, queue_delay, message_field=field, queue_field="queue_delay_seconds")
-    kwargs = {}
-    message_id = item.get("message_id") or (default_id() if default_id else None)
-    if message_id:
-        kwargs["message_id"] = message_id
+    message_id = item.get("message_id") or (default_id() if default_id else None) or new_message_id()
     return DelayedMessage(
-        destination=item.get("destination"),
+        destination=destination,
         body=item.get("body", b""),
         headers=item.get("headers") or {},
         due_at=now + timedelta(seconds=seconds),
-        **kwargs,
+        message_id=message_id,
     )
+
+
+def parse_literal(name: str, text: str) -> Any:
+    """A rendered template: JSON, or the Python literal a list of dicts renders to (never code)."""
+    import ast
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise InvalidInputError(f"{name} must render to a JSON list of objects (or a Python list of dicts), "
+                                f"got {text[:200]!r}") from None
+
+
+def parse_runtime(value: Any, field: str = "max_runtime") -> timedelta | str:
+    """A run time as a timedelta: a timedelta, or seconds (a number or a rendered number > 0); a
+    template is left for rendering."""
+    if isinstance(value, str) and "{{" in value:
+        return value
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    else:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            seconds = -1.0
+        if isinstance(value, bool):
+            seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise InvalidInputError(f"{field} must be a timedelta or a number of seconds > 0, got {value!r}")
+    return timedelta(seconds=seconds)
+
+
+def parse_count(name: str, value: Any) -> int | None:
+    """A rendered count: an int >= 1, or nothing."""
+    if value in (None, ""):
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if isinstance(value, bool) or n < 1 or str(n) != str(value).strip():
+        raise InvalidInputError(f"{name} must be a whole number >= 1, got {value!r}")
+    return n
+
+
+def parse_destinations(value: Any) -> list[str] | None:
+    """A rendered destination list: a list of names or a comma-separated string; each name is checked."""
+    if value in (None, "", []):
+        return None
+    names = [v.strip() for v in value.split(",")] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise InvalidInputError(f"destinations must be a list of destination names, got {value!r}")
+    return [check_destination(n) for n in names]
+
+
+def build_batch(
+    items: Any,
+    defaults: Mapping[str, Any],
+    now: datetime,
+    queue_delay_seconds: Any = None,
+    default_id: Callable[[int], str] | None = None,
+    queue_delays: Mapping[str, int] | None = None,
+    batch: bool = True,
+) -> list[DelayedMessage]:
+    """Every message of a send request, each checked before any is returned (one bad message: none).
+
+    `items` is a list of dicts (or its rendered JSON / Python-literal text); missing keys take
+    `defaults`. Errors of a batch name the message ("messages[2].delay_seconds")."""
+    if isinstance(items, str):
+        items = parse_literal("messages", items)
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise InvalidInputError(f"messages must be a list of dicts, got {type(items).__name__}")
+    return [
+        build_message({**defaults, **item}, now, queue_delay_seconds,
+                      default_id=None if default_id is None else partial(default_id, n),
+                      where=f"messages[{n}]." if batch else "", queue_delays=queue_delays)
+        for n, item in enumerate(items)
+    ]
+
+
+def destinations_of(items: Any, defaults: Mapping[str, Any]) -> set[str]:
+    """The destination names a send request mentions (before it is checked)."""
+    if not isinstance(items, list):
+        return set()
+    return {d for i in items if isinstance(i, dict) and isinstance(d := {**defaults, **i}.get("destination"), str)}

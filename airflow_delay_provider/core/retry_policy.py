@@ -22,8 +22,9 @@ starts exactly at m, ends exactly at M and never decreases; with one backoff ret
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any
 
 from airflow_delay_provider.core.errors import InvalidInputError
 
@@ -86,7 +87,8 @@ class DeliveryPolicy:
                 f"numNoDelayRetries + numMinDelayRetries + numMaxDelayRetries is {phases}; allowed: at most "
                 f"numRetries ({self.num_retries})")
         if self.backoff_function not in BACKOFF_FUNCTIONS:
-            raise PolicyError(f"backoffFunction is {self.backoff_function!r}; allowed: one of {list(BACKOFF_FUNCTIONS)}")
+            raise PolicyError(f"backoffFunction is {self.backoff_function!r}; "
+                              f"allowed: one of {list(BACKOFF_FUNCTIONS)}")
         if self.max_receives_per_second is not None:
             _int("maxReceivesPerSecond", self.max_receives_per_second, 1, None)
 
@@ -99,7 +101,8 @@ class DeliveryPolicy:
             raise PolicyError(f"a delivery policy must be a JSON object, got {type(data).__name__}")
         unknown = set(data) - {"healthyRetryPolicy", "throttlePolicy"}
         if unknown:
-            raise PolicyError(f"unknown delivery policy section(s) {sorted(unknown)}; allowed: healthyRetryPolicy, throttlePolicy")
+            raise PolicyError(f"unknown delivery policy section(s) {sorted(unknown)}; "
+                              "allowed: healthyRetryPolicy, throttlePolicy")
         # null means absent; any other non-object (0, "", []) is an error, not "no attributes"
         retry = {} if data.get("healthyRetryPolicy") is None else data["healthyRetryPolicy"]
         throttle = {} if data.get("throttlePolicy") is None else data["throttlePolicy"]
@@ -114,8 +117,10 @@ class DeliveryPolicy:
             kwargs["max_receives_per_second"] = throttle["maxReceivesPerSecond"]
         return cls(**kwargs)
 
-    def to_dict(self) -> dict:
-        data: dict[str, Any] = {"healthyRetryPolicy": {k: getattr(self, v) for k, v in _RETRY_KEYS.items()}}
+    def to_dict(self) -> dict[str, dict[str, int | str]]:
+        data: dict[str, dict[str, int | str]] = {
+            "healthyRetryPolicy": {k: getattr(self, v) for k, v in _RETRY_KEYS.items()}
+        }
         if self.max_receives_per_second is not None:
             data["throttlePolicy"] = {"maxReceivesPerSecond": self.max_receives_per_second}
         return data
@@ -200,7 +205,8 @@ class DeliveryPolicy:
             return cls(10, 600, 50, 0, 2, 38, "exponential", builtin=True)
         if kind == "http":
             return cls()
-        raise PolicyError(f"no built-in policy {kind!r}; choose one of ['sqs', 'lambda', 'smtp', 'sms', 'mobile-push', 'http']")
+        raise PolicyError(f"no built-in policy {kind!r}; "
+                          "choose one of ['sqs', 'lambda', 'smtp', 'sms', 'mobile-push', 'http']")
 
     @classmethod
     def immediate(cls, number_of_retries: int) -> DeliveryPolicy:
@@ -260,9 +266,12 @@ def _backoff_at(function: str, i: int, k: int, low: float, high: float) -> float
         return low + (high - low) * i * (i + 1) / (last * k)
     if function == "geometric":
         return low + (high - low) * (1 - 2.0**-i) / (1 - 2.0**-last)
-    if low > 0:  # exponential
-        return low * (high / low) ** (i / last)
-    return (high + 1) ** (i / last) - 1
+    # exponential. typeshed types float ** float as Any (a negative base gives a complex); these bases are > 0
+    if low > 0:
+        growth: float = (high / low) ** (i / last)
+        return low * growth
+    grown: float = (high + 1) ** (i / last)
+    return grown - 1
 
 
 def _human(seconds: float) -> str:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 # Log-spaced buckets: bucket k holds lateness in [R**(k-1), R**k) milliseconds; 1% resolution
 # keeps p99 honest while the state stays a few hundred integers whatever the message count.
@@ -49,11 +51,11 @@ class LatenessHistogram:
                 return min(_bucket_upper_seconds(k), self.max_seconds)
         return self.max_seconds
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"buckets": {str(k): n for k, n in self.buckets.items()}, "count": self.count, "max": self.max_seconds}
 
     @classmethod
-    def from_dict(cls, data: dict | None) -> LatenessHistogram:
+    def from_dict(cls, data: Mapping[str, Any] | None) -> LatenessHistogram:
         if not data:
             return cls()
         return cls({int(k): int(n) for k, n in data["buckets"].items()}, int(data["count"]), float(data["max"]))
@@ -88,7 +90,7 @@ class PumpStats:
         self.batches += other.batches
         self.lateness.merge(other.lateness)
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         """What a task returns to XCom: plain numbers, lateness in seconds."""
         p50, p99 = self.lateness.percentile(50), self.lateness.percentile(99)
         return {
@@ -103,11 +105,11 @@ class PumpStats:
             "destinations": {d: dict(o) for d, o in sorted(self.destinations.items())},
         }
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {**self.summary(), "lateness": self.lateness.to_dict()}
 
     @classmethod
-    def from_dict(cls, data: dict | None) -> PumpStats:
+    def from_dict(cls, data: Mapping[str, Any] | None) -> PumpStats:
         if not data:
             return cls()
         return cls(

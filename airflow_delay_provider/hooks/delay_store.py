@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 from airflow.sdk import BaseHook
@@ -47,8 +48,8 @@ def _supported(url: URL, conn: Any, field: str) -> URL:
         except NoSuchModuleError:
             problem = "is not installed"
     if problem:
-        raise InvalidInputError(f"the {field} extra of connection {conn.conn_id!r} names the driver {url.drivername!r}, "
-                                f"which {problem}; allowed: {SUPPORTED_DRIVERS}")
+        raise InvalidInputError(f"the {field} extra of connection {conn.conn_id!r} names the driver "
+                                f"{url.drivername!r}, which {problem}; allowed: {SUPPORTED_DRIVERS}")
     return url
 
 
@@ -59,8 +60,10 @@ def url_from_connection(conn: Any) -> URL:
         try:
             url = make_url(extra["url"])
         except (ArgumentError, TypeError, ValueError):  # not repeated: the text may hold a password
-            raise InvalidInputError(f"the url extra of connection {conn.conn_id!r} is not an SQLAlchemy URL; allowed: "
-                                    f"{SUPPORTED_DRIVERS} URLs such as postgresql+psycopg://user@host:5432/db") from None
+            raise InvalidInputError(
+                f"the url extra of connection {conn.conn_id!r} is not an SQLAlchemy URL; allowed: "
+                f"{SUPPORTED_DRIVERS} URLs such as postgresql+psycopg://user@host:5432/db"
+            ) from None
         if conn.password:
             url = url.set(password=conn.password)
         return _supported(url, conn, "url")
@@ -114,7 +117,8 @@ class DelayStoreHook(BaseHook):
     ) -> None:
         super().__init__(**kwargs)
         if not delay_store_conn_id:
-            raise InvalidInputError(f"delay_store_conn_id must name a `delay_store` connection, e.g. {DEFAULT_CONN_ID!r}")
+            raise InvalidInputError(
+                f"delay_store_conn_id must name a `delay_store` connection, e.g. {DEFAULT_CONN_ID!r}")
         self.delay_store_conn_id = delay_store_conn_id
         self._table = table
         self._db_schema = db_schema
@@ -160,11 +164,18 @@ class DelayStoreHook(BaseHook):
 
     @property
     def url(self) -> URL:
+        """The store database's SQLAlchemy URL (holds the password; render it with safe_url)."""
         return self._resolve()[0]
 
     def get_store(self) -> SqlDelayedMessageStore:
+        """The store: keeps, claims and removes delayed messages (create_schema() makes its tables)."""
         url, table, schema = self._resolve()
         return SqlDelayedMessageStore(url, table=table, schema=schema, dedup_window_seconds=self._dedup_window)
+
+    @classmethod
+    def for_transport(cls, conn_id: str, db_schema: str | None = None) -> DelayStoreHook:
+        """The hook of a `transport="sql"` connection other than the store's (see the transport registry)."""
+        return cls(conn_id, db_schema=db_schema)
 
     def get_transport(self) -> SqlTableTransport:
         """Queues as tables in the same database: dispatch from this store to them is exactly once."""
@@ -182,9 +193,11 @@ class DelayStoreHook(BaseHook):
         return {"kind": "sql", "url": url.render_as_string(hide_password=False), "schema": schema}
 
     def get_conn(self) -> SqlDelayedMessageStore:
+        """The store (Airflow's generic name for get_store)."""
         return self.get_store()
 
     def test_connection(self) -> tuple[bool, str]:
+        """Reach the database and report how many messages are scheduled (the UI's Test button)."""
         try:
             store = self.get_store()
             scheduled = sum(store.count_scheduled().values()) if store.exists() else None
@@ -204,3 +217,23 @@ def resolve_location(url: URL, extra: dict, table: str | None, db_schema: str | 
         if url.get_backend_name() != "postgresql":
             raise InvalidInputError(f"db_schema is only supported on PostgreSQL, not {url.get_backend_name()}")
     return url, table, schema
+
+
+class DelayStoreMixin:
+    """The store arguments every operator and sensor takes, and the store's hook, built once per task.
+
+    :param delay_store_conn_id: the `delay_store` connection of the store (default `delay_store_default`).
+    :param table: the store's table (default: the connection's, else `delayed_messages`).
+    :param db_schema: the store's PostgreSQL schema (default: the connection's).
+    """
+
+    def __init__(self, *, delay_store_conn_id: str = DEFAULT_CONN_ID, table: str | None = None,
+                 db_schema: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.delay_store_conn_id = delay_store_conn_id
+        self.table = table
+        self.db_schema = db_schema
+
+    @cached_property
+    def hook(self) -> DelayStoreHook:
+        return DelayStoreHook(self.delay_store_conn_id, table=self.table, db_schema=self.db_schema)

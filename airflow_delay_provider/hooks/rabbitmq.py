@@ -31,7 +31,15 @@ def connection_spec(conn: Any) -> dict:
 
 
 class RabbitMQDelayHook(BaseHook):
-    """Opens the RabbitMQ transport named by a `rabbitmq` connection."""
+    """Opens the RabbitMQ transport named by a `rabbitmq` connection (default `rabbitmq_default`).
+
+    The connection: Host (default 127.0.0.1), Port (default 5672, 5671 with TLS), Login and Password
+    (default guest/guest), Schema as the virtual host (default `/`), and the extras of
+    `connection_spec`: heartbeat, tls, tls_verify, prefix (of the delay exchanges and queues), levels,
+    confirm_window and delivery_limit.
+
+    :param rabbitmq_conn_id: the `rabbitmq` connection.
+    """
 
     conn_name_attr = "rabbitmq_conn_id"
     default_conn_name = "rabbitmq_default"
@@ -42,7 +50,14 @@ class RabbitMQDelayHook(BaseHook):
         super().__init__(**kwargs)
         self.rabbitmq_conn_id = rabbitmq_conn_id
 
+    @classmethod
+    def for_transport(cls, conn_id: str, db_schema: str | None = None) -> RabbitMQDelayHook:
+        """The hook of a `transport="rabbitmq"` connection (see the transport registry); no db_schema."""
+        return cls(conn_id)
+
     def get_transport(self) -> RabbitMQTransport:
+        """The transport: sends through the delay levels and delivery exchange, provisions and verifies
+        the topology; it connects to the broker when first used."""
         return RabbitMQTransport.from_spec(self.transport_spec())
 
     def transport_spec(self) -> dict:
@@ -50,9 +65,11 @@ class RabbitMQDelayHook(BaseHook):
         return {"kind": "rabbitmq", **connection_spec(self.get_connection(self.rabbitmq_conn_id))}
 
     def get_conn(self) -> RabbitMQTransport:
+        """The transport (Airflow's generic name for get_transport)."""
         return self.get_transport()
 
     def test_connection(self) -> tuple[bool, str]:
+        """Reach the broker and report whether the delay topology is complete (the UI's Test button)."""
         try:
             transport = self.get_transport()
             report = transport.verify()
@@ -60,5 +77,7 @@ class RabbitMQDelayHook(BaseHook):
         except Exception as exc:  # shown in the UI; pika's errors carry no password
             return False, f"{type(exc).__name__}: {exc}"
         if report["complete"]:
-            return True, f"Reached {transport.where}; the delay topology is complete ({report['unroutable_depth']} unroutable)"
-        return True, f"Reached {transport.where}; delay topology incomplete: missing {report['missing']}, different {report['different']}"
+            return True, (f"Reached {transport.where}; the delay topology is complete "
+                          f"({report['unroutable_depth']} unroutable)")
+        return True, (f"Reached {transport.where}; delay topology incomplete: missing {report['missing']}, "
+                      f"different {report['different']}")

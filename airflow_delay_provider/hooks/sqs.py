@@ -11,11 +11,25 @@ from airflow_delay_provider.transports.sqs import NATIVE_MAX_DELAY, SqsTransport
 
 
 class SqsDelayHook(SqsHook):
-    """An SqsHook (same `aws` connection: credentials, region, `endpoint_url`) that also builds the transport."""
+    """An SqsHook (same `aws` connection: credentials, region, `endpoint_url`) that also builds the transport.
+
+    Takes SqsHook's arguments, `aws_conn_id` (default `aws_default`) among them. With a
+    `large_body_bucket`, bodies too large for SQS go to that S3 bucket through the same connection.
+    """
+
+    @classmethod
+    def for_transport(cls, conn_id: str, db_schema: str | None = None) -> SqsDelayHook:
+        """The hook of a `transport="sqs"` connection (see the transport registry); no db_schema."""
+        return cls(aws_conn_id=conn_id)
 
     def get_transport(
-        self, prefix: str = "", queue_delay: int = NATIVE_MAX_DELAY, large_body_bucket: str | None = None, **options: Any
+        self, prefix: str = "", queue_delay: int = NATIVE_MAX_DELAY, large_body_bucket: str | None = None,
+        **options: Any,
     ) -> SqsTransport:
+        """The SQS transport on this connection: `prefix` of its queue names, `queue_delay` (Q, 1..900 s)
+        the longest delay a message waits in its endpoint queue (longer ones cycle through the endpoint's
+        `-delay.fifo` queue), `large_body_bucket` for bodies too large for SQS, and the other
+        `transport_options` of the transport registry."""
         s3 = None
         if large_body_bucket:
             s3 = AwsBaseHook(aws_conn_id=self.aws_conn_id, client_type="s3").get_conn()

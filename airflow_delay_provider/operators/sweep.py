@@ -7,9 +7,10 @@ import os
 import shutil
 import sys
 import uuid
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import BaseHook, Context
@@ -19,7 +20,7 @@ from airflow_delay_provider.core.errors import DelayProviderError, InvalidInputE
 from airflow_delay_provider.core.pump import PumpConfig
 from airflow_delay_provider.core.requests import parse_moment
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
-from airflow_delay_provider.operators.delay import DelayOperatorBase
+from airflow_delay_provider.operators.base import DelayOperatorBase
 from airflow_delay_provider.spark import sweep as sweep_app
 
 APPLICATION = str(Path(sweep_app.__file__).with_name("sweep_app.py"))
@@ -37,23 +38,40 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
     and outcome, rows/s).
 
     Safe to re-run for the same window (catchup, backfill): delivered messages are gone from the
-    store, so a re-run dispatches nothing twice. Runs on the Spark connection `conn_id`; when that
-    connection does not exist, on `master` (default `local[2]`).
+    store, so a re-run dispatches nothing twice. When the task is killed (marked failed, or its worker
+    stops it), spark-submit is stopped and the sweep's rows are released at once instead of at the end
+    of the lease.
 
     Store and transport arguments are those of the other operators (`delay_store_conn_id`, `table`,
-    `db_schema`, `transport`, `transport_conn_id`, `transport_options`). `reader="jdbc"` reads a
-    PostgreSQL store through `jdbc_jar` (Debian: libpostgresql-jdbc-java), `"python"` through
-    PySpark's Python data source over SQLAlchemy; `"auto"` picks JDBC on PostgreSQL. Connection
-    secrets reach Spark in an environment variable, never in its arguments.
+    `db_schema`, `transport`, `transport_conn_id`, `transport_options`); the other SparkSubmitOperator
+    arguments (`jars`, `conf`, `executor_memory`, ...) pass through. Connection secrets reach Spark in
+    an environment variable, never in its arguments.
 
-    :param lease_seconds: how long the claimed rows stay the sweep's without progress: the lease is
-        renewed only while rows are being settled, so a stalled sweep's rows go to the next sweep or
-        a pump after this long.
+    :param due_before: the end of the window, exclusive: an aware datetime or ISO string (templated);
+        required.
+    :param due_from: the start of the window, inclusive (templated); default: no lower bound.
+    :param delivery_policy: the default delivery policy: a delivery-policy JSON, a dict or a built-in name,
+        as DispatchDueMessagesOperator takes; default: `number_of_retries` immediate retries.
+    :param destination_policies: `{destination: policy}`; a destination's policy here comes first, then
+        the one stored for it (by provisioning or a send), then `delivery_policy`.
+    :param number_of_retries: immediate retries (0..100) when no delivery policy applies.
+    :param error_queue: where exhausted messages go.
+    :param batch_size: messages each partition sends and settles at a time (1..10,000).
+    :param partitions: how many partitions read the window in parallel (an int >= 0; default 0: twice
+        Spark's default parallelism); a policy's throttle is shared among them.
+    :param lease_seconds: how long the claimed rows stay the sweep's without progress (seconds, >= 5;
+        default 600): the lease is renewed only while rows are being settled, so a stalled sweep's rows
+        go to the next sweep or a pump after this long.
     :param max_duration: stop after this long (seconds or a timedelta; None: no limit), release the
         rows not yet sent and fail the task, so a retry sweeps the rest of the window.
-
-    When the task is killed (marked failed, or its worker stops it), spark-submit is stopped and the
-    sweep's rows are released at once instead of at the end of the lease.
+    :param reader: how Spark reads the claimed rows: `"jdbc"` reads a PostgreSQL store through
+        `jdbc_jar`, `"python"` through PySpark's Python data source over SQLAlchemy; `"auto"` (default)
+        picks JDBC on PostgreSQL.
+    :param jdbc_jar: the PostgreSQL JDBC driver jar for `reader="jdbc"` (default
+        /usr/share/java/postgresql.jar, from Debian's libpostgresql-jdbc-java).
+    :param master: the Spark master to run on when the connection `conn_id` does not exist (default
+        `local[2]`).
+    :param conn_id: the Spark connection spark-submit uses (default `spark_default`).
     """
 
     template_fields: Sequence[str] = (*SparkSubmitOperator.template_fields, "due_before", "due_from")
@@ -83,7 +101,8 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
         if reader not in READERS:
             raise InvalidInputError(f"reader {reader!r} is not supported; choose one of {list(READERS)}")
         if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 0:
-            raise InvalidInputError(f"partitions must be an int >= 0 (0: twice Spark's parallelism), got {partitions!r}")
+            raise InvalidInputError(
+                f"partitions must be an int >= 0 (0: twice Spark's parallelism), got {partitions!r}")
         if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, (int, float)) or lease_seconds < 5:
             raise InvalidInputError(f"lease_seconds must be a number >= 5, got {lease_seconds!r}")
         if isinstance(max_duration, timedelta):
@@ -96,8 +115,7 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
         self._claim_id: str | None = None
         # Checked when the DAG is parsed, like the dispatch operator's.
         PumpConfig(batch_size=batch_size, number_of_retries=number_of_retries, error_queue=error_queue)
-        self.delivery_policy = None if delivery_policy is None else DeliveryPolicy.parse(delivery_policy)
-        self.destination_policies = DeliveryPolicy.parse_each(destination_policies)
+        self._set_policies(delivery_policy, destination_policies)
         self.due_before = due_before
         self.due_from = due_from
         self.number_of_retries = number_of_retries
@@ -139,7 +157,8 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
             conn = BaseHook.get_connection(self._conn_id)
         except Exception:
             self.log.info("No Spark connection %r: running on %s", self._conn_id, self.master)
-            os.environ[f"AIRFLOW_CONN_{self._conn_id.upper()}"] = json.dumps({"conn_type": "spark", "host": self.master})
+            os.environ[f"AIRFLOW_CONN_{self._conn_id.upper()}"] = json.dumps(
+                {"conn_type": "spark", "host": self.master})
             return self.master.startswith("local")
         return str(conn.host or "").startswith("local")
 
@@ -178,7 +197,8 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
         if local and "SPARK_LOCAL_IP" not in os.environ:
             self.env_vars["SPARK_LOCAL_IP"] = "127.0.0.1"  # executors on other hosts must reach the driver
         self.log.info("Sweeping messages due in [%s, %s) from %r through %s, claim %s",
-                      due_from.isoformat() if due_from else "-", due_before.isoformat(), store, self.transport, claim_id)
+                      due_from.isoformat() if due_from else "-", due_before.isoformat(), store, self.transport,
+                      claim_id)
         try:
             super().execute(context)
         except Exception:

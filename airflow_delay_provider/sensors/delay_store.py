@@ -2,24 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime, timedelta
-from typing import Any, Sequence
+from typing import Any
 
-from airflow.sdk import BaseSensorOperator, Context
+from airflow.sdk import BaseSensorOperator, Context, conf
 
 from airflow_delay_provider import metrics
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import InvalidInputError, UnavailableError
 from airflow_delay_provider.core.requests import parse_moment
-from airflow_delay_provider.hooks.delay_store import DEFAULT_CONN_ID, DelayStoreHook
+from airflow_delay_provider.hooks.delay_store import DelayStoreMixin
 from airflow_delay_provider.triggers.delay_store import ScheduledMessagesTrigger
 
 
-class DelayedMessagesSensor(BaseSensorOperator):
+class DelayedMessagesSensor(DelayStoreMixin, BaseSensorOperator):
     """Succeeds when no message (for `destination`, if given) is scheduled before `before`.
 
-    `before` defaults to no bound: the sensor waits until everything stored has been dispatched.
-    In `deferrable=True` mode the waiting happens in the triggerer.
+    Counts every `poke_interval` and fails after `timeout`, as any sensor.
+
+    :param destination: count only this destination (templated); default: every destination.
+    :param before: an aware datetime or ISO string (templated); default: no bound, so the sensor waits
+        until everything stored has been dispatched.
+    :param deferrable: wait in the triggerer (ScheduledMessagesTrigger) instead of a worker slot; default:
+        `[operators] default_deferrable`.
     """
 
     template_fields: Sequence[str] = ("destination", "before")
@@ -29,22 +35,16 @@ class DelayedMessagesSensor(BaseSensorOperator):
         *,
         destination: str | None = None,
         before: datetime | str | None = None,
-        delay_store_conn_id: str = DEFAULT_CONN_ID,
-        table: str | None = None,
-        db_schema: str | None = None,
-        deferrable: bool = False,
+        deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.destination = destination
         self.before = before
-        self.delay_store_conn_id = delay_store_conn_id
-        self.table = table
-        self.db_schema = db_schema
         self.deferrable = deferrable
 
     def _scheduled(self) -> dict[str, int]:
-        store = DelayStoreHook(self.delay_store_conn_id, table=self.table, db_schema=self.db_schema).get_store()
+        store = self.hook.get_store()
         return store.count_scheduled(parse_moment(self.before, "before"), self.destination)
 
     def poke(self, context: Context) -> bool:
@@ -82,14 +82,19 @@ class DelayedMessagesSensor(BaseSensorOperator):
         raise UnavailableError(f"waiting on the delay store failed: {event.get('message')}")
 
 
-class DelayBacklogSensor(BaseSensorOperator):
-    """Succeeds when the store's backlog crosses a threshold: at most `threshold` messages
-    (`comparison="below"`, e.g. wait for a sweep to catch up) or at least that many (`"above"`,
-    e.g. start a bulk sweep only when one pump is not enough).
+class DelayBacklogSensor(DelayStoreMixin, BaseSensorOperator):
+    """Succeeds when the store's backlog crosses a threshold.
 
-    `measure="due"` counts messages already due (the dispatch backlog), `"scheduled"` every stored
-    message (a queue's NumberOfMessagesDelayed). Counts one `destination`, or all. Each poke sets the
-    `delay_provider.store.<destination>.<measure>` gauges; the task returns the counts.
+    Each poke sets the `delay_provider.store.<destination>.<measure>` gauges; the task returns the
+    counts (measure, total, and per destination).
+
+    :param threshold: the number of messages to cross (an int >= 0; templated).
+    :param comparison: `"below"` (default): succeed at `threshold` messages or fewer (e.g. wait for a
+        sweep to catch up); `"above"`: at `threshold` or more (e.g. start a bulk sweep only when one
+        pump is not enough).
+    :param measure: `"due"` (default): count messages already due (the dispatch backlog);
+        `"scheduled"`: every stored message (a queue's NumberOfMessagesDelayed).
+    :param destination: count only this destination (templated); default: all.
     """
 
     template_fields: Sequence[str] = ("destination", "threshold")
@@ -103,14 +108,12 @@ class DelayBacklogSensor(BaseSensorOperator):
         comparison: str = "below",
         measure: str = "due",
         destination: str | None = None,
-        delay_store_conn_id: str = DEFAULT_CONN_ID,
-        table: str | None = None,
-        db_schema: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         if comparison not in self.COMPARISONS:
-            raise InvalidInputError(f"comparison {comparison!r} is not supported; choose one of {list(self.COMPARISONS)}")
+            raise InvalidInputError(
+                f"comparison {comparison!r} is not supported; choose one of {list(self.COMPARISONS)}")
         if measure not in self.MEASURES:
             raise InvalidInputError(f"measure {measure!r} is not supported; choose one of {list(self.MEASURES)}")
         if "{{" not in str(threshold):
@@ -119,13 +122,10 @@ class DelayBacklogSensor(BaseSensorOperator):
         self.comparison = comparison
         self.measure = measure
         self.destination = destination
-        self.delay_store_conn_id = delay_store_conn_id
-        self.table = table
-        self.db_schema = db_schema
         self.counts: dict[str, int] = {}
 
     def poke(self, context: Context) -> bool:
-        store = DelayStoreHook(self.delay_store_conn_id, table=self.table, db_schema=self.db_schema).get_store()
+        store = self.hook.get_store()
         before = utcnow() if self.measure == "due" else None
         self.counts = store.count_scheduled(before, self.destination)
         metrics.gauge_backlog(self.measure, self.counts or {self.destination or "all": 0})
@@ -133,7 +133,8 @@ class DelayBacklogSensor(BaseSensorOperator):
         limit = _threshold(self.threshold)
         crossed = total <= limit if self.comparison == "below" else total >= limit
         self.log.info("%d message(s) %s (%s); waiting for %s %d: %s", total, self.measure, self.counts,
-                      "at most" if self.comparison == "below" else "at least", limit, "reached" if crossed else "not yet")
+                      "at most" if self.comparison == "below" else "at least", limit,
+                      "reached" if crossed else "not yet")
         return crossed
 
     def execute(self, context: Context) -> dict:

@@ -25,7 +25,8 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.pump import Pump, PumpConfig
@@ -40,6 +41,7 @@ from airflow_delay_provider.stores.sql import (
     from_us,
     to_us,
 )
+from airflow_delay_provider.transports.registry import from_spec
 
 log = logging.getLogger("airflow_delay_provider.sweep")
 
@@ -71,24 +73,6 @@ def load_secret() -> dict:
 
 def store_from_spec(spec: dict) -> SqlDelayedMessageStore:
     return SqlDelayedMessageStore(spec["url"], table=spec.get("table") or DEFAULT_TABLE, schema=spec.get("schema"))
-
-
-def transport_from_spec(spec: dict):
-    """A transport from plain data; each broker module is imported only when used."""
-    kind = spec.get("kind")
-    if kind == "sql":
-        from airflow_delay_provider.transports.sql import SqlTableTransport
-
-        return SqlTableTransport(spec["url"], schema=spec.get("schema"), table_prefix=spec.get("table_prefix", "delay_"))
-    if kind == "rabbitmq":
-        from airflow_delay_provider.transports.rabbitmq import RabbitMQTransport
-
-        return RabbitMQTransport.from_spec(spec)
-    if kind == "sqs":
-        from airflow_delay_provider.transports.sqs import SqsTransport
-
-        return SqsTransport.from_spec(spec)
-    raise InvalidInputError(f"transport kind {kind!r} is not supported; choose one of ['sql', 'rabbitmq', 'sqs']")
 
 
 def split_range(low: int, high: int, parts: int) -> list[tuple[int, int]]:
@@ -163,9 +147,9 @@ def dispatch_partitions(secret: dict, claim_id: str, settings: dict) -> Callable
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         store = store_from_spec(secret["store"])
-        transport = transport_from_spec(secret["transport"])
+        transport = from_spec(secret["transport"])
         rows = (row for batch in batches
-                for row in zip(*(batch.column(c).to_pylist() for c in SWEEP_COLUMNS)))
+                for row in zip(*(batch.column(c).to_pylist() for c in SWEEP_COLUMNS), strict=False))
         leased = store.leased_rows(claim_id, rows)
         policies = DeliveryPolicy.parse_each(settings["destination_policies"])
         pump = Pump(
@@ -230,7 +214,8 @@ class LeaseKeeper(threading.Thread):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="sweep", description="Dispatch the due delayed messages of a window on Spark.")
+    parser = argparse.ArgumentParser(prog="sweep",
+                                     description="Dispatch the due delayed messages of a window on Spark.")
     parser.add_argument("--claim-id", default=None, help="unique id of this sweep (default: a new UUID)")
     parser.add_argument("--due-before", required=True, help="ISO time: sweep messages due before it (and already due)")
     parser.add_argument("--due-from", default=None, help="ISO time: and due at or after it (default: no lower bound)")
@@ -243,7 +228,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=1000)
     parser.add_argument("--number-of-retries", type=int, default=0)
     parser.add_argument("--error-queue", default="error")
-    parser.add_argument("--delivery-policy", default=None, help="delivery-policy JSON or a built-in name (sqs, smtp, ...)")
+    parser.add_argument("--delivery-policy", default=None,
+                        help="delivery-policy JSON or a built-in name (sqs, smtp, ...)")
     parser.add_argument("--destination-policies", default="{}", help="JSON: destination -> policy")
     parser.add_argument("--progress-seconds", type=float, default=10.0)
     return parser.parse_args(argv)
@@ -264,7 +250,8 @@ def sweep(spark, secret: dict, args: argparse.Namespace) -> dict:
     due_before = parse_moment(args.due_before, "due_before")
     due_from = parse_moment(args.due_from, "due_from")
     if due_from is not None and due_from >= due_before:
-        raise InvalidInputError(f"due_from ({due_from.isoformat()}) must be before due_before ({due_before.isoformat()})")
+        raise InvalidInputError(
+            f"due_from ({due_from.isoformat()}) must be before due_before ({due_before.isoformat()})")
     settings = {
         "pump": {"batch_size": args.batch_size, "number_of_retries": args.number_of_retries,
                  "error_queue": args.error_queue},
@@ -320,7 +307,8 @@ def sweep(spark, secret: dict, args: argparse.Namespace) -> dict:
         elapsed = time.monotonic() - started
         summary.update(stats.summary())
         summary.update(skipped=skipped, status=status, seconds=round(elapsed, 3),
-                       rows_per_second=round((stats.dispatched + stats.dead_lettered) / elapsed, 1) if elapsed else None)
+                       rows_per_second=(round((stats.dispatched + stats.dead_lettered) / elapsed, 1)
+                                        if elapsed else None))
         summary["released"] = store.finish_sweep(claim_id, status, summary)
         store.close()
     log.info("sweep %s %s: %s", claim_id, status, json.dumps(summary))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from sqlalchemy import Engine, MetaData, create_engine, event, func, select
 from sqlalchemy.engine import URL, make_url
@@ -138,7 +138,8 @@ def postgres_session_options(url: URL) -> dict:
     settings = {name: url.query.get(name, default) for name, default in POSTGRES_DEFAULTS.items()}
     for name, value in settings.items():
         if not isinstance(value, str) or not _DURATION.match(value):
-            raise InvalidInputError(f"{name} must be a duration such as 30s, 500ms or 2min (0 disables it), got {value!r}")
+            raise InvalidInputError(
+                f"{name} must be a duration such as 30s, 500ms or 2min (0 disables it), got {value!r}")
     options = " ".join(f"-c {name}={value}" for name, value in settings.items())
     return {**KEEPALIVES, "options": options}
 

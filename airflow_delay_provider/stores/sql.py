@@ -1,7 +1,7 @@
 """The SQL delayed-message store (an external store of delayed messages, claimed in batches): SQLite and PostgreSQL.
 
-All SQL of the store is in this module. Times are integer microseconds since the epoch (UTC),
-which compare and index the same way on every database.
+The store's messages, claims, de-duplication and waiting are here; per-destination settings are in
+destinations.py, bulk-sweep leases in leases.py, the tables in tables.py.
 """
 
 from __future__ import annotations
@@ -11,25 +11,14 @@ import hashlib
 import json
 import logging
 import math
-import re
 import time
-from collections import deque
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timedelta, timezone
-from typing import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from datetime import datetime, timedelta
 
 from sqlalchemy import (
-    BigInteger,
-    Column,
-    Float,
-    Index,
-    Integer,
-    LargeBinary,
     MetaData,
-    String,
     Table,
-    Text,
-    bindparam,
     delete,
     func,
     insert,
@@ -37,130 +26,48 @@ from sqlalchemy import (
     or_,
     select,
     text,
-    update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection
 
-from airflow_delay_provider.core.delays import resolve_delay, utcnow
+from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import (
     InvalidInputError,
     InvalidMessageError,
-    InvalidNameError,
     UnavailableError,
 )
-from airflow_delay_provider.core.message import DelayedMessage, check_destination
+from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
-from airflow_delay_provider.core.retry_policy import DeliveryPolicy, PolicyError
+from airflow_delay_provider.stores.destinations import DestinationSettings
 from airflow_delay_provider.stores.engine import (
     KEEPALIVES,
     SqlDatabase,
-    check_identifier,
     copy_rows,
     engine_url,
     safe_url,
 )
+from airflow_delay_provider.stores.leases import LeasedRows, SweepLeases
+from airflow_delay_provider.stores.tables import (
+    DEFAULT_TABLE,
+    MAX_TABLE_NAME,
+    SWEEP_COLUMNS,
+    _message,
+    check_claim_id,
+    check_store_table,
+    from_us,
+    ids_table,
+    policies_table,
+    queue_delays_table,
+    store_table,
+    sweeps_table,
+    throttle_table,
+    to_us,
+)
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TABLE = "delayed_messages"
 #: Without LISTEN/NOTIFY (SQLite) an idle pump re-reads the next due time this often.
 SQLITE_POLL_SECONDS = 0.5
-
-
-EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
-_US = timedelta(microseconds=1)
-
-
-def to_us(moment: datetime) -> int:
-    return (moment - EPOCH) // _US  # integer arithmetic: exact, unlike timestamp() floats
-
-
-def from_us(us: int) -> datetime:
-    return EPOCH + us * _US
-
-
-# One BIGINT primary key that autoincrements on both SQLite (as the rowid) and PostgreSQL.
-_Id = BigInteger().with_variant(Integer, "sqlite")
-
-
-def store_table(metadata: MetaData, name: str, schema: str | None) -> Table:
-    return Table(
-        name,
-        metadata,
-        Column("id", _Id, primary_key=True, autoincrement=True),
-        Column("message_id", String(200), nullable=False, unique=True),
-        Column("destination", String(255), nullable=False),
-        Column("body", LargeBinary, nullable=False),
-        Column("headers", Text, nullable=False),
-        Column("due_at_us", BigInteger, nullable=False),
-        Column("stored_at_us", BigInteger, nullable=False),
-        Column("failures", Integer, nullable=False, server_default="0"),
-        # Set while a bulk sweep holds the row; the lease in the sweeps table says until when.
-        Column("claim_id", String(64), nullable=True),
-        Index(f"ix_{name}_due", "due_at_us", "id"),
-        schema=schema,
-    )
-
-
-def sweeps_table(metadata: MetaData, name: str, schema: str | None) -> Table:
-    """One row per bulk sweep: its window, its lease (renewed while it runs) and its outcome."""
-    return Table(
-        name,
-        metadata,
-        Column("claim_id", String(64), primary_key=True),
-        Column("lease_until_us", BigInteger, nullable=False),
-        Column("due_from_us", BigInteger, nullable=True),
-        Column("due_before_us", BigInteger, nullable=False),
-        Column("status", String(16), nullable=False),
-        Column("started_at_us", BigInteger, nullable=False),
-        Column("finished_at_us", BigInteger, nullable=True),
-        Column("claimed", BigInteger, nullable=False, server_default="0"),
-        Column("taken_over", BigInteger, nullable=False, server_default="0"),
-        Column("summary", Text, nullable=True),
-        schema=schema,
-    )
-
-
-def ids_table(metadata: MetaData, store_table_name: str, schema: str | None) -> Table:
-    """Message ids accepted in the last de-duplication window (stored or sent natively): a send
-    retried after its messages were delivered finds its ids here and sends nothing twice."""
-    name = f"{store_table_name}_ids"
-    short = hashlib.sha1(f"{schema}.{name}".encode()).hexdigest()[:16]  # <table>_ids_... may exceed 63
-    return Table(
-        name,
-        metadata,
-        Column("message_id", String(200), primary_key=True),
-        Column("seen_at_us", BigInteger, nullable=False),
-        Index(f"ix_ids_{short}", "seen_at_us"),
-        schema=schema,
-    )
-
-
-def throttle_table(metadata: MetaData, store_table_name: str, schema: str | None) -> Table:
-    """One token bucket per throttled destination, shared by every pump of the store."""
-    return Table(
-        f"{store_table_name}_throttle",
-        metadata,
-        Column("destination", String(255), primary_key=True),
-        Column("tokens", Float, nullable=False),
-        Column("updated_us", BigInteger, nullable=False),
-        schema=schema,
-    )
-
-
-def queue_delays_table(metadata: MetaData, store_table_name: str, schema: str | None) -> Table:
-    """Each destination's queue-level delay, set when it is provisioned: every send path applies it
-    to messages that have no delay of their own, so two senders to one destination cannot disagree."""
-    return Table(
-        f"{store_table_name}_delays",
-        metadata,
-        Column("destination", String(255), primary_key=True),
-        Column("queue_delay_seconds", Integer, nullable=False),
-        schema=schema,
-    )
-
-
 #: How long an accepted message id is remembered (seconds): within it, the same id is neither stored
 #: nor sent natively again. Like SQS FIFO's five-minute window or Cloud Tasks' task names, but longer.
 DEFAULT_DEDUP_WINDOW_SECONDS = 86_400
@@ -168,6 +75,13 @@ DEFAULT_DEDUP_WINDOW_SECONDS = 86_400
 _CLOCK_CHECK_SECONDS = 300.0
 #: Expired ids are deleted at most this often per store object.
 _EXPIRE_EVERY_SECONDS = 60.0
+
+
+__all__ = [  # the names other modules import from here
+    "DEFAULT_DEDUP_WINDOW_SECONDS", "DEFAULT_TABLE", "MAX_TABLE_NAME", "SWEEP_COLUMNS", "LeasedRows",
+    "SqlDelayedMessageStore", "check_claim_id", "check_store_table", "from_us", "to_us",
+]
+
 
 
 class _SqlClaim(Claim):
@@ -206,177 +120,7 @@ class _SqlClaim(Claim):
         self._unsettled.difference_update(changes)
 
 
-def _message(row) -> DelayedMessage:
-    return _rebuild(row.message_id, row.destination, row.body, row.headers, row.due_at_us, row.failures)
-
-
-def _rebuild(message_id: str, destination: str, body, headers: str, due_at_us: int, failures: int) -> DelayedMessage:
-    return DelayedMessage.trusted(
-        destination, bytes(body), from_us(due_at_us), {} if headers == "{}" else json.loads(headers), message_id, failures
-    )
-
-
-#: The store also creates `<table>_policies`, `_sweeps`, `_delays` and others, which must fit PostgreSQL's
-#: 63-character identifiers too.
-MAX_TABLE_NAME = 63 - len("_policies")
-
-
-def check_store_table(name: object) -> str:
-    name = check_identifier("table name", name)
-    if len(name) > MAX_TABLE_NAME:
-        raise InvalidNameError(
-            f"table name {name!r} has {len(name)} characters; a store's table name may have at most {MAX_TABLE_NAME}, "
-            "since the store also creates <table>_policies and <table>_sweeps (63 characters at most)"
-        )
-    return name
-
-
-#: Columns a sweep reads, in this order, as tuples (the Spark readers produce the same).
-SWEEP_COLUMNS = ("id", "message_id", "destination", "body", "headers", "due_at_us", "failures")
-_CLAIM_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-
-def check_claim_id(claim_id: object) -> str:
-    """Claim ids go into Spark JDBC predicates as literals: only letters, digits, '-' and '_'."""
-    if not isinstance(claim_id, str) or not _CLAIM_ID.match(claim_id):
-        raise InvalidInputError(f"claim id {claim_id!r} is not allowed: use 1-64 ASCII letters, digits, '-' and '_'")
-    return claim_id
-
-
-class _LeasedClaim(Claim):
-    """A batch of rows a sweep holds, locked again in this transaction; settled rows are deleted or
-    rescheduled in it, unsettled ones go back to the sweep's queue (still under its lease)."""
-
-    def __init__(self, conn: Connection, table: Table, rows: list[tuple], hand_back) -> None:
-        self.connection = conn
-        self._table = table
-        self._rows = {row[1]: row for row in rows}
-        self._unsettled = set(self._rows)
-        self._hand_back = hand_back
-        self.messages = [_rebuild(*row[1:]) for row in rows]
-
-    def remove(self, message_ids: Iterable[str]) -> int:
-        ids = [self._rows[m][0] for m in message_ids if m in self._unsettled]
-        self._unsettled.difference_update(message_ids)
-        if ids:
-            self.connection.execute(delete(self._table).where(self._table.c.id.in_(ids)))
-        return len(ids)
-
-    def retry(self, next_due: Mapping[str, datetime], headers: Mapping[str, dict[str, str]] | None = None) -> None:
-        t = self._table
-        headers = headers or {}
-        rows = [
-            {
-                "rid": self._rows[m][0],
-                "f": self._rows[m][6] + 1,
-                "d": to_us(due),
-                "h": json.dumps(headers[m], separators=(",", ":")) if m in headers else self._rows[m][4],
-            }
-            for m, due in next_due.items()
-        ]
-        # A retry leaves the sweep: it is an ordinary delayed message again, for whoever dispatches it when due.
-        stmt = (update(t).where(t.c.id == bindparam("rid"))
-                .values(failures=bindparam("f"), due_at_us=bindparam("d"), headers=bindparam("h"), claim_id=None))
-        self.connection.execute(stmt, rows)
-        self._unsettled.difference_update(next_due)
-
-    def restore_unsettled(self) -> None:
-        if self._unsettled:
-            self._hand_back(self._rows[m] for m in self._unsettled)
-            self._unsettled.clear()
-
-
-class LeasedRows(DelayedMessageStore):
-    """The rows one part of a sweep holds under its claim id, handed to a Pump batch by batch.
-
-    Each batch is locked again in the transaction that settles it and only rows still held by this
-    claim are sent, so a row that another sweep took over (after this lease expired) or that is gone
-    is skipped, never sent twice. Rows come as tuples in SWEEP_COLUMNS order.
-    """
-
-    def __init__(self, store: SqlDelayedMessageStore, claim_id: str, rows: Iterable[tuple]) -> None:
-        self.home = store
-        self.clock = store.clock
-        self.shared_throttle = store.shared_throttle  # a sweep's partitions and the pumps share one bucket
-        self.engine = store.engine  # a SQL transport on the same database joins the settling transaction
-        self.table = store.table
-        self.claim_id = check_claim_id(claim_id)
-        self.concurrent_claims = store.concurrent_claims
-        self.skipped = 0
-        self._rows = iter(rows)
-        self._held: deque[tuple] = deque()  # handed back unsettled (throttled or broker outage)
-        self._exhausted = False
-
-    def __repr__(self) -> str:
-        return f"LeasedRows({self.home!r}, claim_id={self.claim_id!r})"
-
-    def _take(self, limit: int, exclude: Collection[str]) -> list[tuple]:
-        taken: list[tuple] = []
-        passed: list[tuple] = []
-        while self._held and len(taken) < limit:
-            row = self._held.popleft()
-            (passed if row[2] in exclude else taken).append(row)
-        while not self._exhausted and len(taken) < limit:
-            row = next(self._rows, None)
-            if row is None:
-                self._exhausted = True
-            else:
-                (passed if row[2] in exclude else taken).append(row)
-        self._held.extendleft(reversed(passed))
-        return taken
-
-    @property
-    def remaining(self) -> bool:
-        if self._held:
-            return True
-        if not self._exhausted:
-            row = next(self._rows, None)
-            if row is None:
-                self._exhausted = True
-            else:
-                self._held.append(row)
-        return bool(self._held)
-
-    @contextmanager
-    def claim_due(
-        self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = ()
-    ) -> Iterator[Claim]:
-        rows = self._take(limit, exclude)
-        t = self.table
-        with self.home._errors("lock swept messages"), self.engine.begin() as conn:
-            held: set[int] = set()
-            if rows:
-                mine = select(t.c.id).where(t.c.id.in_([r[0] for r in rows]), t.c.claim_id == self.claim_id)
-                held = set(conn.execute(mine.with_for_update()).scalars())
-            kept = [r for r in rows if r[0] in held]
-            self.skipped += len(rows) - len(kept)
-            claim = _LeasedClaim(conn, t, kept, self._held.extend)
-            yield claim
-            claim.restore_unsettled()
-
-    def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:
-        return self.clock() if self.remaining else None
-
-    def count_scheduled(self, due_before: datetime | None = None) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for row in self._held:
-            counts[row[2]] = counts.get(row[2], 0) + 1
-        return counts
-
-    def store(self, messages: Sequence[DelayedMessage], deduplicate: bool = True) -> int:
-        return self.home.store(messages, deduplicate)
-
-    def policies(self) -> dict[str, dict]:
-        return self.home.policies()
-
-    def take_tokens(self, destination: str, rate: float, n: int) -> tuple[int, float]:
-        return self.home.take_tokens(destination, rate, n)
-
-    def wait(self, until: datetime) -> None:
-        time.sleep(max(0.0, min((until - self.clock()).total_seconds(), 0.05)))
-
-
-class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
+class SqlDelayedMessageStore(SweepLeases, DestinationSettings, SqlDatabase, DelayedMessageStore):
     """Delayed messages in one table; claims lock rows (`FOR UPDATE SKIP LOCKED` on PostgreSQL)."""
 
     def __init__(
@@ -399,18 +143,11 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         self.ids = ids_table(self.table.metadata, self.table_name, self.schema)
         self.throttle = throttle_table(self.table.metadata, self.table_name, self.schema)
         self.delays = queue_delays_table(self.table.metadata, self.table_name, self.schema)
-        # On SQLite a claim holds the database's write lock, which a second transaction would wait for:
-        # there each pump keeps its own bucket (pumps on one SQLite file take turns anyway).
-        # Delivery policies per destination live beside the messages, so every pump sees the same.
-        self.policy_table = Table(
-            f"{self.table_name}_policies",
-            self.table.metadata,
-            Column("destination", String(255), primary_key=True),
-            Column("policy", Text, nullable=False),
-            schema=self.schema,
-        )
+        self.policy_table = policies_table(self.table.metadata, self.table_name, self.schema)
         self.sweeps = sweeps_table(self.table.metadata, f"{self.table_name}_sweeps", self.schema)
         self.concurrent_claims = self.is_postgres  # SQLite locks the whole database per write transaction
+        # On SQLite a claim holds the database's write lock, which a second transaction would wait for:
+        # there each pump keeps its own bucket (pumps on one SQLite file take turns anyway).
         self.shared_throttle = self.is_postgres
         qualified = f"{self.schema}.{self.table_name}" if self.schema else self.table_name
         # LISTEN takes an identifier of at most 63 bytes; a hash keeps any schema.table pair within it.
@@ -495,66 +232,6 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
                         f"table {where} exists but is not a delay store table (missing columns {missing}); "
                         "nothing was changed: choose another `table` (or `db_schema`) for the store"
                     )
-
-    def set_policies(self, policies: Mapping[str, dict]) -> None:
-        """Store each destination's delivery policy (delivery-policy JSON), replacing what was there.
-        Each is checked first: a pump ignores a stored policy it cannot read."""
-        for destination, policy in policies.items():
-            check_destination(destination)
-            try:
-                DeliveryPolicy.from_dict(policy)
-            except PolicyError as exc:
-                raise PolicyError(f"the delivery policy of {destination!r}: {exc}") from None
-        t = self.policy_table
-        with self._errors("store delivery policies"), self.engine.begin() as conn:
-            if policies:
-                conn.execute(delete(t).where(t.c.destination.in_(list(policies))))
-                conn.execute(insert(t), [{"destination": d, "policy": json.dumps(p)} for d, p in policies.items()])
-
-    def set_queue_delays(self, delays: Mapping[str, int]) -> None:
-        """Store each destination's queue-level delay in seconds (0..7 days), replacing what was there;
-        0 removes it. Applies to messages sent from now on, as a broker's queue attribute would."""
-        for destination, seconds in delays.items():
-            resolve_delay(queue_delay=seconds, queue_field=f"queue_delay_seconds of {destination!r}")
-        t = self.delays
-        with self._errors("store queue-level delays"), self.engine.begin() as conn:
-            if delays:
-                conn.execute(delete(t).where(t.c.destination.in_(list(delays))))
-                rows = [{"destination": d, "queue_delay_seconds": s} for d, s in delays.items() if s]
-                if rows:
-                    conn.execute(insert(t), rows)
-
-    def queue_delays(self, destinations: Collection[str] | None = None) -> dict[str, int]:
-        """The queue-level delays set for these destinations (all, without `destinations`)."""
-        t = self.delays
-        query = select(t.c.destination, t.c.queue_delay_seconds)
-        if destinations is not None:
-            query = query.where(t.c.destination.in_(sorted(set(destinations))))
-        with self._errors("read queue-level delays"), self.engine.connect() as conn:
-            return dict(conn.execute(query).all())
-
-    def take_tokens(self, destination: str, rate: float, n: int) -> tuple[int, float]:
-        """Take up to `n` tokens of the destination's bucket, in a transaction of its own (the row lock
-        makes pumps take turns); the bucket refills at `rate` on the database's clock, holds at most
-        one second's worth and starts with one token, as TokenBucket does."""
-        t = self.throttle
-        capacity = max(float(rate), 1.0)
-        now = to_us(self.clock())
-        with self._errors("take throttle tokens"), self.engine.begin() as conn:
-            insert = (postgresql.insert if self.is_postgres else sqlite.insert)(t)
-            conn.execute(insert.values(destination=destination, tokens=min(1.0, float(rate)), updated_us=now)
-                         .on_conflict_do_nothing(index_elements=["destination"]))
-            tokens, updated = conn.execute(
-                select(t.c.tokens, t.c.updated_us).where(t.c.destination == destination).with_for_update()).one()
-            tokens = min(capacity, tokens + max(0, now - updated) / 1e6 * rate)
-            taken = min(n, int(tokens))
-            conn.execute(update(t).where(t.c.destination == destination).values(tokens=tokens - taken, updated_us=now))
-        return taken, tokens - taken
-
-    def policies(self) -> dict[str, dict]:
-        t = self.policy_table
-        with self._errors("read delivery policies"), self.engine.connect() as conn:
-            return {d: json.loads(p) for d, p in conn.execute(select(t.c.destination, t.c.policy)).all()}
 
     def exists(self) -> bool:
         with self._errors("inspect the delay store"), self.engine.connect() as conn:
@@ -681,105 +358,8 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     def _unleased(self, now_us: int):
         """Rows no running sweep holds: never claimed by one, or its lease has expired."""
         t, s = self.table, self.sweeps
-        return or_(t.c.claim_id.is_(None), t.c.claim_id.not_in(select(s.c.claim_id).where(s.c.lease_until_us >= now_us)))
-
-    # -- bulk sweeps -------------------------------------------------------------------------
-    def start_sweep(
-        self, claim_id: str, due_before: datetime, due_from: datetime | None = None,
-        lease_seconds: float = 600.0, chunk: int = 100_000,
-    ) -> dict:
-        """Lease the messages due in [due_from, due_before) and already due to `claim_id`.
-
-        The lease row is committed first, so the pump skips the rows from the moment they carry the
-        claim id. Rows of expired leases (a crashed sweep's) are taken over; rows a pump holds at
-        that moment are skipped (it is dispatching them). Returns how many rows were claimed.
-        """
-        check_claim_id(claim_id)
-        now_us = to_us(self.clock())
-        if lease_seconds <= 0:
-            raise InvalidInputError(f"lease_seconds must be > 0, got {lease_seconds!r}")
-        t, s = self.table, self.sweeps
-        with self._errors("start a sweep"), self.engine.begin() as conn:
-            if conn.execute(select(s.c.claim_id).where(s.c.claim_id == claim_id)).first():
-                raise InvalidInputError(f"claim id {claim_id!r} was used by an earlier sweep; use a new one")
-            conn.execute(insert(s).values(
-                claim_id=claim_id, lease_until_us=now_us + int(lease_seconds * 1e6),
-                due_from_us=None if due_from is None else to_us(due_from), due_before_us=to_us(due_before),
-                status="running", started_at_us=now_us,
-            ))
-        window = [t.c.due_at_us <= now_us, t.c.due_at_us < to_us(due_before)]
-        if due_from is not None:
-            window.append(t.c.due_at_us >= to_us(due_from))
-        expired = select(s.c.claim_id).where(s.c.lease_until_us < now_us)
-        taken_over = self._lease(claim_id, [*window, t.c.claim_id.in_(expired)], chunk)
-        claimed = taken_over + self._lease(claim_id, [*window, t.c.claim_id.is_(None)], chunk)
-        with self._errors("record a sweep"), self.engine.begin() as conn:
-            conn.execute(update(s).where(s.c.claim_id == claim_id).values(claimed=claimed, taken_over=taken_over))
-        return {"claimed": claimed, "taken_over": taken_over}
-
-    def _lease(self, claim_id: str, conditions: list, chunk: int) -> int:
-        t = self.table
-        total = 0
-        while True:
-            ids = select(t.c.id).where(*conditions).limit(chunk).with_for_update(skip_locked=True)
-            with self._errors("claim messages for a sweep"), self.engine.begin() as conn:
-                n = conn.execute(update(t).where(t.c.id.in_(ids.scalar_subquery())).values(claim_id=claim_id)).rowcount
-            total += n
-            if n < chunk:
-                return total
-            log.info("sweep %s: %d messages claimed so far", claim_id, total)
-
-    def renew_lease(self, claim_id: str, lease_seconds: float) -> bool:
-        """Extend a running sweep's lease; False when it is no longer running (finished or never started)."""
-        s = self.sweeps
-        until = to_us(self.clock()) + int(lease_seconds * 1e6)
-        with self._errors("renew a sweep's lease"), self.engine.begin() as conn:
-            stmt = update(s).where(s.c.claim_id == claim_id, s.c.status == "running").values(lease_until_us=until)
-            return conn.execute(stmt).rowcount == 1
-
-    def claimed_range(self, claim_id: str) -> tuple[int, int, int]:
-        """(lowest id, highest id, count) of the rows a sweep still holds; (0, -1, 0) when none."""
-        t = self.table
-        query = select(func.min(t.c.id), func.max(t.c.id), func.count()).where(t.c.claim_id == claim_id)
-        with self._errors("read a sweep's claim"), self.engine.connect() as conn:
-            low, high, n = conn.execute(query).one()
-        return (0, -1, 0) if not n else (low, high, n)
-
-    def read_claimed(self, claim_id: str, low: int, high: int, chunk: int = 10_000) -> Iterator[tuple]:
-        """The rows a sweep holds with low <= id <= high, in id order, as SWEEP_COLUMNS tuples."""
-        t = self.table
-        query = (select(*(t.c[c] for c in SWEEP_COLUMNS))
-                 .where(t.c.claim_id == claim_id, t.c.id >= low, t.c.id <= high).order_by(t.c.id))
-        with self._errors("read swept messages"), self.engine.connect() as conn:
-            for row in conn.execution_options(yield_per=chunk).execute(query):
-                yield tuple(row)
-
-    def leased_rows(self, claim_id: str, rows: Iterable[tuple]) -> LeasedRows:
-        return LeasedRows(self, claim_id, rows)
-
-    def finish_sweep(self, claim_id: str, status: str, summary: dict) -> int:
-        """End a sweep: rows it still holds are released to the pump at once, its lease ends, its
-        summary is kept. Returns how many rows were released."""
-        t, s = self.table, self.sweeps
-        now_us = to_us(self.clock())
-        with self._errors("finish a sweep"), self.engine.begin() as conn:
-            released = conn.execute(update(t).where(t.c.claim_id == claim_id).values(claim_id=None)).rowcount
-            conn.execute(update(s).where(s.c.claim_id == claim_id).values(
-                status=status, finished_at_us=now_us, lease_until_us=0,
-                summary=json.dumps({**summary, "released": released}),
-            ))
-        return released
-
-    def sweep_record(self, claim_id: str) -> dict | None:
-        """A sweep's row: window, status, claimed and taken-over counts, and its summary."""
-        s = self.sweeps
-        with self._errors("read a sweep"), self.engine.connect() as conn:
-            row = conn.execute(select(s).where(s.c.claim_id == claim_id)).first()
-        if row is None:
-            return None
-        record = row._asdict()
-        record["summary"] = None if record["summary"] is None else json.loads(record["summary"])
-        return record
+        return or_(t.c.claim_id.is_(None),
+                   t.c.claim_id.not_in(select(s.c.claim_id).where(s.c.lease_until_us >= now_us)))
 
     # -- reads -----------------------------------------------------------------------------------
     def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:

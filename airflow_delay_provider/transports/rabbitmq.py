@@ -19,20 +19,20 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 import shlex
 import ssl
 import time
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import pika
 from pika.exceptions import AMQPConnectionError, AMQPError, ChannelClosedByBroker
 
-from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.delays import seconds_until, utcnow, whole_seconds
 from airflow_delay_provider.core.errors import (
     DelayError,
     DelayProviderError,
@@ -51,8 +51,8 @@ MAX_DELAY_SECONDS = 2**LEVELS - 1  # 268,435,455 s, about 8.5 years
 DELAY_HEADER = "x-delay-seconds"
 #: Headers the broker or the delay mechanics add; receivers never see them.
 STRIPPED_HEADERS = frozenset(
-    {DELAY_HEADER, HEADER_DUE_AT, "x-delivery-count", "x-death", "x-first-death-queue", "x-first-death-reason", "x-first-death-exchange",
-     "x-last-death-queue", "x-last-death-reason", "x-last-death-exchange"}
+    {DELAY_HEADER, HEADER_DUE_AT, "x-delivery-count", "x-death", "x-first-death-queue", "x-first-death-reason",
+     "x-first-death-exchange", "x-last-death-queue", "x-last-death-reason", "x-last-death-exchange"}
 )
 #: Routing keys are at most 255 bytes; the delay bits take 2 bytes per level.
 MAX_ROUTING_KEY_BYTES = 255
@@ -65,19 +65,12 @@ def max_delay(levels: int = LEVELS) -> int:
     return 2**levels - 1
 
 
-def _whole_seconds(delay_seconds: object) -> int:
-    if isinstance(delay_seconds, bool) or not isinstance(delay_seconds, (int, float)) \
-            or isinstance(delay_seconds, float) and not math.isfinite(delay_seconds):
-        raise DelayError(f"delay_seconds must be a finite number of seconds, got {delay_seconds!r}")
-    return max(0, math.ceil(delay_seconds))  # negative means now; never early
-
-
 def routing_key(delay_seconds: int | float, destination: str, levels: int = LEVELS) -> str:
     """`b(levels-1). … .b0.destination`: the delay in binary, most significant bit first.
 
     Fractions round up, negative delays mean 0; a delay above 2^levels - 1 raises DelayError.
     """
-    delay = _whole_seconds(delay_seconds)
+    delay = whole_seconds(delay_seconds, negative_is_now=True)
     if delay > max_delay(levels):
         raise DelayError(
             f"cannot delay a message by {delay} s: it exceeds the maximum delay value of {max_delay(levels)} s "
@@ -474,7 +467,8 @@ class RabbitMQTransport(Transport):
         report: dict[str, Any] = {"missing": [], "different": [], "outdated": [], "ok": []}
         for ex in topology.exchanges:
             self._check(report, ex.name, lambda ch, ex=ex: ch.exchange_declare(ex.name, passive=True),
-                        lambda ch, ex=ex: ch.exchange_declare(ex.name, ex.type, durable=True, arguments=ex.arguments or None))
+                        lambda ch, ex=ex: ch.exchange_declare(ex.name, ex.type, durable=True,
+                                                              arguments=ex.arguments or None))
         for q in queues:
             legacy = None if q.legacy_arguments is None else (
                 lambda ch, q=q: ch.queue_declare(q.name, durable=True, arguments=q.legacy_arguments))
@@ -483,7 +477,8 @@ class RabbitMQTransport(Transport):
         outdated = [o["name"] for o in report["outdated"]]
         report["outdated_fix"] = (delivery_limit_policy(self.names, self.parameters.virtual_host, outdated,
                                                         self.delivery_limit) if outdated else None)
-        report["unroutable_depth"] = None if self.names.unroutable in report["missing"] else self.depth(self.names.unroutable)
+        report["unroutable_depth"] = (None if self.names.unroutable in report["missing"]
+                                      else self.depth(self.names.unroutable)["visible"])
         report["complete"] = not report["missing"] and not report["different"]
         return report
 
@@ -511,13 +506,15 @@ class RabbitMQTransport(Transport):
             if channel.is_open:
                 channel.close()
 
-    def depth(self, queue: str) -> int:
+    def depth(self, queue: str) -> dict[str, int]:
+        """Messages ready in the queue (`visible`); RabbitMQ does not count unacknowledged ones over AMQP."""
         check_endpoint(queue, self.names.levels)  # a name that cannot exist says why, not "no such queue"
         channel = self._channel()
         try:
-            return channel.queue_declare(queue, passive=True).method.message_count
+            return {"visible": channel.queue_declare(queue, passive=True).method.message_count}
         except ChannelClosedByBroker as exc:
-            raise DestinationNotFoundError(f"queue {queue!r} does not exist on {self.where}: {exc.reply_text}") from None
+            raise DestinationNotFoundError(
+                f"queue {queue!r} does not exist on {self.where}: {exc.reply_text}") from None
         except AMQPConnectionError as exc:
             self._admin = self._consumer = None
             raise UnavailableError(f"lost the connection to {self.where}: {_describe(exc)}") from None
@@ -569,7 +566,7 @@ class RabbitMQTransport(Transport):
         return wait
 
     def _publication(self, m: DelayedMessage, now: datetime) -> Publication:
-        delay = max(0, math.ceil((m.due_at - now).total_seconds()))
+        delay = seconds_until(m.due_at, now)
         headers = {**m.headers, HEADER_DUE_AT: m.due_at.isoformat()}
         if delay:
             headers[DELAY_HEADER] = delay
@@ -586,7 +583,7 @@ class RabbitMQTransport(Transport):
         """Basic.get up to `max_messages`; unacked messages go back to the queue when the channel closes
         (RabbitMQ has no visibility timeout: `visibility_timeout` is ignored)."""
         check_endpoint(endpoint, self.names.levels)
-        for attempt in (1, 2):
+        for _attempt in (1, 2):
             if self._consumer is None or self._consumer.is_closed:
                 self._consumer = self._channel()
             received = []
@@ -599,7 +596,8 @@ class RabbitMQTransport(Transport):
                 return received
             except ChannelClosedByBroker as exc:
                 self._consumer = None
-                raise DestinationNotFoundError(f"cannot receive from {endpoint!r} on {self.where}: {exc.reply_text}") from None
+                raise DestinationNotFoundError(
+                    f"cannot receive from {endpoint!r} on {self.where}: {exc.reply_text}") from None
             except AMQPConnectionError:
                 # The broker requeues what the lost channel held unacked: receiving again is safe.
                 self._admin = self._consumer = None

@@ -9,8 +9,9 @@ the pump inserts here inside its claim transaction, so dispatch is exactly once.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from sqlalchemy import (
     BigInteger,
@@ -26,6 +27,7 @@ from sqlalchemy import (
     delete,
     func,
     insert,
+    inspect,
     select,
     update,
 )
@@ -52,6 +54,11 @@ _COPY_TYPES = ("text", "text", "bytea", "text", "int8", "int8", "int8")
 
 class SqlTableTransport(SqlDatabase, Transport):
     name = "sql"
+
+    @classmethod
+    def from_spec(cls, spec: dict) -> SqlTableTransport:
+        """From the plain data of DelayStoreHook.transport_spec() (a process without Airflow)."""
+        return cls(spec["url"], schema=spec.get("schema"), table_prefix=spec.get("table_prefix", "delay_"))
 
     def __init__(self, url: URL | str, schema: str | None = None, table_prefix: str = "delay_") -> None:
         check_identifier("table prefix", table_prefix + "queues")
@@ -95,6 +102,17 @@ class SqlTableTransport(SqlDatabase, Transport):
             created = conn.execute(stmt, {"name": endpoint, "created_at_us": to_us(utcnow())}).rowcount == 1
         return {"transport": self.name, "endpoint": endpoint, "created": created}
 
+    def verify(self, endpoints: Iterable[str] = ()) -> dict:
+        """Which queues provisioning would create, changing nothing."""
+        wanted = list(endpoints)
+        with self._errors("inspect the queue tables"), self.engine.connect() as conn:
+            if not inspect(conn).has_table(self.queues.name, schema=self.schema):
+                found: set[str] = set()
+            else:
+                found = set(conn.execute(select(self.queues.c.name).where(self.queues.c.name.in_(wanted))).scalars())
+        missing = [e for e in wanted if e not in found]
+        return {"complete": not missing, "missing": missing, "different": [], "ok": sorted(found)}
+
     def teardown(self, endpoint: str) -> int:
         """Remove a queue and the messages in it; later sends to it are dead-lettered as not found."""
         with self._errors(f"tear down queue {endpoint!r}"), self.engine.begin() as conn:
@@ -132,7 +150,7 @@ class SqlTableTransport(SqlDatabase, Transport):
         if rows and self.is_postgres:
             copy_rows(conn, self.messages, _COPY_COLUMNS, _COPY_TYPES, rows)
         elif rows:
-            conn.execute(insert(self.messages), [dict(zip(_COPY_COLUMNS, row)) for row in rows])
+            conn.execute(insert(self.messages), [dict(zip(_COPY_COLUMNS, row, strict=False)) for row in rows])
         return failures
 
     def receive(self, endpoint: str, max_messages: int = 10, visibility_timeout: float = 30.0) -> list[ReceivedMessage]:

@@ -20,13 +20,14 @@ import logging
 import math
 import re
 import uuid
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Any, Iterable, Sequence
+from datetime import UTC, datetime
+from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.delays import seconds_until, utcnow, whole_seconds
 from airflow_delay_provider.core.errors import (
     DelayError,
     DestinationNotFoundError,
@@ -78,7 +79,8 @@ def delay_queue_name(name: str, prefix: str = "") -> str:
     if len(result) > MAX_QUEUE_NAME:
         raise InvalidNameError(
             f"delay queue name {result!r} has {len(result)} characters; SQS allows {MAX_QUEUE_NAME}, so the endpoint "
-            f"name may have at most {MAX_QUEUE_NAME - len(prefix) - len(DELAY_QUEUE_SUFFIX)} characters with prefix {prefix!r}"
+            f"name may have at most {MAX_QUEUE_NAME - len(prefix) - len(DELAY_QUEUE_SUFFIX)} characters "
+            f"with prefix {prefix!r}"
         )
     return result
 
@@ -93,18 +95,10 @@ def check_queue_name(name: str) -> str:
     return name
 
 
-def _whole_seconds(delay_seconds: object, field: str = "delay_seconds") -> int:
-    if isinstance(delay_seconds, bool) or not isinstance(delay_seconds, (int, float)) \
-            or isinstance(delay_seconds, float) and not math.isfinite(delay_seconds):
-        raise DelayError(f"{field} must be a finite number of seconds, got {delay_seconds!r}")
-    if delay_seconds < 0:
-        raise DelayError(f"{field} must be >= 0, got {delay_seconds}")
-    return math.ceil(delay_seconds)
-
-
 def _check_queue_delay(queue_delay: object) -> int:
     if isinstance(queue_delay, bool) or not isinstance(queue_delay, int) or not 1 <= queue_delay <= NATIVE_MAX_DELAY:
-        raise DelayError(f"queue_delay must be an int in 1..{NATIVE_MAX_DELAY} seconds (SQS's limit), got {queue_delay!r}")
+        raise DelayError(
+            f"queue_delay must be an int in 1..{NATIVE_MAX_DELAY} seconds (SQS's limit), got {queue_delay!r}")
     return queue_delay
 
 
@@ -124,7 +118,7 @@ class DelayPlan:
 
 def delay_plan(delay_seconds: int | float, queue_delay: int = NATIVE_MAX_DELAY) -> DelayPlan:
     """845 -> native, 0 cycles, 845 s; 1,925 (Q = 900) -> 2 cycles, then 125 s on the destination."""
-    delay = _whole_seconds(delay_seconds)
+    delay = whole_seconds(delay_seconds)
     q = _check_queue_delay(queue_delay)
     if delay <= q:  # Q is the threshold: 900 in production, a few seconds in tests
         return DelayPlan(delay, True, 0, delay)
@@ -132,7 +126,8 @@ def delay_plan(delay_seconds: int | float, queue_delay: int = NATIVE_MAX_DELAY) 
     return DelayPlan(delay, False, cycles, delay - cycles * q)
 
 
-def estimate_cost(delay_seconds: int | float, price_per_request: float = 0.0000005, queue_delay: int = NATIVE_MAX_DELAY) -> float:
+def estimate_cost(delay_seconds: int | float, price_per_request: float = 0.0000005,
+                  queue_delay: int = NATIVE_MAX_DELAY) -> float:
     """USD the relay spends on one message: two FIFO requests per cycle (long polling not counted)."""
     if isinstance(price_per_request, bool) or not isinstance(price_per_request, (int, float)) or price_per_request < 0:
         raise InvalidInputError(f"price_per_request must be a number >= 0, got {price_per_request!r}")
@@ -188,7 +183,8 @@ class SqsTransport(Transport):
         if isinstance(max_relay_downtime, bool) or not isinstance(max_relay_downtime, (int, float)) \
                 or not max_relay_downtime > 0:
             raise InvalidInputError(f"max_relay_downtime must be a number of seconds > 0, got {max_relay_downtime!r}")
-        if isinstance(body_expiration_days, bool) or not isinstance(body_expiration_days, int) or body_expiration_days < 1:
+        if isinstance(body_expiration_days, bool) or not isinstance(body_expiration_days, int) \
+                or body_expiration_days < 1:
             raise InvalidInputError(f"body_expiration_days must be an int >= 1, got {body_expiration_days!r}")
         self.max_relay_downtime = max_relay_downtime
         self.body_expiration_days = body_expiration_days
@@ -210,6 +206,12 @@ class SqsTransport(Transport):
 
     def __repr__(self) -> str:
         return f"SqsTransport(endpoint={self.client.meta.endpoint_url!r}, prefix={self.prefix!r})"
+
+    def describe_delay(self, seconds: int) -> str:
+        plan = delay_plan(seconds, self.queue_delay)
+        how = ("native DelaySeconds" if plan.native
+               else f"{plan.fifo_cycles} cycle(s) through the delay queue, then {plan.final_delay} s")
+        return f"{seconds} s = {how}; relay cost about ${estimate_cost(seconds, queue_delay=self.queue_delay):.6f}"
 
     def queue_name(self, endpoint: str) -> str:
         return check_queue_name(f"{self.prefix}{endpoint}")
@@ -238,9 +240,11 @@ class SqsTransport(Transport):
         name = self.queue_name(endpoint)
         attributes = {}
         if queue_delay_seconds:
-            if isinstance(queue_delay_seconds, bool) or not isinstance(queue_delay_seconds, int) or not 0 <= queue_delay_seconds <= NATIVE_MAX_DELAY:
+            if isinstance(queue_delay_seconds, bool) or not isinstance(queue_delay_seconds, int) \
+                    or not 0 <= queue_delay_seconds <= NATIVE_MAX_DELAY:
                 # moto accepts more; real SQS does not: check here so tests mean what production does
-                raise DelayError(f"queue_delay_seconds must be an int in 0..{NATIVE_MAX_DELAY} on SQS, got {queue_delay_seconds!r}")
+                raise DelayError(f"queue_delay_seconds must be an int in 0..{NATIVE_MAX_DELAY} on SQS, "
+                                 f"got {queue_delay_seconds!r}")
             attributes["DelaySeconds"] = str(queue_delay_seconds)
         try:
             self._urls[name] = self.client.create_queue(QueueName=name, Attributes=attributes)["QueueUrl"]
@@ -269,7 +273,8 @@ class SqsTransport(Transport):
                 raise
         # Made earlier with other attributes (an older 4-day retention, another Q): bring it up to date.
         url = self.client.get_queue_url(QueueName=queue)["QueueUrl"]
-        self.client.set_queue_attributes(QueueUrl=url, Attributes={k: v for k, v in attributes.items() if k != "FifoQueue"})
+        self.client.set_queue_attributes(QueueUrl=url,
+                                         Attributes={k: v for k, v in attributes.items() if k != "FifoQueue"})
         return url
 
     def _expire_bodies(self) -> int:
@@ -298,7 +303,28 @@ class SqsTransport(Transport):
             raise UnavailableError(f"could not reach S3: {_aws_error(exc)}") from None
         return self.body_expiration_days
 
-    def verify(self, endpoint: str) -> dict:
+    def verify(self, endpoints: str | Iterable[str] = ()) -> dict:
+        """For one endpoint, the relay's start-up check of its delay queue (below); for several, the
+        provisioning report: `complete`, `missing` and `different` (misconfigured) queues, and each
+        delay queue's report under `endpoints`."""
+        if isinstance(endpoints, str):
+            return self._verify_delay_queue(endpoints)
+        report: dict[str, Any] = {"missing": [], "different": [], "endpoints": {}}
+        for endpoint in endpoints:
+            try:
+                self._url(self.queue_name(endpoint))
+                report["endpoints"][endpoint] = self._verify_delay_queue(endpoint)
+            except DestinationNotFoundError:
+                report["missing"].append(endpoint)
+            except InvalidNameError:
+                raise
+            except InvalidInputError as exc:
+                report["different"].append(endpoint)
+                report["endpoints"][endpoint] = {"ok": False, "problem": str(exc)}
+        report["complete"] = not report["missing"] and not report["different"]
+        return report
+
+    def _verify_delay_queue(self, endpoint: str) -> dict:
         """Start-up check of the delay queue: present, delay >= Q, retention longer than the delay, no
         redrive policy. A retention too short to outlast `max_relay_downtime` is a warning (logged and
         in the report's `warnings`): a relay down that long would lose messages silently."""
@@ -333,15 +359,17 @@ class SqsTransport(Transport):
         return {"delay_queue": fifo, "delay_seconds": delay, "retention_seconds": retention,
                 "max_relay_downtime": self.max_relay_downtime, "warnings": warnings, "ok": True}
 
-    def depth(self, endpoint: str) -> int:
-        """Visible messages in the endpoint's queue (raises DestinationNotFoundError when it is missing)."""
-        return self.lifecycle(endpoint)["visible"]
+    def depth(self, endpoint: str) -> dict[str, int]:
+        """The endpoint queue's messages: visible, in flight, scheduled (raises DestinationNotFoundError
+        when it is missing)."""
+        return self.lifecycle(endpoint)
 
     def lifecycle(self, endpoint: str, delay_queue: bool = False) -> dict[str, int]:
         """A queue's messages as SQS counts them: scheduled (delayed), visible, in flight."""
         name = delay_queue_name(endpoint, self.prefix) if delay_queue else self.queue_name(endpoint)
         attrs = self.client.get_queue_attributes(QueueUrl=self._url(name), AttributeNames=[
-            "ApproximateNumberOfMessagesDelayed", "ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible",
+            "ApproximateNumberOfMessagesDelayed", "ApproximateNumberOfMessages",
+            "ApproximateNumberOfMessagesNotVisible",
         ])["Attributes"]
         return {
             "scheduled": int(attrs.get("ApproximateNumberOfMessagesDelayed", 0)),
@@ -377,7 +405,7 @@ class SqsTransport(Transport):
         return failures
 
     def _entry(self, m: DelayedMessage, now: datetime) -> tuple[str, dict]:
-        delay = max(0, math.ceil((m.due_at - now).total_seconds()))
+        delay = seconds_until(m.due_at, now)
         attributes = {
             ATTR_MESSAGE_ID: {"DataType": "String", "StringValue": m.message_id},
             ATTR_DUE_AT: {"DataType": "String", "StringValue": m.due_at.isoformat()},
@@ -416,7 +444,8 @@ class SqsTransport(Transport):
         try:
             self.s3.put_object(Bucket=self.large_body_bucket, Key=key, Body=m.body)
         except (ClientError, BotoCoreError) as exc:
-            raise UnavailableError(f"could not store the large body of {m.message_id} in S3: {_aws_error(exc)}") from None
+            raise UnavailableError(
+                f"could not store the large body of {m.message_id} in S3: {_aws_error(exc)}") from None
         attributes.pop(ATTR_ENCODING, None)
         attributes[ATTR_BODY_S3] = {"DataType": "String", "StringValue": f"{self.large_body_bucket}/{key}"}
         return json.dumps({"s3": f"{self.large_body_bucket}/{key}"})
@@ -432,8 +461,8 @@ class SqsTransport(Transport):
             for failed in result.get("Failed", []):
                 m = chunk[int(failed["Id"])][0]
                 error = f"{failed.get('Code')}: {failed.get('Message')}"
-                failures[m.message_id] = (UnavailableError if failed.get("SenderFault") is False else InvalidInputError)(
-                    f"SQS refused message {m.message_id}: {error}")
+                error_type = UnavailableError if failed.get("SenderFault") is False else InvalidInputError
+                failures[m.message_id] = error_type(f"SQS refused message {m.message_id}: {error}")
         return failures
 
     # -- receiving ----------------------------------------------------------------------------------
@@ -462,14 +491,16 @@ class SqsTransport(Transport):
             return self.s3.get_object(Bucket=bucket, Key=key)["Body"].read()
         except ClientError as exc:
             if _code(exc) not in ("NoSuchKey", "404"):
-                raise UnavailableError(f"could not read the large body of {message_id} from S3: {_aws_error(exc)}") from None
+                raise UnavailableError(
+                    f"could not read the large body of {message_id} from S3: {_aws_error(exc)}") from None
         except BotoCoreError as exc:
-            raise UnavailableError(f"could not read the large body of {message_id} from S3: {_aws_error(exc)}") from None
+            raise UnavailableError(
+                f"could not read the large body of {message_id} from S3: {_aws_error(exc)}") from None
         # Copies of one message share its object (a relay re-send under at-least-once), and the
         # first copy's ack deleted it: this one was delivered already. (Or the lifecycle rule
         # expired it, and there is nothing left to deliver.)
-        log.warning("dropping a copy of message %s: its body %s is gone from S3 (another copy was acked, or it expired)",
-                    message_id, pointer)
+        log.warning("dropping a copy of message %s: its body %s is gone from S3 "
+                    "(another copy was acked, or it expired)", message_id, pointer)
         self.duplicates_dropped += 1
         try:
             self.client.delete_message(QueueUrl=url, ReceiptHandle=m["ReceiptHandle"])
@@ -499,7 +530,8 @@ class SqsTransport(Transport):
         try:
             self.s3.delete_object(Bucket=bucket, Key=key)
         except (ClientError, BotoCoreError) as exc:
-            log.warning("could not delete the large body %s from S3 (its lifecycle rule will): %s", pointer, _aws_error(exc))
+            log.warning("could not delete the large body %s from S3 (its lifecycle rule will): %s", pointer,
+                        _aws_error(exc))
 
     # -- the relay: the delay queue's consumer ---------------------------------------------------
     def relay_once(self, endpoint: str, wait_time_seconds: int = 20, visibility_timeout: int = 30,
@@ -520,7 +552,8 @@ class SqsTransport(Transport):
                 VisibilityTimeout=visibility_timeout, MessageAttributeNames=["All"], AttributeNames=["All"],
             ).get("Messages", [])
         except (ClientError, BotoCoreError) as exc:
-            raise UnavailableError(f"could not receive from the delay queue of {endpoint!r}: {_aws_error(exc)}") from None
+            raise UnavailableError(
+                f"could not receive from the delay queue of {endpoint!r}: {_aws_error(exc)}") from None
         counts = RelayCounts()
         if not got:
             return counts
@@ -550,7 +583,7 @@ class SqsTransport(Transport):
                 attributes.pop(ATTR_CYCLE, None)
                 if not _is_fifo(destination):
                     # Even 0: without it SQS applies the destination's default delay to an overdue message.
-                    entry["DelaySeconds"] = max(0, math.ceil(remaining))
+                    entry["DelaySeconds"] = whole_seconds(remaining, negative_is_now=True)
                 onward.append((m, entry))
         if throttle is not None and onward:
             # The destination's maxReceivesPerSecond: what may not go yet comes back in a second.
@@ -672,7 +705,7 @@ def _received(endpoint: str, m: dict, body: bytes | None = None, receipt: str | 
         body=_decode_body(m) if body is None else body,
         headers=json.loads(_attr(m, ATTR_HEADERS) or "{}"),
         receipt=receipt or m["ReceiptHandle"],
-        enqueued_at=datetime.fromtimestamp(sent, tz=timezone.utc),
+        enqueued_at=datetime.fromtimestamp(sent, tz=UTC),
         due_at=datetime.fromisoformat(due) if due else None,
         receive_count=int(attrs.get("ApproximateReceiveCount", "1")),
     )

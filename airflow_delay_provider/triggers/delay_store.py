@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timedelta
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
@@ -69,10 +70,13 @@ class DispatchTrigger(_StoreTrigger):
         `aws_default`).
     :param transport_options: SQS options (prefix, queue_delay, large_body_bucket).
     :param pump_config: the `PumpConfig` fields (batch size, retries, error queue, breakers).
-    :param delivery_policy: the default delivery policy, as a dict; `destination_policies` per destination.
+    :param delivery_policy: the default delivery policy, as a dict.
+    :param destination_policies: `{destination: policy as a dict}`; a destination's policy here comes
+        first, then the one stored for it, then `delivery_policy`.
     :param due_before: ISO time: dispatch only messages due before it, and stop when none is left.
     :param due_from: ISO time: dispatch only messages due at or after it.
-    :param destinations: dispatch only these destinations; `destination_prefix`: and those starting with it.
+    :param destinations: dispatch only these destinations.
+    :param destination_prefix: dispatch only destinations starting with this (with `destinations`: either).
     :param deadline: ISO time at which to stop.
     :param max_messages: stop after this many messages were handled.
     :param poll_interval: longest sleep without a wake-up signal (seconds); on SQLite, which has no
@@ -233,7 +237,16 @@ class DispatchTrigger(_StoreTrigger):
 
 class ScheduledMessagesTrigger(_StoreTrigger):
     """Fires `drained` once nothing (for `destination`, if given) is scheduled before `due_before`;
-    `timeout` at `deadline`; `error` when the store cannot be read. Re-counts every `poll_interval` s."""
+    `timeout` at `deadline`; `error` when the store cannot be read.
+
+    :param delay_store_conn_id: the `delay_store` connection (default `delay_store_default`).
+    :param table: the store's table, if not the connection's.
+    :param db_schema: the store's PostgreSQL schema, if not the connection's.
+    :param due_before: ISO time: count only messages due before it; default: every stored message.
+    :param deadline: ISO time at which to fire `timeout`; default: none (wait until drained).
+    :param poll_interval: seconds between counts (default 5).
+    :param destination: count only this destination; default: all.
+    """
 
     _fields = _StoreTrigger._fields + ("due_before", "deadline", "poll_interval", "destination")
 

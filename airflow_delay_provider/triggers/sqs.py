@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from datetime import datetime
-from typing import Any, AsyncIterator
+from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
@@ -15,7 +16,17 @@ from airflow_delay_provider.triggers.base import hold_final_event
 
 class SqsDelayQueueTrigger(BaseTrigger):
     """Fires `ready` when the delay queue has visible messages, `timeout` at `deadline`, `error` on failure.
-    `carry` (the deferred task's JSON state) comes back in every event."""
+
+    `ready` and `timeout` carry the delay queue's counts (scheduled, visible, in_flight).
+
+    :param endpoint: the endpoint whose `-delay.fifo` queue to watch.
+    :param aws_conn_id: the `aws` connection (default `aws_default`).
+    :param transport_options: the SQS transport options (`prefix`, `queue_delay`, ...), as the operator has
+        them.
+    :param deadline: ISO time at which to fire `timeout`; default: none.
+    :param poll_interval: seconds between looks at the delay queue (default 30).
+    :param carry: the deferred task's JSON state; it comes back in every event.
+    """
 
     def __init__(
         self,

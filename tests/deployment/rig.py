@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import contextlib
 import json
 import os
 import re
@@ -34,7 +35,7 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import date, datetime, timezone
+from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +139,7 @@ class TaskTimes:
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def parse_time(value: str | None) -> datetime | None:
@@ -146,7 +147,7 @@ def parse_time(value: str | None) -> datetime | None:
     if not value:
         return None
     parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
 def free_port() -> int:
@@ -412,10 +413,8 @@ class Deployment:
             if proc is None or proc.poll() is not None:
                 continue
             tracked.update({p.pid: p for p in self._tree(proc.pid)})
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             for c in components:
@@ -430,24 +429,18 @@ class Deployment:
             proc = self.procs.get(c)
             if proc is None:
                 continue
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         for p in tracked.values():
             if _alive(p):
-                try:
+                with contextlib.suppress(psutil.NoSuchProcess):
                     p.kill()
-                except psutil.NoSuchProcess:
-                    pass
         psutil.wait_procs(list(tracked.values()), timeout=10)
         for c in components:
             proc = self.procs.get(c)
             if proc is not None:
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    pass
 
     def kill(self, component: str, sig: int = signal.SIGKILL, grace: float | None = None) -> None:
         """Send ``sig`` to the component's whole process group (as a container runtime would). For SIGKILL,
@@ -911,9 +904,9 @@ class Deployment:
 
 def _iso(value: datetime | date | str) -> str:
     if isinstance(value, datetime):
-        return (value if value.tzinfo else value.replace(tzinfo=timezone.utc)).isoformat()
+        return (value if value.tzinfo else value.replace(tzinfo=UTC)).isoformat()
     if isinstance(value, date):
-        return datetime(value.year, value.month, value.day, tzinfo=timezone.utc).isoformat()
+        return datetime(value.year, value.month, value.day, tzinfo=UTC).isoformat()
     return value
 
 

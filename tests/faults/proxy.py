@@ -8,24 +8,23 @@ through a selector. Plain Python (no pytest), so the bench script uses it too.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import selectors
 import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 _ABORT = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a RST instead of a FIN
 _CHUNK = 256 * 1024
 
 
 def _reset(sock: socket.socket) -> None:
-    try:
+    with contextlib.suppress(OSError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _ABORT)
-    except OSError:
-        pass
     sock.close()
 
 
@@ -82,10 +81,8 @@ class TcpProxy:
     def close(self) -> None:
         if self._closed:
             return
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is gone already
             self._call(self._cut_all)
-        except RuntimeError:
-            pass  # the loop is gone already
         self._closed = True
         self._wake()
         self._thread.join(5)
@@ -101,10 +98,8 @@ class TcpProxy:
 
     # -- the loop (every socket is touched only by the proxy's thread) ------------------------------
     def _wake(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
-        except OSError:
-            pass
 
     def _call(self, fn: Callable[[], int]) -> int:
         if threading.current_thread() is self._thread:
@@ -210,10 +205,8 @@ class TcpProxy:
         self._links.discard(link)
         sockets = list(link.peer)
         for sock in sockets:
-            try:
+            with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(sock)
-            except (KeyError, ValueError):
-                pass
         return sockets
 
     def _abort(self, link: _Link) -> None:

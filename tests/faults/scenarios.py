@@ -31,10 +31,10 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
 
 from tests.faults.proxy import TcpProxy
 
@@ -118,7 +118,8 @@ def markdown_table(results: list[FaultCounts]) -> str:
             "early", "duplicates", "at-least-once bound", "wall time"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for r in results:
-        cells = [r.scenario, f"{r.messages:,}", r.kills, f"{r.cuts} ({r.outages} with refusals)" if r.outages else r.cuts,
+        cells = [r.scenario, f"{r.messages:,}", r.kills,
+                 f"{r.cuts} ({r.outages} with refusals)" if r.outages else r.cuts,
                  f"{r.terminations} ({r.notes.get('backends_terminated', 0)} backends)" if r.terminations else 0,
                  f"{r.delivered:,}", r.lost, r.early, r.duplicates, r.duplicate_bound,
                  f"{r.wall_seconds:.0f} s"]
@@ -474,7 +475,7 @@ def pump_faults(
                 return False
             if transport == "rabbitmq":
                 queues = ["orders"] + [direct.names.level(n) for n in range(3)]
-                if any(direct.depth(q) for q in queues):
+                if any(direct.depth(q)["visible"] for q in queues):
                     return False
             elif sum(direct.depth("orders").values()):
                 return False
@@ -485,7 +486,7 @@ def pump_faults(
         consumer.join(10)
         _tally(counts, received, expected)
         counts.left_in_store = sum(store.count_scheduled().values())
-        counts.dead_lettered = direct.depth("error") if transport == "rabbitmq" else sum(direct.depth("error").values())
+        counts.dead_lettered = sum(direct.depth("error").values())
         counts.errors.extend(workers.errors)
         stats = workers.results
         if transport == "rabbitmq":
@@ -644,7 +645,7 @@ def sqs_relay_faults(
                 # Right after a receive was handed on (sent back or to the destination), before its delete.
                 seen = len(marks(proc.pid))
                 pause_file.touch()
-                ok = _wait(lambda: any(m.startswith("handled") for m in marks(proc.pid)[seen:])
+                ok = _wait(lambda proc=proc, seen=seen: any(m.startswith("handled") for m in marks(proc.pid)[seen:])
                            or time.monotonic() > deadline or proc.poll() is not None, timeout)
                 if not ok or proc.poll() is not None or time.monotonic() > deadline:
                     counts.errors.append(f"relay made no progress before kill {k}")
@@ -667,7 +668,8 @@ def sqs_relay_faults(
         def settled() -> bool:
             if len(received.ids & expected) < messages:
                 return False
-            if sum(transport.lifecycle(endpoint, delay_queue=True).values()) or sum(transport.lifecycle(endpoint).values()):
+            if sum(transport.lifecycle(endpoint, delay_queue=True).values()) \
+                    or sum(transport.lifecycle(endpoint).values()):
                 return False
             return time.monotonic() - received.last_at > 1.0
 

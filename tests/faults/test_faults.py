@@ -64,13 +64,15 @@ def test_the_proxy_cuts_both_ways_and_refuses_for_a_while(tcp_proxy, pg_schema):
 
 
 def assert_faults_were_injected(counts: FaultCounts) -> None:
-    assert counts.errors == [], "a pump or the consumer failed on a fault it should survive:\n" + "\n".join(counts.errors)
+    assert counts.errors == [], (
+        "a pump or the consumer failed on a fault it should survive:\n" + "\n".join(counts.errors))
     assert counts.kills >= 3 and counts.cuts >= 4 and counts.terminations >= 2, counts.summary()
     assert counts.notes["connections_cut"] > 0, counts.summary()
     assert counts.notes["backends_terminated"] > 0, counts.summary()
 
 
-def test_pumps_to_rabbitmq_through_kills_cuts_and_terminations_lose_nothing_and_are_never_early(pg_schema, rabbit_vhost):
+def test_pumps_to_rabbitmq_through_kills_cuts_and_terminations_lose_nothing_and_are_never_early(
+        pg_schema, rabbit_vhost):
     counts = pump_faults("rabbitmq", pg_schema, rabbit_vhost, pg_url=PG_URL)
     report(counts)
     assert_faults_were_injected(counts)

@@ -198,7 +198,8 @@ def test_unknown_transport_and_bad_table_fail_at_parse_time():
     from airflow_delay_provider.hooks.delay_store import DelayStoreHook
     from airflow_delay_provider.operators.delay import DispatchDueMessagesOperator, SendDelayedMessageOperator
 
-    with pytest.raises(InvalidInputError, match=r"transport 'kafka' is not supported; choose one of \['sql', 'rabbitmq', 'sqs'\]"):
+    with pytest.raises(InvalidInputError,
+                       match=r"transport 'kafka' is not supported; choose one of \['sql', 'rabbitmq', 'sqs'\]"):
         SendDelayedMessageOperator(task_id="a", destination="q", transport="kafka")
     with pytest.raises(InvalidInputError, match="batch_size must be an int in 1..10000"):
         DispatchDueMessagesOperator(task_id="b", batch_size=0)
@@ -215,7 +216,8 @@ def test_hook_connection_never_shows_password(pg, monkeypatch):
     assert ok, message
     assert "pw-unused-by-trust" not in message and "pw-unused-by-trust" not in repr(good.get_store())
     monkeypatch.setenv("AIRFLOW_CONN_DELAY_BROKEN", json.dumps(
-        {"conn_type": "delay_store", "host": "127.0.0.1", "port": 1, "login": "u", "password": "TopSecret9", "schema": "x"}))
+        {"conn_type": "delay_store", "host": "127.0.0.1", "port": 1, "login": "u", "password": "TopSecret9",
+         "schema": "x"}))
     ok, message = DelayStoreHook("delay_broken").test_connection()
     assert not ok and "not reachable" in message and "TopSecret9" not in message
 
@@ -226,7 +228,8 @@ def test_a_missing_store_connection_says_how_to_define_it(monkeypatch):
     from airflow_delay_provider.operators.delay import DispatchDueMessagesOperator
 
     monkeypatch.delenv("AIRFLOW_CONN_DELAY_STORE_DEFAULT")
-    with pytest.raises(InvalidInputError, match="'delay_store_default' is not defined.*AIRFLOW_CONN_DELAY_STORE_DEFAULT"):
+    with pytest.raises(InvalidInputError,
+                       match="'delay_store_default' is not defined.*AIRFLOW_CONN_DELAY_STORE_DEFAULT"):
         DelayStoreHook().get_store()
     with pytest.raises(InvalidInputError, match="'delay_store_default' is not defined"):
         DispatchDueMessagesOperator(task_id="d", max_runtime=1).execute({})
@@ -245,7 +248,8 @@ def test_triggers_serialize_to_their_class_path_and_fire(monkeypatch):
 
     future = (datetime.now().astimezone() + timedelta(seconds=30)).isoformat()
     monkeypatch.setenv("AIRFLOW_CONN_DELAY_DOWN", json.dumps(
-        {"conn_type": "delay_store", "host": "127.0.0.1", "port": 1, "login": "u", "password": "Hush42", "schema": "x"}))
+        {"conn_type": "delay_store", "host": "127.0.0.1", "port": 1, "login": "u", "password": "Hush42",
+         "schema": "x"}))
     trigger = DispatchTrigger(delay_store_conn_id="delay_down", deadline=future, destinations=["q"],
                               pump_config={"batch_size": 5},
                               delivery_policy={"healthyRetryPolicy": {"numRetries": 1}})
@@ -302,8 +306,10 @@ def test_rabbitmq_operators_provision_verify_send_dispatch_migrate(run_dag, rabb
         native = SendDelayedMessageOperator(task_id="native", destination="orders", body="n", delay_seconds=1, **rabbit)
         stored = SendDelayedMessageOperator(task_id="stored", destination="orders", body="s", delay_seconds=1,
                                             delay_store_conn_id="store_x")
-        dispatch = DispatchDueMessagesOperator(task_id="dispatch", due_before="{{ macros.datetime.now(macros.dateutil.tz.UTC) + macros.timedelta(seconds=30) }}",
-                                               deferrable=True, **rabbit)
+        dispatch = DispatchDueMessagesOperator(
+            task_id="dispatch",
+            due_before="{{ macros.datetime.now(macros.dateutil.tz.UTC) + macros.timedelta(seconds=30) }}",
+            deferrable=True, **rabbit)
         later = SendDelayedMessageOperator(task_id="later", destination="orders", body="l", delay_seconds=2,
                                            delay_store_conn_id="store_x")
         migrate = MigrateDelayedMessagesOperator(task_id="migrate", direction="store_to_rabbitmq", **rabbit)
@@ -328,7 +334,8 @@ def test_rendered_arguments_are_checked_and_errors_name_them(airflow_home):
     from airflow_delay_provider.hooks.delay_store import DelayStoreHook
     from airflow_delay_provider.operators.delay import DispatchDueMessagesOperator, SendDelayedMessageOperator
 
-    ti = {"ti": type("TI", (), {"dag_id": "d", "run_id": f"r{uuid.uuid4().hex[:6]}", "task_id": "x", "map_index": -1})()}
+    ti = {"ti": type("TI", (), {"dag_id": "d", "run_id": f"r{uuid.uuid4().hex[:6]}", "task_id": "x",
+                                "map_index": -1})()}
     # A list of dicts rendered by Jinja is a Python literal, not JSON: accepted (never evaluated as code).
     op = SendDelayedMessageOperator(task_id="x",
                                     messages="[{'destination': 'lit.q', 'body': 'b', 'delay_seconds': 604800}]")
@@ -356,8 +363,10 @@ def test_a_retried_native_send_sends_nothing_twice(rabbit_vhost, monkeypatch):
     conn_id = _rabbit_conn(monkeypatch, rabbit_vhost, "dd")
     rabbit = {"transport": "rabbitmq", "transport_conn_id": conn_id}
     ProvisionDelayInfrastructureOperator(task_id="p", endpoints=["orders"], create_store=False, **rabbit).execute({})
-    ti = {"ti": type("TI", (), {"dag_id": "d", "run_id": f"r{uuid.uuid4().hex[:6]}", "task_id": "n", "map_index": -1})()}
-    op = SendDelayedMessageOperator(task_id="n", destination="orders", messages=[{"body": "a"}, {"body": "b"}], **rabbit)
+    ti = {"ti": type("TI", (), {"dag_id": "d", "run_id": f"r{uuid.uuid4().hex[:6]}", "task_id": "n",
+                                "map_index": -1})()}
+    op = SendDelayedMessageOperator(task_id="n", destination="orders", messages=[{"body": "a"}, {"body": "b"}],
+                                    **rabbit)
     first = op.execute(ti)
     assert op.execute(ti) == first  # the task retried after its messages were sent: the same ids, nothing sent
     transport = RabbitMQDelayHook(conn_id).get_transport()

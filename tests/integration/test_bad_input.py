@@ -18,7 +18,13 @@ import pytest
 from sqlalchemy import select
 
 from airflow_delay_provider.core.delays import utcnow
-from airflow_delay_provider.core.errors import DelayError, InvalidInputError, InvalidMessageError, InvalidNameError
+from airflow_delay_provider.core.errors import (
+    DelayError,
+    DelayProviderError,
+    InvalidInputError,
+    InvalidMessageError,
+    InvalidNameError,
+)
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy, PolicyError
 
@@ -94,7 +100,8 @@ PARSE_TIME = [
         task_id="t", destination_policies={"orders": "[]"}),
      PolicyError, r"no built-in policy '\[\]'; choose one of"),
     ("migrate_direction", lambda o: o.MigrateDelayedMessagesOperator(task_id="t", direction="sideways"),
-     InvalidInputError, r"direction 'sideways' is not supported; choose one of \['store_to_rabbitmq', 'rabbitmq_to_store'\]"),
+     InvalidInputError,
+     r"direction 'sideways' is not supported; choose one of \['store_to_rabbitmq', 'rabbitmq_to_store'\]"),
     ("migrate_transport", lambda o: o.MigrateDelayedMessagesOperator(
         task_id="t", direction="store_to_rabbitmq", transport="sql"),
      InvalidInputError, r"use transport='rabbitmq'"),
@@ -187,7 +194,7 @@ RUN_TIME = [
      InvalidMessageError, r"destination must be at most 255 characters without NUL or line breaks"),
     ("provision_verify_sql", lambda o, c: o.ProvisionDelayInfrastructureOperator(
         task_id="t", delay_store_conn_id=c, endpoints=["fresh"], verify=True).execute(TI),
-     InvalidInputError, r"verify=True is supported for transport='rabbitmq', not 'sql'"),
+     DelayProviderError, r"is incomplete: missing \['fresh', 'error'\].*without verify=True to declare it"),
     ("sensor_before", lambda o, c: __import__("airflow_delay_provider.sensors.delay_store", fromlist=["x"])
      .DelayedMessagesSensor(task_id="t", delay_store_conn_id=c, before="tomorrow").poke({}),
      DelayError, r"^before must be an ISO-8601 timestamp with a timezone, got 'tomorrow'"),
@@ -236,16 +243,20 @@ EXTRAS = [
      r"dedup_window_seconds must be a number of seconds >= 0 \(0 turns de-duplication off\), got -5"),
     ("rabbit_levels_text", RABBITMQ, {"levels": "abc"}, InvalidInputError,
      r"the rabbitmq connection extra levels must be an int in 1\.\.28, got 'abc'"),
-    ("rabbit_levels_zero", RABBITMQ, {"levels": 0}, InvalidInputError, r"extra levels must be an int in 1\.\.28, got 0"),
-    ("rabbit_levels_29", RABBITMQ, {"levels": "29"}, InvalidInputError, r"extra levels must be an int in 1\.\.28, got '29'"),
-    ("rabbit_levels_bool", RABBITMQ, {"levels": True}, InvalidInputError, r"extra levels must be an int in 1\.\.28, got True"),
+    ("rabbit_levels_zero", RABBITMQ, {"levels": 0}, InvalidInputError,
+     r"extra levels must be an int in 1\.\.28, got 0"),
+    ("rabbit_levels_29", RABBITMQ, {"levels": "29"}, InvalidInputError,
+     r"extra levels must be an int in 1\.\.28, got '29'"),
+    ("rabbit_levels_bool", RABBITMQ, {"levels": True}, InvalidInputError,
+     r"extra levels must be an int in 1\.\.28, got True"),
     ("rabbit_delivery_limit", RABBITMQ, {"delivery_limit": 0}, InvalidInputError,
      r"extra delivery_limit must be an int >= 1, got 0"),
     ("rabbit_delivery_limit_text", RABBITMQ, {"delivery_limit": "many"}, InvalidInputError,
      r"extra delivery_limit must be an int >= 1, got 'many'"),
     ("rabbit_confirm_window", RABBITMQ, {"confirm_window": 0}, InvalidInputError,
      r"extra confirm_window must be an int >= 1, got 0"),
-    ("rabbit_heartbeat", RABBITMQ, {"heartbeat": -1}, InvalidInputError, r"extra heartbeat must be an int >= 0, got -1"),
+    ("rabbit_heartbeat", RABBITMQ, {"heartbeat": -1}, InvalidInputError,
+     r"extra heartbeat must be an int >= 0, got -1"),
     ("rabbit_prefix", RABBITMQ, {"prefix": "a*b"}, InvalidNameError,
      r"prefix 'a\*b' cannot name the delay exchanges and queues: .*no '\*' or '#'"),
     ("sqs_queue_delay", SQS, {"queue_delay": 0}, DelayError, r"queue_delay must be an int in 1\.\.900 seconds"),
@@ -290,7 +301,8 @@ def _store_cases():
 
     good = DelayedMessage("orders", b"x", utcnow(), {}, "new-1")
     return [
-        ("dedup_window_bool", lambda url, store: SqlDelayedMessageStore(url, table="bad_input", dedup_window_seconds=True),
+        ("dedup_window_bool",
+         lambda url, store: SqlDelayedMessageStore(url, table="bad_input", dedup_window_seconds=True),
          InvalidInputError, r"dedup_window_seconds must be a number of seconds >= 0 .*got True"),
         ("schema_on_sqlite", lambda url, store: SqlDelayedMessageStore(url, table="bad_input", schema="delays"),
          InvalidInputError, r"schema 'delays': a schema \(db_schema\) is only supported on PostgreSQL, not sqlite"),
@@ -340,7 +352,8 @@ def test_bad_input_sends_nothing_to_rabbitmq(rabbit_vhost, sql_store, monkeypatc
     common = {"task_id": "t", "transport": "rabbitmq", "transport_conn_id": rabbit, "delay_store_conn_id": store_conn}
     cases = [
         (lambda: o.SendDelayedMessageOperator(destination="a*b", delay_seconds=5, **common).execute(TI),
-         InvalidNameError, r"RabbitMQ destination 'a\*b' cannot be routed, it contains a topic wildcard .*no '\*' or '#'"),
+         InvalidNameError,
+         r"RabbitMQ destination 'a\*b' cannot be routed, it contains a topic wildcard .*no '\*' or '#'"),
         (lambda: o.SendDelayedMessageOperator(messages=[{"destination": "orders", "delay_seconds": 1},
                                                         {"destination": "orders..x", "delay_seconds": 1}],
                                               **common).execute(TI),
@@ -354,7 +367,7 @@ def test_bad_input_sends_nothing_to_rabbitmq(rabbit_vhost, sql_store, monkeypatc
     try:
         for call, error, pattern in cases:
             _raises(call, error, pattern, "guest")
-            assert {q: transport.depth(q) for q in queues} == dict.fromkeys(queues, 0)
+            assert {q: transport.depth(q)["visible"] for q in queues} == dict.fromkeys(queues, 0)
         assert store.count_scheduled() == {"orders": 1}
     finally:
         transport.close()

@@ -62,7 +62,7 @@ def standalone(tmp_path_factory):
     env.pop("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", None)  # its own SQLite database, not the tests'
     env["AIRFLOW_CONN_DELAY_STORE_DEFAULT"] = json.dumps(
         {"conn_type": "delay_store", "schema": str(home / "delay_store.db"), "extra": {"driver": "sqlite"}})
-    log = open(home / "standalone.log", "w")
+    log = open(home / "standalone.log", "w")  # noqa: SIM115 - the server writes to it until the fixture ends
     proc = subprocess.Popen([str(Path(bin_dir) / "airflow"), "standalone"], env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -75,7 +75,8 @@ def standalone(tmp_path_factory):
             except OSError:
                 pass
             if proc.poll() is not None:
-                pytest.fail(f"airflow standalone exited: {(home / 'standalone.log').read_text()[-3000:]}", pytrace=False)
+                pytest.fail(f"airflow standalone exited: {(home / 'standalone.log').read_text()[-3000:]}",
+                            pytrace=False)
             time.sleep(1)
         else:
             pytest.fail(f"airflow standalone did not come up: {(home / 'standalone.log').read_text()[-3000:]}",

@@ -99,7 +99,8 @@ def test_provision_all_dag_creates_every_transport_from_one_config(run_dag, rabb
     monkeypatch.setenv("AIRFLOW_CONN_AWS_DEFAULT", os.environ["AIRFLOW_CONN_AWS_MOTO"])
     state, states, _ = run_dag(load("delay_provision_all"))
     assert state == "success", states
-    assert states == dict.fromkeys(["provision_sql", "provision_rabbitmq", "verify_rabbitmq", "provision_sqs"], "success")
+    assert states == dict.fromkeys(["provision_sql", "provision_rabbitmq", "verify_rabbitmq", "provision_sqs"],
+                                   "success")
     sql = DelayStoreHook().get_transport()
     assert sql.depth("orders.cancel") == {"visible": 0, "in_flight": 0}
     assert DelayStoreHook().get_store().policies()["billing.retry"]["healthyRetryPolicy"]["numRetries"] == 3

@@ -269,7 +269,8 @@ def test_due_times_are_kept_on_the_database_clock_so_skewed_hosts_never_deliver_
     make_store(url, schema, table)
     transport = make_transport(url, schema, table, "orders", "error")
     # A sender whose clock is 30 s behind and a pump whose clock is 30 s ahead of the database's.
-    sender = SqlDelayedMessageStore(url, table=table, schema=schema, local_clock=lambda: utcnow() - timedelta(seconds=30))
+    sender = SqlDelayedMessageStore(url, table=table, schema=schema,
+                                    local_clock=lambda: utcnow() - timedelta(seconds=30))
     pump_store = SqlDelayedMessageStore(url, table=table, schema=schema,
                                         local_clock=lambda: utcnow() + timedelta(seconds=30))
     assert abs((sender.clock() - utcnow()).total_seconds()) < 1  # both read the database's time

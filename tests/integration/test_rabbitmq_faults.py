@@ -22,9 +22,9 @@ from tests.integration.test_rabbitmq import args_of, listing
 
 def wait_for_depth(transport: RabbitMQTransport, queue: str, depth: int, timeout: float = 10) -> int:
     deadline = time.monotonic() + timeout
-    while transport.depth(queue) < depth and time.monotonic() < deadline:
+    while transport.depth(queue)["visible"] < depth and time.monotonic() < deadline:
         time.sleep(0.1)
-    return transport.depth(queue)
+    return transport.depth(queue)["visible"]
 
 
 def bounce(transport: RabbitMQTransport, queue: str, most: int) -> int:
@@ -46,8 +46,8 @@ def bounce(transport: RabbitMQTransport, queue: str, most: int) -> int:
 def test_a_broker_nack_releases_the_batch_untouched_and_spends_no_retry(rabbit, rabbit_vhost, pg):
     rabbit.provision("orders")
     rabbit.provision("error")
-    _rabbitmqctl("set_policy", "-p", rabbit_vhost, "full", "^orders$", '{"max-length": 1, "overflow": "reject-publish"}',
-                 "--apply-to", "queues")
+    _rabbitmqctl("set_policy", "-p", rabbit_vhost, "full", "^orders$",
+                 '{"max-length": 1, "overflow": "reject-publish"}', "--apply-to", "queues")
     # Fill the queue to its limit, until the broker nacks.
     deadline = time.monotonic() + 20
     nacked, fillers = None, []
@@ -65,7 +65,7 @@ def test_a_broker_nack_releases_the_batch_untouched_and_spends_no_retry(rabbit, 
     assert result.stats.dead_lettered == 0 and result.stats.retried == 0
     assert result.stats.released >= 5
     assert [store.get(f"m-{i}").failures for i in range(5)] == [0] * 5
-    assert rabbit.depth("error") == 0
+    assert rabbit.depth("error")["visible"] == 0
 
     # Lift the limit; a consumer taking the fillers is what tells publishers the queue has room again.
     _rabbitmqctl("clear_policy", "-p", rabbit_vhost, "full")
@@ -74,7 +74,7 @@ def test_a_broker_nack_releases_the_batch_untouched_and_spends_no_retry(rabbit, 
     assert (result.stats.dispatched, result.stats.dead_lettered) == (5, 0)
     assert store.count_scheduled() == {}
     assert {m.message_id for _, m in collect(rabbit, "orders", 5, timeout=10)} == {f"m-{i}" for i in range(5)}
-    assert rabbit.depth("error") == 0
+    assert rabbit.depth("error")["visible"] == 0
 
 
 def test_a_message_requeued_past_the_delivery_limit_lands_in_poison(rabbit, rabbit_vhost):
@@ -93,7 +93,7 @@ def test_a_message_requeued_past_the_delivery_limit_lands_in_poison(rabbit, rabb
     assert wait_for_depth(rabbit, rabbit.names.poison, 1) == 1
     [m] = rabbit.receive(rabbit.names.poison)
     assert (m.message_id, m.body, m.headers) == ("poison-1", b"bad apple", {"k": "v"})
-    assert rabbit.depth("orders") == 0
+    assert rabbit.depth("orders")["visible"] == 0
 
 
 def test_delivery_limit_is_a_connection_option(rabbit_vhost):
@@ -101,8 +101,9 @@ def test_delivery_limit_is_a_connection_option(rabbit_vhost):
 
     from airflow_delay_provider.hooks.rabbitmq import connection_spec
 
-    conn = Connection(conn_id="rabbit_opt", conn_type="rabbitmq", host=RABBIT_HOST, port=RABBIT_PORT, schema=rabbit_vhost,
-                      login="guest", password="guest", extra=json.dumps({"prefix": "opt", "delivery_limit": "2"}))
+    conn = Connection(conn_id="rabbit_opt", conn_type="rabbitmq", host=RABBIT_HOST, port=RABBIT_PORT,
+                      schema=rabbit_vhost, login="guest", password="guest",
+                      extra=json.dumps({"prefix": "opt", "delivery_limit": "2"}))
     transport = RabbitMQTransport.from_spec(connection_spec(conn))
     try:
         transport.provision("orders")
@@ -129,7 +130,7 @@ def test_an_endpoint_queue_declared_without_a_delivery_limit_is_kept_reported_an
     channel.close()
     result = rabbit.provision("orders")  # must not fail: the queue and its message stay as they are
     assert "x-delivery-limit" in result["outdated"]
-    assert rabbit.depth("orders") == 1
+    assert rabbit.depth("orders")["visible"] == 1
     report = rabbit.verify(["orders"])
     assert report["complete"] and [o["name"] for o in report["outdated"]] == ["orders"]
     fix = shlex.split(report["outdated_fix"])
@@ -137,10 +138,10 @@ def test_an_endpoint_queue_declared_without_a_delivery_limit_is_kept_reported_an
     _rabbitmqctl(*fix[1:])  # the documented remedy, as verify prints it
     deadline = time.monotonic() + 10
     bounced = 0
-    while not rabbit.depth(rabbit.names.poison) and time.monotonic() < deadline:
+    while not rabbit.depth(rabbit.names.poison)["visible"] and time.monotonic() < deadline:
         bounced += bounce(rabbit, "orders", most=5)
         time.sleep(0.1)
-    assert rabbit.depth(rabbit.names.poison) == 1 and rabbit.depth("orders") == 0
+    assert rabbit.depth(rabbit.names.poison)["visible"] == 1 and rabbit.depth("orders")["visible"] == 0
     assert bounced <= 100  # stopped by the policy's limit (20 redeliveries), not by the deadline
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -14,7 +14,7 @@ from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from tests.helpers import drain, make_store, make_transport, messages
 from tests.integration.test_pump import FlakyTransport
 
-T0 = datetime(2030, 1, 1, tzinfo=timezone.utc)
+T0 = datetime(2030, 1, 1, tzinfo=UTC)
 POLICY = DeliveryPolicy(5, 20, 6, num_no_delay_retries=1, num_min_delay_retries=2, num_max_delay_retries=1)
 
 
@@ -65,7 +65,8 @@ def test_retries_of_a_burst_are_spread_by_jitter_within_the_policy_bounds(tmp_pa
     delays = {}
     for jitter in (0.0, 0.1):
         store = make_store(url, None, f"j{int(jitter * 10)}")
-        transport = FlakyTransport(make_transport(url, None, f"j{int(jitter * 10)}", "orders", "error"), {"orders": 200})
+        transport = FlakyTransport(make_transport(url, None, f"j{int(jitter * 10)}", "orders", "error"),
+                                   {"orders": 200})
         store.store([DelayedMessage("orders", b"x", T0, {}, f"b-{i}") for i in range(200)])
         clock = Clock()
         Pump(store, transport, PumpConfig(retry_jitter=jitter), policy=policy, clock=clock).dispatch_batch()
@@ -194,4 +195,5 @@ def test_policies_stored_per_destination_are_used_by_every_pump(db, airflow_home
     [dead] = drain(transport, "error")
     assert dead.headers["x-delay-failures"] == "4"  # the stored policy's 3 retries, not the default 0
     with pytest.raises(ValueError, match="numRetries is 500"):
-        ProvisionDelayInfrastructureOperator(task_id="p", destination_policies={"x": {"healthyRetryPolicy": {"numRetries": 500}}})
+        ProvisionDelayInfrastructureOperator(
+            task_id="p", destination_policies={"x": {"healthyRetryPolicy": {"numRetries": 500}}})

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
@@ -190,7 +191,8 @@ def test_operator_says_how_to_install_what_is_missing(monkeypatch, tmp_path):
     assert op._check_machine(uses_jdbc=False)  # SQLite needs no jar
     monkeypatch.delenv("JAVA_HOME", raising=False)
     real_which = shutil.which
-    monkeypatch.setattr(shutil, "which", lambda name, path=None: None if name == "java" else real_which(name, path=path))
+    monkeypatch.setattr(shutil, "which",
+                        lambda name, path=None: None if name == "java" else real_which(name, path=path))
     with pytest.raises(SparkSetupError, match="openjdk-17-jre-headless"):
         op._check_machine(uses_jdbc=False)
     monkeypatch.setattr(shutil, "which", lambda name, path=None: None)
@@ -252,9 +254,11 @@ def test_killing_the_sweep_task_releases_its_rows_at_once(spark_ready, pg, monke
 
     url, schema, table = pg
     store = make_store(*pg)
-    transport = make_transport(url, schema, "delay", "orders", "error")  # the hook's queue tables
+    # The hook's queue tables, which other tests of this run share: a destination of this test's own.
+    queue = f"kill_{uuid.uuid4().hex[:8]}"
+    transport = make_transport(url, schema, "delay", queue, "error")
     n = 20_000
-    store.store(due_messages(n, "orders"))
+    store.store(due_messages(n, queue))
     conn_id = _pg_conn(monkeypatch, schema, table)
     op = BulkSweepOperator(task_id="sweep", due_before=(utcnow() + timedelta(minutes=1)).isoformat(),
                            delay_store_conn_id=conn_id, lease_seconds=600, partitions=2,
@@ -264,7 +268,7 @@ def test_killing_the_sweep_task_releases_its_rows_at_once(spark_ready, pg, monke
     runner = threading.Thread(target=lambda: _capture(errors, op.execute, {}), daemon=True)
     runner.start()
     deadline = time.monotonic() + 120
-    while transport.depth("orders")["visible"] < 1000 and runner.is_alive() and time.monotonic() < deadline:
+    while transport.depth(queue)["visible"] < 1000 and runner.is_alive() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert runner.is_alive(), f"the sweep ended before it could be killed: {errors}"
     op.on_kill()
@@ -272,11 +276,11 @@ def test_killing_the_sweep_task_releases_its_rows_at_once(spark_ready, pg, monke
     assert not runner.is_alive() and errors, "execute should fail once spark-submit is killed"
     record = store.sweep_record(op._claim_id)
     assert record["status"] in ("killed", "failed")
-    left = store.count_scheduled().get("orders", 0)
+    left = store.count_scheduled().get(queue, 0)
     assert left > 0
     # None of them is still held under the 600 s lease: a pump takes them now.
     Pump(store, transport).run(stop_when_idle=True)
-    ids = Counter(m.message_id for m in drain(transport, "orders"))
+    ids = Counter(m.message_id for m in drain(transport, queue))
     assert len(ids) == n and set(ids.values()) == {1}
 
 

@@ -10,38 +10,7 @@ import pytest
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import DelayError, DestinationNotFoundError, InvalidInputError, InvalidNameError
 from airflow_delay_provider.core.message import DelayedMessage
-from airflow_delay_provider.transports.sqs import (
-    SqsTransport,
-    delay_plan,
-    delay_queue_name,
-    estimate_cost,
-)
-
-
-def test_delay_queue_names_and_limits():
-    assert delay_queue_name("orders") == "orders-delay.fifo"
-    assert delay_queue_name("destination-delay.blurb") == "destination-delay-blurb-delay.fifo"
-    assert delay_queue_name("a.b c", prefix="dev.") == "dev-a-b-c-delay.fifo"
-    name69 = "n" * 69
-    assert len(delay_queue_name(name69)) == 80
-    with pytest.raises(ValueError, match="81 characters; SQS allows 80"):
-        delay_queue_name(name69 + "x")
-
-
-def test_worked_examples_and_the_cost_of_a_year():
-    assert delay_plan(845) == delay_plan(845.0)
-    p = delay_plan(845)
-    assert (p.native, p.fifo_cycles, p.final_delay) == (True, 0, 845)
-    p = delay_plan(1925)
-    assert (p.native, p.fifo_cycles, p.final_delay) == (False, 2, 125)
-    assert delay_plan(900).native and not delay_plan(901).native
-    assert delay_plan(1800).fifo_cycles == 1 and delay_plan(1800).final_delay == 900
-    assert estimate_cost(31_536_000) == pytest.approx(0.035, abs=0.0002)
-    assert estimate_cost(845) == 0
-    with pytest.raises(DelayError):
-        delay_plan(-1)
-    with pytest.raises(DelayError, match="1..900"):
-        delay_plan(10, queue_delay=1000)
+from airflow_delay_provider.transports.sqs import SqsTransport
 
 
 def make(client, q: int = 2, *endpoints: str) -> SqsTransport:
@@ -122,7 +91,8 @@ def test_verify_catches_misconfigured_delay_queue(sqs_client):
     assert t.verify("orders")["ok"]
     url = sqs_client.get_queue_url(QueueName="orders-delay.fifo")["QueueUrl"]
     sqs_client.set_queue_attributes(QueueUrl=url, Attributes={"DelaySeconds": "60", "MessageRetentionPeriod": "60"})
-    with pytest.raises(InvalidInputError, match="DelaySeconds is 60, must be at least 900.*MessageRetentionPeriod is 60"):
+    with pytest.raises(InvalidInputError,
+                       match="DelaySeconds is 60, must be at least 900.*MessageRetentionPeriod is 60"):
         t.verify("orders")
 
 
@@ -157,12 +127,12 @@ def test_sweep_partition_sends_to_sqs_built_from_the_hooks_plain_spec(aws_conn, 
     """What a Spark executor does: no Airflow, only the spec the operator resolved from the connection."""
     from airflow_delay_provider.core.pump import Pump
     from airflow_delay_provider.hooks.sqs import SqsDelayHook
-    from airflow_delay_provider.spark.sweep import transport_from_spec
+    from airflow_delay_provider.transports.registry import from_spec
     from tests.helpers import make_store, messages
 
     spec = {"kind": "sqs", **SqsDelayHook(aws_conn_id=aws_conn).transport_spec(prefix="sw-")}
     assert spec["client"]["aws_secret_access_key"] == "testing" and spec["client"]["endpoint_url"].startswith("http")
-    transport = transport_from_spec(spec)
+    transport = from_spec(spec)
     transport.provision("orders")
     store = make_store(f"sqlite:///{tmp_path / 's.db'}", None, "delayed")
     store.store(messages(35, delay=-1))
@@ -313,7 +283,8 @@ def test_relay_crashing_between_send_and_delete_loses_nothing(sqs_client):
 
     crashing.delete_message_batch = crash
     t = SqsTransport(crashing, queue_delay=1)
-    assert t.send([DelayedMessage("orders", b"x", utcnow() + timedelta(seconds=2), {}, f"k-{i}") for i in range(5)]) == {}
+    assert t.send([DelayedMessage("orders", b"x", utcnow() + timedelta(seconds=2), {}, f"k-{i}")
+                   for i in range(5)]) == {}
     deadline = time.monotonic() + 10
     with pytest.raises(Crash):
         while time.monotonic() < deadline:
@@ -343,7 +314,8 @@ def test_relay_throttles_hand_overs(sqs_client):
     from airflow_delay_provider.core.throttle import TokenBucket
 
     t = make(sqs_client, 1, "orders")
-    assert t.send([DelayedMessage("orders", b"x", utcnow() + timedelta(seconds=2), {}, f"th-{i}") for i in range(8)]) == {}
+    assert t.send([DelayedMessage("orders", b"x", utcnow() + timedelta(seconds=2), {}, f"th-{i}")
+                   for i in range(8)]) == {}
     throttle = TokenBucket(2)
     held = handed = 0
     first = last = None

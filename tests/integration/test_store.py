@@ -48,10 +48,9 @@ def test_fetch_due_oldest_first_within_window(db):
 def test_claim_settles_in_one_transaction(db):
     store = make_store(*db)
     store.store(messages(4))
-    with pytest.raises(RuntimeError):
-        with store.claim_due(utcnow(), 10) as claim:
-            claim.remove(["m-0", "m-1"])
-            raise RuntimeError("crash after remove")
+    with pytest.raises(RuntimeError), store.claim_due(utcnow(), 10) as claim:
+        claim.remove(["m-0", "m-1"])
+        raise RuntimeError("crash after remove")
     assert store.count_scheduled() == {"orders": 4}  # the removal was rolled back
     later = utcnow() + timedelta(minutes=5)
     with store.claim_due(utcnow(), 10) as claim:
@@ -242,11 +241,10 @@ def test_a_connection_lost_inside_a_transaction_is_reported_as_an_outage(pg):
         victim.begin()
         pid = victim.execute(text("select pg_backend_pid()")).scalar()
         killer.execute(text("select pg_terminate_backend(:pid)"), {"pid": pid})
-        with pytest.raises(UnavailableError, match="not reachable"):
-            with translate_errors(store.url, "claim"):
-                victim.execute(text("select 1"))
+        with pytest.raises(UnavailableError, match="not reachable"), translate_errors(store.url, "claim"):
+            victim.execute(text("select 1"))
         # SQLAlchemy refuses the connection until the transaction is rolled back: an outage, named as one.
-        with pytest.raises(UnavailableError, match="was lost inside a transaction"):
-            with translate_errors(store.url, "claim"):
-                victim.execute(text("select 1"))
+        with pytest.raises(UnavailableError, match="was lost inside a transaction"), \
+                translate_errors(store.url, "claim"):
+            victim.execute(text("select 1"))
     store.close()

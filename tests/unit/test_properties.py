@@ -10,7 +10,7 @@ import json
 import math
 import random
 import re
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
@@ -45,15 +45,16 @@ from airflow_delay_provider.transports import sqs
 # No example database: nothing written into the working tree; examples worth keeping are `@example`s.
 FAST = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 MORE = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-NOW = datetime(2026, 5, 1, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 
 # -- strategies ------------------------------------------------------------------------------------
 FIELDS = st.sampled_from(["delay_seconds", "messages[3].delay_seconds", "deliver_at (seconds from now)",
                           "queue_delay_seconds", "endpoint_options.queue_delay_seconds"])
-NOT_AN_INT = st.one_of(st.floats(allow_nan=True), st.text(max_size=5), st.booleans(), st.lists(st.integers(), max_size=2),
-                       st.timedeltas())
+NOT_AN_INT = st.one_of(st.floats(allow_nan=True), st.text(max_size=5), st.booleans(),
+                       st.lists(st.integers(), max_size=2), st.timedeltas())
 ANYTHING = st.one_of(st.integers(), st.floats(), st.text(max_size=8), st.booleans(), st.none(), st.timedeltas(),
-                     st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=2), st.integers(), max_size=2))
+                     st.lists(st.integers(), max_size=2),
+                     st.dictionaries(st.text(max_size=2), st.integers(), max_size=2))
 ZONES = st.integers(-14 * 60, 14 * 60).map(lambda minutes: timezone(timedelta(minutes=minutes)))
 
 
@@ -157,7 +158,8 @@ def test_build_message_deliver_at_is_never_early_or_an_error_naming_deliver_at(o
     deliver_at = (NOW + offset).astimezone(zone)
     for given_as in (deliver_at, deliver_at.isoformat()):
         if offset > timedelta(seconds=MAX_DELAY_SECONDS):
-            with pytest.raises(DelayError, match=r"^messages\[1\]\.deliver_at \(seconds from now\) must be in 0\.\.604800"):
+            with pytest.raises(DelayError,
+                               match=r"^messages\[1\]\.deliver_at \(seconds from now\) must be in 0\.\.604800"):
                 build_message({"destination": "q", "deliver_at": given_as}, NOW, where="messages[1].")
             continue
         m = build_message({"destination": "q", "deliver_at": given_as}, NOW)
@@ -470,7 +472,7 @@ def test_the_schedule_has_num_retries_delays_in_bounds_never_decreasing(policy):
     immediate = policy.num_no_delay_retries
     assert delays[:immediate] == [0.0] * immediate
     assert all(low <= d <= high for d in delays[immediate:])
-    assert all(a <= b for a, b in zip(delays, delays[1:]))
+    assert all(a <= b for a, b in zip(delays, delays[1:], strict=False))
     assert [policy.delay_before(i + 1) for i in range(len(delays))] == delays
     assert policy.total_duration() == pytest.approx(sum(delays), rel=1e-9, abs=1e-6)
     for bad in (0, policy.num_retries + 1):
@@ -488,7 +490,7 @@ def test_each_backoff_function_starts_at_min_ends_at_max_and_never_decreases(fun
     if k:
         assert delays[0] == low and delays[-1] == (high if k > 1 else low)
     assert all(low <= d <= high for d in delays)
-    assert all(a <= b for a, b in zip(delays, delays[1:]))
+    assert all(a <= b for a, b in zip(delays, delays[1:], strict=False))
 
 
 @MORE

@@ -1,4 +1,4 @@
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -60,7 +60,7 @@ def test_to_seconds_rejects(bad):
 
 
 def test_seconds_until_rounds_up_and_past_means_now():
-    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    now = datetime(2026, 1, 1, tzinfo=UTC)
     assert seconds_until(now + timedelta(seconds=10, milliseconds=1), now) == 11
     assert seconds_until(now - timedelta(hours=3), now) == 0
     with pytest.raises(DelayError, match="timezone"):

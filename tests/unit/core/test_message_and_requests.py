@@ -1,4 +1,4 @@
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
@@ -6,7 +6,7 @@ from airflow_delay_provider.core.errors import DelayError, InvalidInputError, In
 from airflow_delay_provider.core.message import MAX_HEADERS_BYTES, DelayedMessage, stable_message_id
 from airflow_delay_provider.core.requests import build_message
 
-NOW = datetime(2026, 5, 1, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 
 
 def test_message_defaults_and_normalisation():
@@ -56,7 +56,8 @@ def test_stable_ids_are_stable_and_distinct():
 
 def test_build_message_delay_forms():
     assert build_message({"destination": "q", "delay_seconds": 1.2}, NOW).due_at == NOW + timedelta(seconds=2)
-    assert build_message({"destination": "q", "delay_seconds": timedelta(minutes=1)}, NOW).due_at == NOW + timedelta(seconds=60)
+    assert (build_message({"destination": "q", "delay_seconds": timedelta(minutes=1)}, NOW).due_at
+            == NOW + timedelta(seconds=60))
     at = (NOW + timedelta(seconds=9.5)).isoformat()
     assert build_message({"destination": "q", "deliver_at": at}, NOW).due_at == NOW + timedelta(seconds=10)
     past = build_message({"destination": "q", "deliver_at": NOW - timedelta(days=2)}, NOW)
@@ -88,7 +89,8 @@ def test_build_message_rejects(item, error, fragment):
     [
         ({"destination": "q", "delay_seconds": 8 * 86400}, "", "delay_seconds must be in 0..604800"),
         ({"destination": "q", "delay_seconds": timedelta(days=8)}, "", "delay_seconds must be in 0..604800"),
-        ({"destination": "q", "deliver_at": NOW + timedelta(days=8)}, "", r"deliver_at \(seconds from now\) must be in"),
+        ({"destination": "q", "deliver_at": NOW + timedelta(days=8)}, "",
+         r"deliver_at \(seconds from now\) must be in"),
         ({"destination": "q", "delay_seconds": 8 * 86400}, "messages[2].", r"messages\[2\]\.delay_seconds must be in"),
         ({"destination": "q", "deliver_at": "soon"}, "messages[0].", r"messages\[0\]\.deliver_at must be an ISO"),
     ],

@@ -81,18 +81,18 @@ def test_backoff_functions_start_at_min_end_at_max_never_decrease(function):
     p = DeliveryPolicy(5, 260, 10, backoff_function=function)
     d = p.retry_delays()
     assert d[0] == 5 and d[-1] == 260
-    assert all(a <= b for a, b in zip(d, d[1:]))
-    steps = [b - a for a, b in zip(d, d[1:])]
+    assert all(a <= b for a, b in zip(d, d[1:], strict=False))
+    steps = [b - a for a, b in zip(d, d[1:], strict=False)]
     if function == "linear":
         assert max(steps) - min(steps) < 1e-9
     if function == "exponential":
-        ratios = [b / a for a, b in zip(d, d[1:])]
+        ratios = [b / a for a, b in zip(d, d[1:], strict=False)]
         assert max(ratios) - min(ratios) < 1e-9
     if function == "arithmetic":
-        second = [b - a for a, b in zip(steps, steps[1:])]
+        second = [b - a for a, b in zip(steps, steps[1:], strict=False)]
         assert max(second) - min(second) < 1e-9 and second[0] > 0  # steps grow by a constant
     if function == "geometric":
-        assert all(abs(b / a - 0.5) < 1e-9 for a, b in zip(steps, steps[1:]))  # each step half the last
+        assert all(abs(b / a - 0.5) < 1e-9 for a, b in zip(steps, steps[1:], strict=False))  # each step half the last
     zero_min = DeliveryPolicy(0, 100, 5, backoff_function=function).retry_delays()
     assert zero_min[0] == 0 and zero_min[-1] == 100 and zero_min == sorted(zero_min)
 

@@ -1,0 +1,131 @@
+"""SendDelayedMessageOperator: schedule messages, in the store or through a broker's own delays."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from airflow.sdk import Context
+
+from airflow_delay_provider import metrics
+from airflow_delay_provider.core.breakers import CircuitBreaker, call_with_breaker
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.errors import InvalidInputError, UnavailableError
+from airflow_delay_provider.core.message import stable_message_id
+from airflow_delay_provider.core.requests import build_batch, destinations_of, parse_literal
+from airflow_delay_provider.core.retry_policy import DeliveryPolicy
+from airflow_delay_provider.core.sending import send_natively
+from airflow_delay_provider.hooks.transport import check_transport
+from airflow_delay_provider.operators.base import DelayOperatorBase
+
+
+class SendDelayedMessageOperator(DelayOperatorBase):
+    """Schedule one message (or a batch) for delivery after a delay; returns the message id(s).
+
+    `transport="sql"` keeps the message in the delayed-message store until a dispatch task sends
+    it; `transport="rabbitmq"` or `"sqs"` hands it to the broker's own delays at once (nothing to
+    dispatch). Ids not given are derived from the task instance, and every id is remembered for the
+    store's de-duplication window, so a retried task sends nothing twice.
+
+    :param destination: where the message goes (templated).
+    :param body: the message body, str or bytes (templated).
+    :param headers: `str -> str` headers (templated).
+    :param delay_seconds: int, float or timedelta (fractions round up; templated).
+    :param deliver_at: an aware datetime or ISO string; a time in the past means now (templated).
+    :param queue_delay_seconds: the queue-level delay for a destination provisioned without one; a
+        destination provisioned with `endpoint_options={"queue_delay_seconds": N}` keeps N, and a
+        value that disagrees is refused (templated).
+    :param messages: a batch: dicts with destination, body, headers, delay_seconds, deliver_at,
+        message_id; missing keys take the operator's values (templated; JSON or a Python literal).
+    :param message_id: the id of a single message (default: derived from the task instance).
+    :param delivery_policy: delivery-policy JSON, a dict or a built-in name, stored as the
+        destinations' policy beside the messages (`transport="sql"`; templated).
+    :param time_to_trigger_store_circuit_breaker: how long (s) the store may be unreachable before the
+        task fails.
+    """
+
+    template_fields: Sequence[str] = (
+        "transport", "destination", "body", "headers", "delay_seconds", "deliver_at", "queue_delay_seconds",
+        "messages", "message_id", "delivery_policy",
+    )
+
+    def __init__(
+        self,
+        *,
+        destination: str | None = None,
+        body: str | bytes = "",
+        headers: dict[str, str] | None = None,
+        delay_seconds: int | float | timedelta | str | None = None,
+        deliver_at: datetime | str | None = None,
+        queue_delay_seconds: int | str | None = None,
+        messages: list[dict] | None = None,
+        message_id: str | None = None,
+        delivery_policy: DeliveryPolicy | dict | str | None = None,
+        time_to_trigger_store_circuit_breaker: float = 30.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        # A template is checked once rendered; anything else when the DAG is parsed.
+        if delivery_policy not in (None, "") and "{{" not in str(delivery_policy):
+            DeliveryPolicy.parse(delivery_policy)
+        self.delivery_policy = delivery_policy
+        self.destination = destination
+        self.body = body
+        self.headers = headers
+        self.delay_seconds = delay_seconds
+        self.deliver_at = deliver_at
+        self.queue_delay_seconds = queue_delay_seconds
+        self.messages = messages
+        self.message_id = message_id
+        self.time_to_trigger_store_circuit_breaker = time_to_trigger_store_circuit_breaker
+
+    def execute(self, context: Context) -> str | list[str]:
+        check_transport(self.transport)
+        ti = context["ti"]
+        origin = (ti.dag_id, ti.run_id, ti.task_id, getattr(ti, "map_index", -1))
+        defaults = {"destination": self.destination, "body": self.body, "headers": self.headers,
+                    "delay_seconds": self.delay_seconds, "deliver_at": self.deliver_at}
+        items = self.messages if self.messages is not None else [{**defaults, "message_id": self.message_id}]
+        if isinstance(items, str):
+            items = parse_literal("messages", items)
+        policy = None if self.delivery_policy in (None, "") else DeliveryPolicy.parse(self.delivery_policy)
+        if policy is not None and self.transport != "sql":
+            raise InvalidInputError(f"delivery_policy applies to messages kept in the store (transport='sql'); "
+                                    f"{self.transport!r} delivers through the broker's own delays")
+        breaker = CircuitBreaker("storing delayed messages", self.time_to_trigger_store_circuit_breaker)
+        store = self.hook.get_store()
+
+        def guarded(call):
+            return call_with_breaker(breaker, call, retry_on=(UnavailableError,))
+
+        # Idempotent and cheap; a missing table would otherwise look like an unreachable database.
+        guarded(store.create_schema)
+        queue_delays = guarded(lambda: store.queue_delays(destinations_of(items, defaults)))
+        # Relative delays count from the store's clock (the database's), which its dispatchers compare
+        # due times on; a broker's own delays count from this host's, as the broker's TTLs do.
+        now = guarded(store.clock) if self.transport == "sql" else utcnow()
+        batch = build_batch(items, defaults, now, self.queue_delay_seconds, lambda n: stable_message_id(*origin, n),
+                            queue_delays, batch=self.messages is not None)
+        if self.transport == "sql":
+            stored = guarded(lambda: store.store(batch))
+            # Fewer: the same ids again (a retried task, or a batch naming ids already accepted).
+            self.log.info("Stored %d new message(s); %d were already accepted with the same ids", stored,
+                          len(batch) - stored)
+            if policy is not None:
+                store.set_policies(dict.fromkeys({m.destination for m in batch}, policy.to_dict()))
+                self.log.info("Delivery policy of %s:\n%s", sorted({m.destination for m in batch}),
+                              policy.phase_table())
+        else:
+            transport = self.get_transport()
+            try:
+                sent = send_natively(store, transport, batch, breaker)
+            finally:
+                transport.close()
+            self.log.info("Sent %d message(s) natively through %s", sent, transport)
+        for m in batch[:20]:
+            self.log.info("Scheduled %s for %s at %s", m.message_id, m.destination, m.due_at.isoformat())
+        metrics.count_sent(Counter(m.destination for m in batch))
+        ids = [m.message_id for m in batch]
+        return ids if self.messages is not None else ids[0]

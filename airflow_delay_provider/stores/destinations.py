@@ -1,0 +1,78 @@
+"""Settings kept per destination beside the messages: delivery policies, queue-level delays, and the
+throttle buckets every pump of the store shares. A mixin of SqlDelayedMessageStore, which gives it
+the engine, the clock and the tables."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Mapping
+
+from sqlalchemy import delete, insert, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+
+from airflow_delay_provider.core.delays import resolve_delay
+from airflow_delay_provider.core.message import check_destination
+from airflow_delay_provider.core.retry_policy import DeliveryPolicy, PolicyError
+from airflow_delay_provider.stores.tables import to_us
+
+
+class DestinationSettings:
+    def set_policies(self, policies: Mapping[str, dict]) -> None:
+        """Store each destination's delivery policy (delivery-policy JSON), replacing what was there.
+        Each is checked first: a pump ignores a stored policy it cannot read."""
+        for destination, policy in policies.items():
+            check_destination(destination)
+            try:
+                DeliveryPolicy.from_dict(policy)
+            except PolicyError as exc:
+                raise PolicyError(f"the delivery policy of {destination!r}: {exc}") from None
+        t = self.policy_table
+        with self._errors("store delivery policies"), self.engine.begin() as conn:
+            if policies:
+                conn.execute(delete(t).where(t.c.destination.in_(list(policies))))
+                conn.execute(insert(t), [{"destination": d, "policy": json.dumps(p)} for d, p in policies.items()])
+
+    def set_queue_delays(self, delays: Mapping[str, int]) -> None:
+        """Store each destination's queue-level delay in seconds (0..7 days), replacing what was there;
+        0 removes it. Applies to messages sent from now on, as a broker's queue attribute would."""
+        for destination, seconds in delays.items():
+            resolve_delay(queue_delay=seconds, queue_field=f"queue_delay_seconds of {destination!r}")
+        t = self.delays
+        with self._errors("store queue-level delays"), self.engine.begin() as conn:
+            if delays:
+                conn.execute(delete(t).where(t.c.destination.in_(list(delays))))
+                rows = [{"destination": d, "queue_delay_seconds": s} for d, s in delays.items() if s]
+                if rows:
+                    conn.execute(insert(t), rows)
+
+    def queue_delays(self, destinations: Collection[str] | None = None) -> dict[str, int]:
+        """The queue-level delays set for these destinations (all, without `destinations`)."""
+        t = self.delays
+        query = select(t.c.destination, t.c.queue_delay_seconds)
+        if destinations is not None:
+            query = query.where(t.c.destination.in_(sorted(set(destinations))))
+        with self._errors("read queue-level delays"), self.engine.connect() as conn:
+            return dict(conn.execute(query).all())
+
+    def take_tokens(self, destination: str, rate: float, n: int) -> tuple[int, float]:
+        """Take up to `n` tokens of the destination's bucket, in a transaction of its own (the row lock
+        makes pumps take turns); the bucket refills at `rate` on the database's clock, holds at most
+        one second's worth and starts with one token, as TokenBucket does."""
+        t = self.throttle
+        capacity = max(float(rate), 1.0)
+        now = to_us(self.clock())
+        with self._errors("take throttle tokens"), self.engine.begin() as conn:
+            insert = (postgresql.insert if self.is_postgres else sqlite.insert)(t)
+            conn.execute(insert.values(destination=destination, tokens=min(1.0, float(rate)), updated_us=now)
+                         .on_conflict_do_nothing(index_elements=["destination"]))
+            tokens, updated = conn.execute(
+                select(t.c.tokens, t.c.updated_us).where(t.c.destination == destination).with_for_update()).one()
+            tokens = min(capacity, tokens + max(0, now - updated) / 1e6 * rate)
+            taken = min(n, int(tokens))
+            conn.execute(update(t).where(t.c.destination == destination).values(tokens=tokens - taken, updated_us=now))
+        return taken, tokens - taken
+
+    def policies(self) -> dict[str, dict]:
+        t = self.policy_table
+        with self._errors("read delivery policies"), self.engine.connect() as conn:
+            return {d: json.loads(p) for d, p in conn.execute(select(t.c.destination, t.c.policy)).all()}

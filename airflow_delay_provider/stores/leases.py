@@ -1,0 +1,261 @@
+"""Bulk-sweep leases: a sweep's claim on a window of rows, renewed while it settles them, and the rows
+one part of a sweep holds. `SweepLeases` is a mixin of SqlDelayedMessageStore, which gives it the
+engine, the clock and the tables."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from sqlalchemy import bindparam, delete, func, insert, select, update
+from sqlalchemy.engine import Connection
+
+from airflow_delay_provider.core.errors import InvalidInputError
+from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
+from airflow_delay_provider.stores.tables import SWEEP_COLUMNS, _rebuild, check_claim_id, to_us
+
+if TYPE_CHECKING:
+    from sqlalchemy import Table
+
+    from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
+
+log = logging.getLogger("airflow_delay_provider.stores.sql")
+
+
+class SweepLeases:
+    def start_sweep(
+        self, claim_id: str, due_before: datetime, due_from: datetime | None = None,
+        lease_seconds: float = 600.0, chunk: int = 100_000,
+    ) -> dict:
+        """Lease the messages due in [due_from, due_before) and already due to `claim_id`.
+
+        The lease row is committed first, so the pump skips the rows from the moment they carry the
+        claim id. Rows of expired leases (a crashed sweep's) are taken over; rows a pump holds at
+        that moment are skipped (it is dispatching them). Returns how many rows were claimed.
+        """
+        check_claim_id(claim_id)
+        now_us = to_us(self.clock())
+        if lease_seconds <= 0:
+            raise InvalidInputError(f"lease_seconds must be > 0, got {lease_seconds!r}")
+        t, s = self.table, self.sweeps
+        with self._errors("start a sweep"), self.engine.begin() as conn:
+            if conn.execute(select(s.c.claim_id).where(s.c.claim_id == claim_id)).first():
+                raise InvalidInputError(f"claim id {claim_id!r} was used by an earlier sweep; use a new one")
+            conn.execute(insert(s).values(
+                claim_id=claim_id, lease_until_us=now_us + int(lease_seconds * 1e6),
+                due_from_us=None if due_from is None else to_us(due_from), due_before_us=to_us(due_before),
+                status="running", started_at_us=now_us,
+            ))
+        window = [t.c.due_at_us <= now_us, t.c.due_at_us < to_us(due_before)]
+        if due_from is not None:
+            window.append(t.c.due_at_us >= to_us(due_from))
+        expired = select(s.c.claim_id).where(s.c.lease_until_us < now_us)
+        taken_over = self._lease(claim_id, [*window, t.c.claim_id.in_(expired)], chunk)
+        claimed = taken_over + self._lease(claim_id, [*window, t.c.claim_id.is_(None)], chunk)
+        with self._errors("record a sweep"), self.engine.begin() as conn:
+            conn.execute(update(s).where(s.c.claim_id == claim_id).values(claimed=claimed, taken_over=taken_over))
+        return {"claimed": claimed, "taken_over": taken_over}
+
+    def _lease(self, claim_id: str, conditions: list, chunk: int) -> int:
+        t = self.table
+        total = 0
+        while True:
+            ids = select(t.c.id).where(*conditions).limit(chunk).with_for_update(skip_locked=True)
+            with self._errors("claim messages for a sweep"), self.engine.begin() as conn:
+                n = conn.execute(update(t).where(t.c.id.in_(ids.scalar_subquery())).values(claim_id=claim_id)).rowcount
+            total += n
+            if n < chunk:
+                return total
+            log.info("sweep %s: %d messages claimed so far", claim_id, total)
+
+    def renew_lease(self, claim_id: str, lease_seconds: float) -> bool:
+        """Extend a running sweep's lease; False when it is no longer running (finished or never started)."""
+        s = self.sweeps
+        until = to_us(self.clock()) + int(lease_seconds * 1e6)
+        with self._errors("renew a sweep's lease"), self.engine.begin() as conn:
+            stmt = update(s).where(s.c.claim_id == claim_id, s.c.status == "running").values(lease_until_us=until)
+            return conn.execute(stmt).rowcount == 1
+
+    def claimed_range(self, claim_id: str) -> tuple[int, int, int]:
+        """(lowest id, highest id, count) of the rows a sweep still holds; (0, -1, 0) when none."""
+        t = self.table
+        query = select(func.min(t.c.id), func.max(t.c.id), func.count()).where(t.c.claim_id == claim_id)
+        with self._errors("read a sweep's claim"), self.engine.connect() as conn:
+            low, high, n = conn.execute(query).one()
+        return (0, -1, 0) if not n else (low, high, n)
+
+    def read_claimed(self, claim_id: str, low: int, high: int, chunk: int = 10_000) -> Iterator[tuple]:
+        """The rows a sweep holds with low <= id <= high, in id order, as SWEEP_COLUMNS tuples."""
+        t = self.table
+        query = (select(*(t.c[c] for c in SWEEP_COLUMNS))
+                 .where(t.c.claim_id == claim_id, t.c.id >= low, t.c.id <= high).order_by(t.c.id))
+        with self._errors("read swept messages"), self.engine.connect() as conn:
+            for row in conn.execution_options(yield_per=chunk).execute(query):
+                yield tuple(row)
+
+    def leased_rows(self, claim_id: str, rows: Iterable[tuple]) -> LeasedRows:
+        return LeasedRows(self, claim_id, rows)
+
+    def finish_sweep(self, claim_id: str, status: str, summary: dict) -> int:
+        """End a sweep: rows it still holds are released to the pump at once, its lease ends, its
+        summary is kept. Returns how many rows were released."""
+        t, s = self.table, self.sweeps
+        now_us = to_us(self.clock())
+        with self._errors("finish a sweep"), self.engine.begin() as conn:
+            released = conn.execute(update(t).where(t.c.claim_id == claim_id).values(claim_id=None)).rowcount
+            conn.execute(update(s).where(s.c.claim_id == claim_id).values(
+                status=status, finished_at_us=now_us, lease_until_us=0,
+                summary=json.dumps({**summary, "released": released}),
+            ))
+        return released
+
+    def sweep_record(self, claim_id: str) -> dict | None:
+        """A sweep's row: window, status, claimed and taken-over counts, and its summary."""
+        s = self.sweeps
+        with self._errors("read a sweep"), self.engine.connect() as conn:
+            row = conn.execute(select(s).where(s.c.claim_id == claim_id)).first()
+        if row is None:
+            return None
+        record = row._asdict()
+        record["summary"] = None if record["summary"] is None else json.loads(record["summary"])
+        return record
+
+
+class _LeasedClaim(Claim):
+    """A batch of rows a sweep holds, locked again in this transaction; settled rows are deleted or
+    rescheduled in it, unsettled ones go back to the sweep's queue (still under its lease)."""
+
+    def __init__(self, conn: Connection, table: Table, rows: list[tuple], hand_back) -> None:
+        self.connection = conn
+        self._table = table
+        self._rows = {row[1]: row for row in rows}
+        self._unsettled = set(self._rows)
+        self._hand_back = hand_back
+        self.messages = [_rebuild(*row[1:]) for row in rows]
+
+    def remove(self, message_ids: Iterable[str]) -> int:
+        ids = [self._rows[m][0] for m in message_ids if m in self._unsettled]
+        self._unsettled.difference_update(message_ids)
+        if ids:
+            self.connection.execute(delete(self._table).where(self._table.c.id.in_(ids)))
+        return len(ids)
+
+    def retry(self, next_due: Mapping[str, datetime], headers: Mapping[str, dict[str, str]] | None = None) -> None:
+        t = self._table
+        headers = headers or {}
+        rows = [
+            {
+                "rid": self._rows[m][0],
+                "f": self._rows[m][6] + 1,
+                "d": to_us(due),
+                "h": json.dumps(headers[m], separators=(",", ":")) if m in headers else self._rows[m][4],
+            }
+            for m, due in next_due.items()
+        ]
+        # A retry leaves the sweep: it is an ordinary delayed message again, for whoever dispatches it when due.
+        stmt = (update(t).where(t.c.id == bindparam("rid"))
+                .values(failures=bindparam("f"), due_at_us=bindparam("d"), headers=bindparam("h"), claim_id=None))
+        self.connection.execute(stmt, rows)
+        self._unsettled.difference_update(next_due)
+
+    def restore_unsettled(self) -> None:
+        if self._unsettled:
+            self._hand_back(self._rows[m] for m in self._unsettled)
+            self._unsettled.clear()
+
+
+class LeasedRows(DelayedMessageStore):
+    """The rows one part of a sweep holds under its claim id, handed to a Pump batch by batch.
+
+    Each batch is locked again in the transaction that settles it and only rows still held by this
+    claim are sent, so a row that another sweep took over (after this lease expired) or that is gone
+    is skipped, never sent twice. Rows come as tuples in SWEEP_COLUMNS order.
+    """
+
+    def __init__(self, store: SqlDelayedMessageStore, claim_id: str, rows: Iterable[tuple]) -> None:
+        self.home = store
+        self.clock = store.clock
+        self.shared_throttle = store.shared_throttle  # a sweep's partitions and the pumps share one bucket
+        self.engine = store.engine  # a SQL transport on the same database joins the settling transaction
+        self.table = store.table
+        self.claim_id = check_claim_id(claim_id)
+        self.concurrent_claims = store.concurrent_claims
+        self.skipped = 0
+        self._rows = iter(rows)
+        self._held: deque[tuple] = deque()  # handed back unsettled (throttled or broker outage)
+        self._exhausted = False
+
+    def __repr__(self) -> str:
+        return f"LeasedRows({self.home!r}, claim_id={self.claim_id!r})"
+
+    def _take(self, limit: int, exclude: Collection[str]) -> list[tuple]:
+        taken: list[tuple] = []
+        passed: list[tuple] = []
+        while self._held and len(taken) < limit:
+            row = self._held.popleft()
+            (passed if row[2] in exclude else taken).append(row)
+        while not self._exhausted and len(taken) < limit:
+            row = next(self._rows, None)
+            if row is None:
+                self._exhausted = True
+            else:
+                (passed if row[2] in exclude else taken).append(row)
+        self._held.extendleft(reversed(passed))
+        return taken
+
+    @property
+    def remaining(self) -> bool:
+        if self._held:
+            return True
+        if not self._exhausted:
+            row = next(self._rows, None)
+            if row is None:
+                self._exhausted = True
+            else:
+                self._held.append(row)
+        return bool(self._held)
+
+    @contextmanager
+    def claim_due(
+        self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = ()
+    ) -> Iterator[Claim]:
+        rows = self._take(limit, exclude)
+        t = self.table
+        with self.home._errors("lock swept messages"), self.engine.begin() as conn:
+            held: set[int] = set()
+            if rows:
+                mine = select(t.c.id).where(t.c.id.in_([r[0] for r in rows]), t.c.claim_id == self.claim_id)
+                held = set(conn.execute(mine.with_for_update()).scalars())
+            kept = [r for r in rows if r[0] in held]
+            self.skipped += len(rows) - len(kept)
+            claim = _LeasedClaim(conn, t, kept, self._held.extend)
+            yield claim
+            claim.restore_unsettled()
+
+    def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:
+        return self.clock() if self.remaining else None
+
+    def count_scheduled(self, due_before: datetime | None = None) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for row in self._held:
+            counts[row[2]] = counts.get(row[2], 0) + 1
+        return counts
+
+    def store(self, messages: Sequence[DelayedMessage], deduplicate: bool = True) -> int:
+        return self.home.store(messages, deduplicate)
+
+    def policies(self) -> dict[str, dict]:
+        return self.home.policies()
+
+    def take_tokens(self, destination: str, rate: float, n: int) -> tuple[int, float]:
+        return self.home.take_tokens(destination, rate, n)
+
+    def wait(self, until: datetime) -> None:
+        time.sleep(max(0.0, min((until - self.clock()).total_seconds(), 0.05)))

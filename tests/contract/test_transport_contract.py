@@ -1,0 +1,97 @@
+"""One contract for every transport: the in-memory fake, SQL tables (SQLite, PostgreSQL), RabbitMQ, SQS."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import timedelta
+
+import pytest
+
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.errors import DestinationNotFoundError, InvalidInputError
+from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.testing import InMemoryTransport
+
+SERVICES = pytest.mark.services
+
+
+@pytest.fixture(params=["memory", "sql-sqlite", pytest.param("sql-postgres", marks=SERVICES),
+                        pytest.param("rabbitmq", marks=SERVICES), pytest.param("sqs", marks=SERVICES)])
+def transport(request, tmp_path):
+    kind = request.param
+    if kind == "memory":
+        made = InMemoryTransport()
+    elif kind.startswith("sql"):
+        from airflow_delay_provider.transports.sql import SqlTableTransport
+
+        if kind == "sql-sqlite":
+            made = SqlTableTransport(f"sqlite:///{tmp_path / 'queues.db'}", table_prefix="c_")
+        else:
+            from tests.conftest import PG_URL
+
+            made = SqlTableTransport(PG_URL, schema=request.getfixturevalue("pg_schema"),
+                                     table_prefix=f"c{uuid.uuid4().hex[:8]}_")
+    elif kind == "rabbitmq":
+        made = request.getfixturevalue("rabbit")
+    else:
+        from airflow_delay_provider.transports.sqs import SqsTransport
+
+        made = SqsTransport(request.getfixturevalue("sqs_client"), queue_delay=1, prefix=f"c{uuid.uuid4().hex[:6]}-")
+    yield made
+    made.close()
+
+
+def msg(n: int, destination: str = "orders") -> DelayedMessage:
+    return DelayedMessage(destination, f"body-{n}".encode(), utcnow() - timedelta(seconds=1), {"n": str(n)}, f"m-{n}")
+
+
+def receive_all(transport, endpoint: str, expected: int, timeout: float = 10.0) -> list:
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < expected and time.monotonic() < deadline:
+        batch = transport.receive(endpoint, max_messages=10, visibility_timeout=30)
+        got.extend(batch)
+        if not batch:
+            time.sleep(0.05)
+    return got
+
+
+def test_provisioning_is_idempotent_and_names_are_checked_first(transport):
+    transport.provision("orders")
+    transport.provision("orders")
+    assert transport.verify(["orders"])["complete"]
+    with pytest.raises(InvalidInputError):
+        transport.check_endpoint("")
+
+
+def test_a_sent_message_is_received_intact_and_gone_once_acked(transport):
+    transport.provision("orders")
+    assert transport.send([msg(1), msg(2)]) == {}
+    got = receive_all(transport, "orders", 2)
+    assert sorted(m.message_id for m in got) == ["m-1", "m-2"]
+    for m in got:
+        assert m.body == f"body-{m.message_id[2:]}".encode() and m.headers["n"] == m.message_id[2:]
+        assert m.destination == "orders"
+    assert transport.ack("orders", [m.receipt for m in got]) == 2
+    time.sleep(0.2)
+    assert transport.depth("orders")["visible"] == 0
+    assert transport.receive("orders", max_messages=10) == []
+
+
+def test_one_unknown_destination_does_not_stop_the_rest_of_a_batch(transport):
+    transport.provision("orders")
+    failures = transport.send([msg(1), msg(2, "nowhere"), msg(3)])
+    # Where the broker tells (every transport but RabbitMQ, which keeps it in `unroutable`), it says why.
+    assert set(failures) <= {"m-2"}
+    assert all(isinstance(e, DestinationNotFoundError) for e in failures.values())
+    got = receive_all(transport, "orders", 2)
+    assert sorted(m.message_id for m in got) == ["m-1", "m-3"]
+
+
+def test_the_depth_of_a_queue_counts_what_is_waiting(transport):
+    transport.provision("orders")
+    transport.send([msg(n) for n in range(3)])
+    deadline = time.monotonic() + 10
+    while transport.depth("orders")["visible"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert transport.depth("orders")["visible"] == 3

@@ -1,0 +1,88 @@
+"""The pump over the in-memory fakes: no database or broker, the same rules as on the real ones."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.errors import CriticalError, UnavailableError
+from airflow_delay_provider.core.message import HEADER_FAILURES, DelayedMessage
+from airflow_delay_provider.core.pump import Pump, PumpConfig
+from airflow_delay_provider.testing import InMemoryStore, InMemoryTransport
+
+
+class Flaky(InMemoryTransport):
+    """Refuses each message's first `times` sends to `orders` (a delivery failure), or is down altogether."""
+
+    def __init__(self, times: int = 0, down: bool = False) -> None:
+        super().__init__()
+        self.times, self.down, self.sends = times, down, {}
+
+    def send(self, messages, connection=None):
+        if self.down:
+            raise UnavailableError("the broker is down")
+        refused = {}
+        for m in messages:
+            if m.destination != "orders":
+                continue
+            self.sends[m.message_id] = self.sends.get(m.message_id, 0) + 1
+            if self.sends[m.message_id] <= self.times:
+                refused[m.message_id] = RuntimeError("503 from the endpoint")
+        sent = super().send([m for m in messages if m.message_id not in refused])
+        return {**refused, **sent}
+
+
+def setup(transport: InMemoryTransport, n: int = 50, destination: str = "orders") -> InMemoryStore:
+    store = InMemoryStore()
+    for queue in ("orders", "error"):
+        transport.provision(queue)
+    store.store([DelayedMessage(destination, b"x", utcnow() - timedelta(seconds=1), message_id=f"m-{i}")
+                 for i in range(n)])
+    return store
+
+
+def received(transport: InMemoryTransport, queue: str) -> list:
+    return transport.receive(queue, max_messages=10_000)
+
+
+def test_each_due_message_is_delivered_once_and_leaves_the_store():
+    transport = InMemoryTransport()
+    store = setup(transport, 500)
+    result = Pump(store, transport, PumpConfig(batch_size=64)).run(stop_when_idle=True)
+    assert result.reason == "drained" and result.stats.dispatched == 500
+    assert sorted(m.message_id for m in received(transport, "orders")) == sorted(f"m-{i}" for i in range(500))
+    assert store.count_scheduled() == {}
+
+
+def test_failures_are_retried_then_delivered_and_exhausted_ones_dead_lettered():
+    transport = Flaky(times=2)
+    store = setup(transport, 10)
+    Pump(store, transport, PumpConfig(number_of_retries=2)).run(stop_when_idle=True)
+    assert len(received(transport, "orders")) == 10  # third attempt succeeds
+    transport = Flaky(times=5)
+    store = setup(transport, 10)
+    Pump(store, transport, PumpConfig(number_of_retries=2)).run(stop_when_idle=True)
+    dead = received(transport, "error")
+    assert len(dead) == 10 and received(transport, "orders") == []
+    assert {m.headers[HEADER_FAILURES] for m in dead} == {"3"}  # 1 try + 2 retries
+    assert set(transport.sends.values()) == {3}
+
+
+def test_an_unknown_destination_is_dead_lettered_at_once():
+    transport = InMemoryTransport()
+    store = setup(transport, 3, destination="nowhere")
+    Pump(store, transport, PumpConfig(number_of_retries=5)).run(stop_when_idle=True)
+    assert len(received(transport, "error")) == 3
+
+
+def test_a_broker_outage_trips_the_breaker_and_loses_nothing():
+    transport = Flaky(down=True)
+    store = setup(transport, 20)
+    with pytest.raises(CriticalError, match="dispatching kept failing"):
+        Pump(store, transport, PumpConfig(time_to_trigger_dispatch_circuit_breaker=0.3)).run(stop_when_idle=True)
+    assert store.count_scheduled() == {"orders": 20}  # every message released untouched, no retry spent
+    transport.down = False
+    Pump(store, transport).run(stop_when_idle=True)
+    assert len(received(transport, "orders")) == 20
