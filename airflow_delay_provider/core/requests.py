@@ -149,8 +149,17 @@ def parse_destinations(value: Any) -> list[str] | None:
     return [check_destination(n) for n in names]
 
 
+def parse_messages(items: Any) -> list[dict[str, Any]]:
+    """A send request's `messages`: a list of dicts, or its rendered JSON / Python-literal text."""
+    if isinstance(items, str):
+        items = parse_literal("messages", items)
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise InvalidInputError(f"messages must be a list of dicts, got {type(items).__name__}")
+    return items
+
+
 def build_batch(
-    items: Any,
+    items: list[dict[str, Any]],
     defaults: Mapping[str, Any],
     now: datetime,
     queue_delay_seconds: Any = None,
@@ -160,12 +169,8 @@ def build_batch(
 ) -> list[DelayedMessage]:
     """Every message of a send request, each checked before any is returned (one bad message: none).
 
-    `items` is a list of dicts (or its rendered JSON / Python-literal text); missing keys take
-    `defaults`. Errors of a batch name the message ("messages[2].delay_seconds")."""
-    if isinstance(items, str):
-        items = parse_literal("messages", items)
-    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
-        raise InvalidInputError(f"messages must be a list of dicts, got {type(items).__name__}")
+    `items` come from parse_messages; missing keys take `defaults`. Errors of a batch name the
+    message ("messages[2].delay_seconds")."""
     return [
         build_message({**defaults, **item}, now, queue_delay_seconds,
                       default_id=None if default_id is None else partial(default_id, n),
@@ -174,8 +179,6 @@ def build_batch(
     ]
 
 
-def destinations_of(items: Any, defaults: Mapping[str, Any]) -> set[str]:
-    """The destination names a send request mentions (before it is checked)."""
-    if not isinstance(items, list):
-        return set()
-    return {d for i in items if isinstance(i, dict) and isinstance(d := {**defaults, **i}.get("destination"), str)}
+def destinations_of(items: list[dict[str, Any]], defaults: Mapping[str, Any]) -> set[str]:
+    """The destination names a send request mentions (before they are checked)."""
+    return {d for i in items if isinstance(d := {**defaults, **i}.get("destination"), str)}

@@ -14,7 +14,7 @@ from airflow_delay_provider.core.breakers import CircuitBreaker, call_with_break
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import InvalidInputError, UnavailableError
 from airflow_delay_provider.core.message import stable_message_id
-from airflow_delay_provider.core.requests import build_batch, destinations_of, parse_literal
+from airflow_delay_provider.core.requests import build_batch, destinations_of, parse_messages
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.core.sending import send_natively
 from airflow_delay_provider.hooks.transport import check_transport
@@ -87,9 +87,8 @@ class SendDelayedMessageOperator(DelayOperatorBase):
         origin = (ti.dag_id, ti.run_id, ti.task_id, getattr(ti, "map_index", -1))
         defaults = {"destination": self.destination, "body": self.body, "headers": self.headers,
                     "delay_seconds": self.delay_seconds, "deliver_at": self.deliver_at}
-        items = self.messages if self.messages is not None else [{**defaults, "message_id": self.message_id}]
-        if isinstance(items, str):
-            items = parse_literal("messages", items)
+        items = parse_messages(self.messages if self.messages is not None
+                               else [{**defaults, "message_id": self.message_id}])
         policy = None if self.delivery_policy in (None, "") else DeliveryPolicy.parse(self.delivery_policy)
         if policy is not None and self.transport != "sql":
             raise InvalidInputError(f"delivery_policy applies to messages kept in the store (transport='sql'); "

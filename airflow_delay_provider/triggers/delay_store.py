@@ -29,7 +29,7 @@ from airflow_delay_provider.core.pump import (
 )
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.core.stats import PumpStats
-from airflow_delay_provider.hooks.delay_store import DEFAULT_CONN_ID, DelayStoreHook
+from airflow_delay_provider.hooks.delay_store import DEFAULT_CONN_ID, DelayStoreMixin
 from airflow_delay_provider.hooks.transport import transport_hook, transport_options
 from airflow_delay_provider.triggers.base import hold_final_event
 
@@ -41,16 +41,14 @@ def _parse(moment: str | None) -> datetime | None:
     return None if moment in (None, "") else datetime.fromisoformat(moment)
 
 
-class _StoreTrigger(BaseTrigger):
-    """Serialises the constructor arguments named in `_fields`, which are also its attributes."""
+class _StoreTrigger(DelayStoreMixin, BaseTrigger):
+    """Serialises the constructor arguments named in `_fields`, which are also its attributes; the
+    store's arguments and hook are DelayStoreMixin's, as on the operators and sensors."""
 
     _fields: tuple[str, ...] = ("delay_store_conn_id", "table", "db_schema")
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return f"{type(self).__module__}.{type(self).__qualname__}", {f: getattr(self, f) for f in self._fields}
-
-    def _store_hook(self) -> DelayStoreHook:
-        return DelayStoreHook(self.delay_store_conn_id, table=self.table, db_schema=self.db_schema)
 
 
 class DispatchTrigger(_StoreTrigger):
@@ -109,10 +107,7 @@ class DispatchTrigger(_StoreTrigger):
         max_messages: int | None = None,
         poll_interval: float = 30.0,
     ) -> None:
-        super().__init__()
-        self.delay_store_conn_id = delay_store_conn_id
-        self.table = table
-        self.db_schema = db_schema
+        super().__init__(delay_store_conn_id=delay_store_conn_id, table=table, db_schema=db_schema)
         self.transport = transport
         self.transport_conn_id = transport_conn_id
         self.transport_options = dict(transport_options or {})
@@ -130,7 +125,7 @@ class DispatchTrigger(_StoreTrigger):
 
     def open_pump(self) -> Pump:
         """The pump this trigger runs (also what a task that does not defer runs in its worker)."""
-        store_hook = self._store_hook()
+        store_hook = self.hook
         store = store_hook.get_store().restrict(self.destinations, self.destination_prefix, _parse(self.due_from))
         store.create_schema()  # a dispatcher started before anything was sent waits on an empty store
         hook = transport_hook(self.transport, self.transport_conn_id, store_hook, self.db_schema)
@@ -260,10 +255,7 @@ class ScheduledMessagesTrigger(_StoreTrigger):
         poll_interval: float = 5.0,
         destination: str | None = None,
     ) -> None:
-        super().__init__()
-        self.delay_store_conn_id = delay_store_conn_id
-        self.table = table
-        self.db_schema = db_schema
+        super().__init__(delay_store_conn_id=delay_store_conn_id, table=table, db_schema=db_schema)
         self.due_before = due_before
         self.deadline = deadline
         self.poll_interval = float(poll_interval)
@@ -279,7 +271,7 @@ class ScheduledMessagesTrigger(_StoreTrigger):
         yield event
 
     async def _wait(self) -> TriggerEvent:
-        store = await self._store_hook().aget_store()
+        store = await self.hook.aget_store()
         due_before, deadline = _parse(self.due_before), _parse(self.deadline)
         while True:
             counts = await asyncio.to_thread(store.count_scheduled, due_before, self.destination)

@@ -258,22 +258,32 @@ def _consume_rabbitmq(vhost: str, queue: str, received: Received) -> None:
         received.error = exc
 
 
-def _consume_sql(url: str, schema: str, prefix: str, queue: str, received: Received) -> None:
-    from airflow_delay_provider.transports.sql import SqlTableTransport
-
+def _receive_until_stopped(transport, queue: str, received: Received, max_messages: int,
+                           visibility_timeout: float, idle: float) -> None:
+    """Receive and ack until the scenario stops the consumer, recording each receipt time."""
     try:
-        transport = SqlTableTransport(url, schema=schema, table_prefix=prefix)
         while not received.stop.is_set():
-            batch = transport.receive(queue, max_messages=1000, visibility_timeout=300)
-            at = _now_us()  # after the receive: every row it returned was committed by then
+            batch = transport.receive(queue, max_messages=max_messages, visibility_timeout=visibility_timeout)
+            at = _now_us()  # after the receive: everything it returned had been sent by then
             for m in batch:
                 received.add(m.message_id, at, m.body)
             if batch:
                 transport.ack(queue, [m.receipt for m in batch])
             else:
-                time.sleep(0.01)
+                time.sleep(idle)
     except BaseException as exc:
         received.error = exc
+
+
+def _consume_sql(url: str, schema: str, prefix: str, queue: str, received: Received) -> None:
+    from airflow_delay_provider.transports.sql import SqlTableTransport
+
+    try:
+        transport = SqlTableTransport(url, schema=schema, table_prefix=prefix)
+    except BaseException as exc:
+        received.error = exc
+        return
+    _receive_until_stopped(transport, queue, received, max_messages=1000, visibility_timeout=300, idle=0.01)
 
 
 def _tally(counts: FaultCounts, received: Received, expected: set[str]) -> None:
@@ -582,18 +592,7 @@ def sqs_relay_faults(
 
     def consume() -> None:
         reader = SqsTransport(client(), queue_delay=queue_delay)
-        try:
-            while not received.stop.is_set():
-                batch = reader.receive(endpoint, 10, visibility_timeout=60)
-                at = _now_us()
-                for m in batch:
-                    received.add(m.message_id, at, m.body)
-                if batch:
-                    reader.ack(endpoint, [m.receipt for m in batch])
-                else:
-                    time.sleep(0.1)
-        except BaseException as exc:
-            received.error = exc
+        _receive_until_stopped(reader, endpoint, received, max_messages=10, visibility_timeout=60, idle=0.1)
 
     pause_file = logdir / "pause"
     spec = {"endpoint_url": moto_url, "endpoint": endpoint, "queue_delay": queue_delay,

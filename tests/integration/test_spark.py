@@ -121,13 +121,20 @@ def test_sweep_beside_a_pump_to_rabbitmq_sends_each_message_once(spark_ready, pg
     assert store.count_scheduled() == {}
 
 
-def test_killed_sweep_is_taken_over_after_its_lease_and_nothing_is_lost(spark_ready, pg):
+def backlog(pg, n: int, queue: str = "orders", table_prefix: str | None = None):
+    """`n` due messages for `queue` in the test's store; the store, the queue tables (the test's own, or
+    those of `table_prefix`) and their transport spec for the sweep."""
     url, schema, table = pg
     store = make_store(*pg)
-    transport = make_transport(*pg, "orders", "error")
+    prefix = table_prefix or f"{table}_"
+    transport = make_transport(url, schema, prefix[:-1], queue, "error")
+    store.store(due_messages(n, queue))
+    return store, transport, {"kind": "sql", "url": url, "schema": schema, "table_prefix": prefix}
+
+
+def test_killed_sweep_is_taken_over_after_its_lease_and_nothing_is_lost(spark_ready, pg):
     n = 20_000
-    store.store(due_messages(n, "orders"))
-    sql = {"kind": "sql", "url": url, "schema": schema, "table_prefix": f"{table}_"}
+    store, transport, sql = backlog(pg, n)
     window_end = (utcnow() + timedelta(minutes=1)).isoformat()
     slow = json.dumps({"throttlePolicy": {"maxReceivesPerSecond": 2000}})  # ~10 s: time to kill it mid-run
     proc = submit(*specs(*pg, sql), "--due-before", window_end, "--lease-seconds", "5", "--claim-id", "first",
@@ -205,12 +212,8 @@ def test_operator_says_how_to_install_what_is_missing(monkeypatch, tmp_path):
 
 
 def test_a_sweep_stops_at_its_max_duration_and_releases_what_it_did_not_send(spark_ready, pg):
-    url, schema, table = pg
-    store = make_store(*pg)
-    transport = make_transport(*pg, "orders", "error")
     n = 20_000
-    store.store(due_messages(n, "orders"))
-    sql = {"kind": "sql", "url": url, "schema": schema, "table_prefix": f"{table}_"}
+    store, transport, sql = backlog(pg, n)
     slow = json.dumps({"throttlePolicy": {"maxReceivesPerSecond": 1000}})  # 20 s at least: it cannot finish
     code, summary, output = submit(*specs(*pg, sql), "--due-before", (utcnow() + timedelta(minutes=1)).isoformat(),
                                    "--claim-id", "bounded", "--max-seconds", "4", "--delivery-policy", slow)
@@ -253,12 +256,10 @@ def test_killing_the_sweep_task_releases_its_rows_at_once(spark_ready, pg, monke
     from tests.integration.test_airflow import _pg_conn
 
     url, schema, table = pg
-    store = make_store(*pg)
     # The hook's queue tables, which other tests of this run share: a destination of this test's own.
     queue = f"kill_{uuid.uuid4().hex[:8]}"
-    transport = make_transport(url, schema, "delay", queue, "error")
     n = 20_000
-    store.store(due_messages(n, queue))
+    store, transport, _ = backlog(pg, n, queue, table_prefix="delay_")
     conn_id = _pg_conn(monkeypatch, schema, table)
     op = BulkSweepOperator(task_id="sweep", due_before=(utcnow() + timedelta(minutes=1)).isoformat(),
                            delay_store_conn_id=conn_id, lease_seconds=600, partitions=2,

@@ -274,15 +274,20 @@ class Crash(BaseException):
     """Stands for the relay process dying: not an Exception, nothing catches it."""
 
 
-def test_relay_crashing_between_send_and_delete_loses_nothing(sqs_client):
-    make(sqs_client, 1, "orders")
-    crashing = FaultyClient(sqs_client)
+def crashing_relay(client) -> SqsTransport:
+    """A relay (Q = 1 s) that dies right after handing a receive on, before deleting the originals."""
+    crashing = FaultyClient(client)
 
     def crash(**_kwargs):
         raise Crash()
 
     crashing.delete_message_batch = crash
-    t = SqsTransport(crashing, queue_delay=1)
+    return SqsTransport(crashing, queue_delay=1)
+
+
+def test_relay_crashing_between_send_and_delete_loses_nothing(sqs_client):
+    make(sqs_client, 1, "orders")
+    t = crashing_relay(sqs_client)
     assert t.send([DelayedMessage("orders", b"x", utcnow() + timedelta(seconds=2), {}, f"k-{i}")
                    for i in range(5)]) == {}
     deadline = time.monotonic() + 10

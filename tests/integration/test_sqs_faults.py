@@ -13,7 +13,7 @@ from botocore.exceptions import ClientError
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.transports.sqs import SqsTransport
-from tests.integration.test_sqs import Crash, FaultyClient, make, wait_for
+from tests.integration.test_sqs import Crash, FaultyClient, crashing_relay, make, wait_for
 
 FOURTEEN_DAYS = 1_209_600
 
@@ -82,13 +82,7 @@ BODY = bytes(range(256)) * 1200  # 300 KiB: goes to S3
 def test_a_duplicate_whose_body_was_consumed_is_dropped_not_a_failed_batch(aws_conn, sqs_client):
     t = large_body_transport(aws_conn)
     t.provision("orders")
-    crashing = FaultyClient(sqs_client)
-
-    def crash(**_kwargs):
-        raise Crash()
-
-    crashing.delete_message_batch = crash
-    relay = SqsTransport(crashing, queue_delay=1)
+    relay = crashing_relay(sqs_client)
     assert t.send([DelayedMessage("orders", BODY, utcnow() + timedelta(seconds=2), {}, "big-1")]) == {}
     deadline = time.monotonic() + 10
     with pytest.raises(Crash):  # handed over, then died before deleting: the relay re-sends it
@@ -196,13 +190,7 @@ def test_verify_warns_when_retention_is_shorter_than_a_relay_outage(sqs_client, 
 # -- FIFO deduplication across a relay crash -------------------------------------------------------
 def test_relay_crash_before_delete_leaves_one_copy_in_the_delay_queue(sqs_client):
     make(sqs_client, 1, "orders")
-    crashing = FaultyClient(sqs_client)
-
-    def crash(**_kwargs):
-        raise Crash()
-
-    crashing.delete_message_batch = crash
-    t = SqsTransport(crashing, queue_delay=1)
+    t = crashing_relay(sqs_client)
     assert t.send([DelayedMessage("orders", b"x", utcnow() + timedelta(seconds=60), {}, "dd-1")]) == {}
     deadline = time.monotonic() + 10
     with pytest.raises(Crash):  # sent back for cycle 1, then died before deleting the original
