@@ -49,16 +49,21 @@ class SqlDatabase:
 
     def _create_tables(self, metadata: MetaData, what: str) -> None:
         """Create the schema (PostgreSQL) and the tables of `metadata` if missing: idempotent, and safe
-        when several tasks provision at once (on PostgreSQL "check, then CREATE" races; a transaction-level
-        advisory lock per schema makes the others wait and then find the tables there)."""
+        when several tasks provision at once."""
         with self._errors(f"create {what}"), self.engine.begin() as conn:
-            if self.is_postgres:
-                key = int.from_bytes(hashlib.sha1(f"airflow_delay_provider:{self.schema}".encode()).digest()[:8],
-                                     "big", signed=True)
-                conn.execute(select(func.pg_advisory_xact_lock(key)))
-                if self.schema:
-                    conn.execute(CreateSchema(self.schema, if_not_exists=True))
+            self._lock_schema(conn)
             metadata.create_all(conn, checkfirst=True)
+
+    def _lock_schema(self, conn) -> None:
+        """On PostgreSQL "check, then CREATE" races: a transaction-level advisory lock per schema makes
+        concurrent creators wait and then find the tables there (SQLite's BEGIN IMMEDIATE already
+        serialises them). Also creates the schema if missing."""
+        if self.is_postgres:
+            key = int.from_bytes(hashlib.sha1(f"airflow_delay_provider:{self.schema}".encode()).digest()[:8],
+                                 "big", signed=True)
+            conn.execute(select(func.pg_advisory_xact_lock(key)))
+            if self.schema:
+                conn.execute(CreateSchema(self.schema, if_not_exists=True))
 
 
 def copy_rows(conn, table, columns: tuple[str, ...], types: tuple[str, ...], rows) -> None:

@@ -25,7 +25,6 @@ from sqlalchemy import (
     inspect,
     or_,
     select,
-    text,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection
@@ -47,6 +46,7 @@ from airflow_delay_provider.stores.engine import (
     safe_url,
 )
 from airflow_delay_provider.stores.leases import LeasedRows, SweepLeases
+from airflow_delay_provider.stores.migrations import SchemaMigrations, versions_table
 from airflow_delay_provider.stores.tables import (
     DEFAULT_TABLE,
     MAX_TABLE_NAME,
@@ -120,7 +120,7 @@ class _SqlClaim(Claim):
         self._unsettled.difference_update(changes)
 
 
-class SqlDelayedMessageStore(SweepLeases, DestinationSettings, SqlDatabase, DelayedMessageStore):
+class SqlDelayedMessageStore(SchemaMigrations, SweepLeases, DestinationSettings, SqlDatabase, DelayedMessageStore):
     """Delayed messages in one table; claims lock rows (`FOR UPDATE SKIP LOCKED` on PostgreSQL)."""
 
     def __init__(
@@ -145,6 +145,7 @@ class SqlDelayedMessageStore(SweepLeases, DestinationSettings, SqlDatabase, Dela
         self.delays = queue_delays_table(self.table.metadata, self.table_name, self.schema)
         self.policy_table = policies_table(self.table.metadata, self.table_name, self.schema)
         self.sweeps = sweeps_table(self.table.metadata, f"{self.table_name}_sweeps", self.schema)
+        self.versions = versions_table(MetaData(), self.table_name, self.schema)
         self.concurrent_claims = self.is_postgres  # SQLite locks the whole database per write transaction
         # On SQLite a claim holds the database's write lock, which a second transaction would wait for:
         # there each pump keeps its own bucket (pumps on one SQLite file take turns anyway).
@@ -205,33 +206,27 @@ class SqlDelayedMessageStore(SweepLeases, DestinationSettings, SqlDatabase, Dela
 
     # -- schema --------------------------------------------------------------------------------
     def create_schema(self) -> None:
-        """Create the schema, tables and index if missing (idempotent, safe to run concurrently).
+        """Create the schema and tables, or bring an older store's up to date (the versioned migrations in
+        migrations.py): idempotent, cheap when up to date, safe to run concurrently.
 
         A table of that name that is not a delay store (another application's) is refused before
         anything is created or changed."""
-        self._check_existing_shape()
-        self._create_tables(self.table.metadata, "the delay store tables")
-        with self._errors("upgrade the delay store table"), self.engine.begin() as conn:
-            columns = {c["name"] for c in inspect(conn).get_columns(self.table_name, schema=self.schema)}
-            if "claim_id" not in columns:  # a store created before bulk sweeps existed
-                name = ".".join(f'"{part}"' for part in filter(None, (self.schema, self.table_name)))
-                conn.execute(text(f"ALTER TABLE {name} ADD COLUMN claim_id VARCHAR(64)"))  # checked identifiers
+        self.migrate()
 
-    def _check_existing_shape(self) -> None:
-        with self._errors("inspect the delay store"), self.engine.connect() as conn:
-            inspector = inspect(conn)
-            for table in (self.table, self.policy_table, self.sweeps, self.ids, self.throttle, self.delays):
-                if not inspector.has_table(table.name, schema=self.schema):
-                    continue
-                found = {c["name"] for c in inspector.get_columns(table.name, schema=self.schema)}
-                # claim_id is the one column an older store may lack; it is added below.
-                missing = sorted({c.name for c in table.columns} - found - {"claim_id"})
-                if missing:
-                    where = f"{self.schema}.{table.name}" if self.schema else table.name
-                    raise InvalidInputError(
-                        f"table {where} exists but is not a delay store table (missing columns {missing}); "
-                        "nothing was changed: choose another `table` (or `db_schema`) for the store"
-                    )
+    def _check_existing_shape(self, conn: Connection) -> None:
+        inspector = inspect(conn)
+        for table in (self.table, self.policy_table, self.sweeps, self.ids, self.throttle, self.delays):
+            if not inspector.has_table(table.name, schema=self.schema):
+                continue
+            found = {c["name"] for c in inspector.get_columns(table.name, schema=self.schema)}
+            # claim_id is the one column a store from before bulk sweeps lacks; its migration adds it.
+            missing = sorted({c.name for c in table.columns} - found - {"claim_id"})
+            if missing:
+                where = f"{self.schema}.{table.name}" if self.schema else table.name
+                raise InvalidInputError(
+                    f"table {where} exists but is not a delay store table (missing columns {missing}); "
+                    "nothing was changed: choose another `table` (or `db_schema`) for the store"
+                )
 
     def exists(self) -> bool:
         with self._errors("inspect the delay store"), self.engine.connect() as conn:

@@ -1,0 +1,149 @@
+"""The store's versioned migrations, on SQLite and the real PostgreSQL: a fresh store, a store at an old
+version with rows in it, a store made before versions were recorded, concurrent upgrades."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import func, inspect, select, text
+
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.errors import InvalidInputError
+from airflow_delay_provider.stores.migrations import latest_version, migrations
+from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
+from airflow_delay_provider.stores.tables import to_us
+from tests.helpers import messages
+
+
+def _tables(store):
+    return (store.table, store.policy_table, store.sweeps, store.ids, store.throttle, store.delays)
+
+
+def _insert_v1_row(store, message_id: str, due) -> None:
+    """A row as a version-1 store holds it (no claim_id), written with plain SQL as that release did."""
+    with store.engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {store._template_names()['messages']} (message_id, destination, body, "
+                          "headers, due_at_us, stored_at_us, failures) VALUES (:m, 'q', :b, '{}', :d, :d, 0)"),
+                     {"m": message_id, "b": b"old", "d": to_us(due)})
+
+
+def test_fresh_store_records_every_version_and_matches_the_table_definitions(db):
+    url, schema, table = db
+    store = SqlDelayedMessageStore(url, table=table, schema=schema)
+    assert store.schema_version() == 0
+    store.create_schema()
+    assert store.schema_version() == latest_version()
+    with store.engine.connect() as conn:
+        rows = conn.execute(select(store.versions.c.version, store.versions.c.name)).all()
+        inspector = inspect(conn)
+        # What the SQL files create is what the code reads and writes: same columns, same nullability.
+        for t in _tables(store):
+            found = {c["name"]: c["nullable"] for c in inspector.get_columns(t.name, schema=schema)}
+            assert found == {c.name: c.nullable for c in t.columns}, t.name
+        indexes = [ix for ix in inspector.get_indexes(table, schema=schema) if not ix.get("duplicates_constraint")]
+        assert [(ix["name"], ix["column_names"]) for ix in indexes] == [(f"ix_{table}_due", ["due_at_us", "id"])]
+    assert sorted(rows) == [(m.version, m.name) for m in migrations()]
+    assert store.migrate() == []  # up to date: nothing applied twice
+
+
+@pytest.mark.parametrize("start", range(1, latest_version()))
+def test_store_at_an_old_version_is_upgraded_with_its_rows(db, start):
+    url, schema, table = db
+    store = SqlDelayedMessageStore(url, table=table, schema=schema)
+    assert store.migrate(up_to=start) == list(range(1, start + 1))
+    assert store.schema_version() == start
+    if start == 1:
+        columns = {c["name"] for c in inspect(store.engine).get_columns(table, schema=schema)}
+        assert "claim_id" not in columns and not inspect(store.engine).has_table(f"{table}_sweeps", schema=schema)
+    due = utcnow() - timedelta(seconds=1)
+    _insert_v1_row(store, "old-1", due)
+
+    assert store.migrate() == list(range(start + 1, latest_version() + 1))
+    # The old row is intact, claimable, and the newer features work on the upgraded store.
+    assert store.store(messages(2)) == 2
+    with store.claim_due(utcnow(), 10) as claim:
+        got = {m.message_id: m for m in claim.messages}
+        claim.remove(got)
+    assert got["old-1"].body == b"old" and got["old-1"].due_at == due
+    store.set_queue_delays({"q": 5})
+    assert store.queue_delays(["q"]) == {"q": 5}
+    store.start_sweep("after-upgrade", due_before=utcnow())
+
+
+@pytest.mark.parametrize("with_claim_id", [False, True])
+def test_store_made_before_versions_were_recorded_is_adopted(db, with_claim_id, caplog):
+    url, schema, table = db
+    old = SqlDelayedMessageStore(url, table=table, schema=schema)
+    old.migrate(up_to=2 if with_claim_id else 1)
+    with old.engine.begin() as conn:  # what an older release left: the tables and no record of versions
+        old.versions.drop(conn)
+    _insert_v1_row(old, "kept", utcnow())
+
+    store = SqlDelayedMessageStore(url, table=table, schema=schema)
+    with caplog.at_level(logging.INFO, logger="airflow_delay_provider.stores.migrations"):
+        applied = store.migrate()
+    first_new = 3 if with_claim_id else 2
+    assert applied == list(range(first_new, latest_version() + 1))
+    assert f"adopted at version {first_new - 1}" in caplog.text
+    assert store.schema_version() == latest_version()
+    assert store.count_scheduled() == {"q": 1}
+
+
+def test_concurrent_upgrades_apply_each_migration_once(pg):
+    url, schema, table = pg
+    results, errors = [], []
+
+    def upgrade():
+        try:
+            results.append(SqlDelayedMessageStore(url, table=table, schema=schema).migrate())
+        except Exception as exc:  # noqa: BLE001 - collected for the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=upgrade) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted(v for r in results for v in r) == list(range(1, latest_version() + 1))
+    store = SqlDelayedMessageStore(url, table=table, schema=schema)
+    with store.engine.connect() as conn:
+        count = conn.execute(select(func.count()).select_from(store.versions)).scalar()
+    assert count == latest_version()
+
+
+def test_a_foreign_table_of_that_name_is_refused_before_anything_is_created(db):
+    url, schema, table = db
+    store = SqlDelayedMessageStore(url, table=table, schema=schema)
+    with store.engine.begin() as conn:
+        if schema:
+            conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
+        conn.execute(text(f"CREATE TABLE {store._template_names()['messages']} (id INTEGER, name TEXT)"))
+    with pytest.raises(InvalidInputError, match="not a delay store table"):
+        store.create_schema()
+    assert store.schema_version() == 0
+    assert not inspect(store.engine).has_table(f"{table}_policies", schema=schema)
+
+
+def test_a_store_newer_than_this_release_is_used_as_is(db, caplog):
+    url, schema, table = db
+    store = SqlDelayedMessageStore(url, table=table, schema=schema)
+    store.create_schema()
+    with store.engine.begin() as conn:
+        conn.execute(store.versions.insert(), {"version": latest_version() + 1, "name": "future",
+                                               "applied_at_us": 0})
+    with caplog.at_level(logging.WARNING, logger="airflow_delay_provider.stores.migrations"):
+        assert store.migrate() == []
+    assert "this release knows up to" in caplog.text
+    assert store.store(messages(1)) == 1
+
+
+@pytest.mark.parametrize("up_to", [0, -1, 10_000])
+def test_migrating_to_a_version_that_does_not_exist_is_refused(db, up_to):
+    store = SqlDelayedMessageStore(db[0], table=db[2], schema=db[1])
+    with pytest.raises(InvalidInputError, match=f"up_to must be a schema version from 1 to {latest_version()}"):
+        store.migrate(up_to=up_to)
+    assert store.schema_version() == 0
