@@ -39,8 +39,8 @@ with DAG(
 one task per transport creates what is missing and leaves the rest alone (every step is
 idempotent, so re-running is safe):
 
-- **sql**: the store table (with its policies and sweeps tables) and a queue table per endpoint,
-  plus the `error` queue; `destination_policies` are stored beside the messages, so every
+- **sql**: the store's tables (messages, policies, sweeps, ...) and a row per endpoint in the
+  shared queue tables, plus the `error` queue; `destination_policies` are stored beside the messages, so every
   dispatch task and Spark sweep retries those destinations the same way;
 - **rabbitmq**: the 28 delay levels, the delivery exchange with its `unroutable` safety net, the
   poison queue, and each endpoint's queue and binding; then `verify_rabbitmq` checks it all

@@ -11,7 +11,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import DelayedMessage, check_destination
@@ -94,6 +94,14 @@ class ReceivedMessage:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+class HeldMessage(NamedTuple):
+    """A message a transport was holding until due, taken by take_held(): `message` is None when it
+    cannot be read back (no id, destination or due time: poison); `receipt` settles it."""
+
+    message: DelayedMessage | None
+    receipt: Any
+
+
 class Transport(ABC):
     """Where due messages go. One module per broker implements this."""
 
@@ -157,6 +165,30 @@ class Transport(ABC):
         """How this transport carries a delay of `seconds` natively (and what it costs), for the send
         task's log; None when there is nothing worth saying."""
         return None
+
+    #: True when the transport holds not-yet-due messages itself (native delays) and can hand them back:
+    #: take_held(), then ack_held(), poison_held() or release_held() for each one taken.
+    can_take_back: bool = False
+
+    def take_held(self, max_messages: int) -> list[HeldMessage]:
+        """Take up to `max_messages` messages still waiting for their due time; empty when none is left.
+
+        They stay hidden from every reader until settled; unsettled ones go back to waiting when the
+        transport closes (or its connection drops), so a crash loses none of them.
+        """
+        raise NotImplementedError(f"transport {self.name!r} cannot take back held messages")
+
+    def ack_held(self, receipts: Iterable[Any]) -> int:
+        """Delete taken messages, once they are safe elsewhere; returns how many were deleted."""
+        raise NotImplementedError(f"transport {self.name!r} cannot take back held messages")
+
+    def poison_held(self, receipts: Iterable[Any]) -> int:
+        """Move taken messages, as they are, to the transport's poison queue; returns how many moved."""
+        raise NotImplementedError(f"transport {self.name!r} cannot take back held messages")
+
+    def release_held(self, receipts: Iterable[Any]) -> None:
+        """Put taken messages back to wait for their due time, as if never taken."""
+        raise NotImplementedError(f"transport {self.name!r} cannot take back held messages")
 
     def joins(self, store: DelayedMessageStore) -> bool:
         """True when sends can run inside the store's transaction, making dispatch exactly once."""

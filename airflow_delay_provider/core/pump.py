@@ -477,26 +477,3 @@ class Pump:
 #: Later than any due time: claiming "due by then" claims everything stored.
 END_OF_TIME = datetime(9999, 1, 1, tzinfo=UTC)
 
-
-def hand_over(store: DelayedMessageStore, transport: Transport, batch_size: int = 1000) -> dict[str, Any]:
-    """Move every stored message, due or not, to a transport that delays natively (a migration).
-
-    The transport receives each message with its original due time, so the remaining delay is
-    kept. Messages it refuses stay stored; the move stops when a whole batch is refused.
-    """
-    moved = refused = 0
-    errors: dict[str, str] = {}
-    while True:
-        with store.claim_due(END_OF_TIME, batch_size) as claim:
-            if not claim.messages:
-                break
-            failures = transport.send(claim.messages)
-            claim.remove([m.message_id for m in claim.messages if m.message_id not in failures])
-            moved += len(claim.messages) - len(failures)
-            errors.update((mid, f"{type(e).__name__}: {e}") for mid, e in list(failures.items())[:10])
-        if failures and len(failures) == len(claim.messages):
-            refused = len(failures)
-            break
-    if errors:
-        log.warning("hand-over left %d message(s) stored; first errors: %s", refused, errors)
-    return {"moved": moved, "left_in_store": refused, "errors": dict(list(errors.items())[:10])}

@@ -8,7 +8,7 @@ from typing import Any
 from airflow.sdk import Context
 
 from airflow_delay_provider.core.errors import InvalidInputError
-from airflow_delay_provider.core.pump import hand_over
+from airflow_delay_provider.core.migration import hand_over, take_back
 from airflow_delay_provider.operators.base import DelayOperatorBase
 
 
@@ -46,7 +46,7 @@ class MigrateDelayedMessagesOperator(DelayOperatorBase):
             if self.direction == "store_to_rabbitmq":
                 result = hand_over(store, transport, self.batch_size)
             else:
-                result = transport.drain_levels(store, self.batch_size)
+                result = take_back(store, transport, self.batch_size)
         finally:
             transport.close()
         self.log.info("Migrated (%s): %s", self.direction, json.dumps(result))

@@ -14,7 +14,6 @@ from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import InvalidInputError, UnavailableError
 from airflow_delay_provider.core.requests import parse_runtime
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
-from airflow_delay_provider.core.throttle import TokenBucket
 from airflow_delay_provider.hooks.sqs import SqsDelayHook
 from airflow_delay_provider.operators.base import DelayOperatorBase
 from airflow_delay_provider.transports.sqs import RelayCounts, SqsTransport
@@ -82,22 +81,20 @@ class RelayDelayedMessagesOperator(DelayOperatorBase):
 
     def _relay(self, transport: SqsTransport, totals: RelayCounts, deadline: datetime) -> dict:
         rate = self.delivery_policy.max_receives_per_second if self.delivery_policy else None
-        throttle = TokenBucket(rate) if rate else None
-        while (left := (deadline - utcnow()).total_seconds()) > 0:
-            if self.deferrable and transport.lifecycle(self.endpoint, delay_queue=True)["visible"] == 0:
-                self.log.info("Nothing to relay now (%s so far): deferring", totals)
-                self.defer(
-                    trigger=SqsDelayQueueTrigger(
-                        endpoint=self.endpoint,
-                        aws_conn_id=self.transport_conn_id or SqsDelayHook.default_conn_name,
-                        transport_options=self.transport_options,
-                        deadline=deadline.isoformat(),
-                        poll_interval=self.poll_interval,
-                        carry={"counts": asdict(totals), "deadline": deadline.isoformat()},
-                    ),
-                    method_name="execute_complete",
-                )
-            totals.add(transport.relay_once(self.endpoint, min(self.wait_time_seconds, max(0, int(left))),
-                                            throttle=throttle))
+        stopped = transport.relay_until(self.endpoint, deadline, totals, wait_time_seconds=self.wait_time_seconds,
+                                        max_per_second=rate, until_idle=self.deferrable)
+        if stopped == "idle":
+            self.log.info("Nothing to relay now (%s so far): deferring", totals)
+            self.defer(
+                trigger=SqsDelayQueueTrigger(
+                    endpoint=self.endpoint,
+                    aws_conn_id=self.transport_conn_id or SqsDelayHook.default_conn_name,
+                    transport_options=self.transport_options,
+                    deadline=deadline.isoformat(),
+                    poll_interval=self.poll_interval,
+                    carry={"counts": asdict(totals), "deadline": deadline.isoformat()},
+                ),
+                method_name="execute_complete",
+            )
         self.log.info("Relay finished: %s", json.dumps(asdict(totals)))
         return asdict(totals)

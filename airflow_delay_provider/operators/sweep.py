@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import sys
 import uuid
 from collections.abc import Sequence
 from datetime import timedelta
@@ -13,22 +10,28 @@ from pathlib import Path
 from typing import Any
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
-from airflow.sdk import BaseHook, Context
+from airflow.sdk import Context
 
 from airflow_delay_provider import metrics
-from airflow_delay_provider.core.errors import DelayProviderError, InvalidInputError
+from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.pump import PumpConfig
 from airflow_delay_provider.core.requests import parse_moment
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.operators.base import DelayOperatorBase
 from airflow_delay_provider.spark import sweep as sweep_app
+from airflow_delay_provider.spark.setup import (
+    SparkSetupError,
+    application_args,
+    check_machine,
+    ensure_master,
+    finished_summary,
+    submit_env,
+)
+
+__all__ = ["APPLICATION", "READERS", "BulkSweepOperator", "SparkSetupError"]  # SparkSetupError: its old home
 
 APPLICATION = str(Path(sweep_app.__file__).with_name("sweep_app.py"))
 READERS = ("auto", "jdbc", "python")
-
-
-class SparkSetupError(DelayProviderError):
-    """spark-submit, Java or the JDBC driver jar is missing on the machine that runs the task."""
 
 
 class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
@@ -127,41 +130,6 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
         self.jdbc_jar = jdbc_jar
         self.master = master
 
-    def _check_machine(self, uses_jdbc: bool) -> str:
-        """The directory holding spark-submit; fails with how to install what is missing."""
-        bin_dir = os.path.dirname(sys.executable)
-        found = shutil.which("spark-submit") or shutil.which("spark-submit", path=bin_dir)
-        if found is None:
-            raise SparkSetupError(
-                "spark-submit was not found on PATH nor beside this Python: install PySpark "
-                "(pip install 'airflow-delay-provider[spark]') or put a Spark distribution's bin/ on PATH"
-            )
-        java_home = os.environ.get("JAVA_HOME")
-        if not (java_home and os.access(os.path.join(java_home, "bin", "java"), os.X_OK)) and not shutil.which("java"):
-            raise SparkSetupError(
-                "Java was not found (no JAVA_HOME, no java on PATH): Spark needs Java 17 or 21, "
-                "for example apt-get install openjdk-17-jre-headless"
-            )
-        if uses_jdbc and not os.path.isfile(self.jdbc_jar):
-            raise SparkSetupError(
-                f"the PostgreSQL JDBC driver jar {self.jdbc_jar} does not exist: apt-get install "
-                "libpostgresql-jdbc-java (it installs /usr/share/java/postgresql.jar), pass jdbc_jar=<path>, "
-                "or use reader='python'"
-            )
-        return os.path.dirname(found)
-
-    def _ensure_master(self) -> bool:
-        """A missing Spark connection makes the Spark provider fall back to YARN; use `master` instead.
-        Returns True when Spark runs locally (then the driver only listens on loopback)."""
-        try:
-            conn = BaseHook.get_connection(self._conn_id)
-        except Exception:
-            self.log.info("No Spark connection %r: running on %s", self._conn_id, self.master)
-            os.environ[f"AIRFLOW_CONN_{self._conn_id.upper()}"] = json.dumps(
-                {"conn_type": "spark", "host": self.master})
-            return self.master.startswith("local")
-        return str(conn.host or "").startswith("local")
-
     def execute(self, context: Context) -> dict:
         due_before = parse_moment(self.due_before, "due_before")
         if due_before is None:
@@ -169,33 +137,21 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
         due_from = parse_moment(self.due_from, "due_from")
         store = self.hook.get_store()
         reader = self.reader if self.reader != "auto" else ("jdbc" if store.is_postgres else "python")
-        bin_dir = self._check_machine(uses_jdbc=reader == "jdbc")
-        local = self._ensure_master()
+        bin_dir = check_machine(uses_jdbc=reader == "jdbc", jdbc_jar=self.jdbc_jar)
+        local = ensure_master(self._conn_id, self.master)
 
         claim_id = self._claim_id = uuid.uuid4().hex
-        args = ["--claim-id", claim_id, "--due-before", due_before.isoformat(), "--reader", reader,
-                "--lease-seconds", str(self.lease_seconds), "--partitions", str(self.partitions),
-                "--batch-size", str(self.batch_size), "--number-of-retries", str(self.number_of_retries),
-                "--error-queue", self.error_queue,
-                "--destination-policies", json.dumps({d: p.to_dict() for d, p in self.destination_policies.items()})]
-        if due_from is not None:
-            args += ["--due-from", due_from.isoformat()]
-        if self.max_duration:
-            args += ["--max-seconds", str(self.max_duration)]
-        if self.delivery_policy is not None:
-            args += ["--delivery-policy", json.dumps(self.delivery_policy.to_dict())]
         # Set after templates were rendered, so the secret is never stored as a rendered field.
-        self.application_args = args
+        self.application_args = application_args(
+            claim_id, due_before, due_from, reader=reader, lease_seconds=self.lease_seconds,
+            partitions=self.partitions, batch_size=self.batch_size, number_of_retries=self.number_of_retries,
+            error_queue=self.error_queue, max_seconds=self.max_duration,
+            destination_policies={d: p.to_dict() for d, p in self.destination_policies.items()},
+            delivery_policy=None if self.delivery_policy is None else self.delivery_policy.to_dict())
         if reader == "jdbc":
             self.jars = ",".join(filter(None, [self.jars, self.jdbc_jar]))
-        self.env_vars = {
-            **(self.env_vars or {}),
-            sweep_app.SECRET_ENV: sweep_app.encode_secret(self.hook.store_spec(), self.transport_spec()),
-            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
-            "PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable),
-        }
-        if local and "SPARK_LOCAL_IP" not in os.environ:
-            self.env_vars["SPARK_LOCAL_IP"] = "127.0.0.1"  # executors on other hosts must reach the driver
+        secret = sweep_app.encode_secret(self.hook.store_spec(), self.transport_spec())
+        self.env_vars = submit_env(bin_dir, local, {**(self.env_vars or {}), sweep_app.SECRET_ENV: secret})
         self.log.info("Sweeping messages due in [%s, %s) from %r through %s, claim %s",
                       due_from.isoformat() if due_from else "-", due_before.isoformat(), store, self.transport,
                       claim_id)
@@ -206,16 +162,7 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
             raise
         finally:
             store.close()
-        record = store.sweep_record(claim_id)
-        if record is not None and record["status"] == "timed_out":
-            raise DelayProviderError(
-                f"the sweep {claim_id} reached max_duration ({self.max_duration} s) and released "
-                f"{record['summary'].get('released')} message(s) it had not sent: a retry of this task sweeps "
-                f"them, as does any dispatcher once they are due; its summary: {json.dumps(record['summary'])}"
-            )
-        if record is None or record["status"] != "done":
-            raise DelayProviderError(f"spark-submit succeeded but the sweep {claim_id} did not finish: {record}")
-        summary = {**(record["summary"] or {}), "status": record["status"]}
+        summary = finished_summary(store.sweep_record(claim_id), claim_id, self.max_duration)
         metrics.count_dispatch(summary)
         self.log.info("Sweep %s: %s", claim_id, json.dumps(summary))
         return summary

@@ -30,7 +30,7 @@ from datetime import datetime
 from typing import Any
 
 import pika
-from pika.exceptions import AMQPConnectionError, AMQPError, ChannelClosedByBroker
+from pika.exceptions import AMQPConnectionError, AMQPError, ChannelClosedByBroker, NackError, UnroutableError
 
 from airflow_delay_provider.core.delays import seconds_until, utcnow, whole_seconds
 from airflow_delay_provider.core.errors import (
@@ -42,7 +42,7 @@ from airflow_delay_provider.core.errors import (
     UnavailableError,
 )
 from airflow_delay_provider.core.message import HEADER_DUE_AT, DelayedMessage, check_destination
-from airflow_delay_provider.core.ports import DelayedMessageStore, ReceivedMessage, Transport
+from airflow_delay_provider.core.ports import HeldMessage, ReceivedMessage, Transport
 
 log = logging.getLogger(__name__)
 
@@ -325,6 +325,7 @@ class RabbitMQTransport(Transport):
         self._publisher: ConfirmingPublisher | None = None
         self._admin: pika.BlockingConnection | None = None
         self._consumer = None  # the channel receive() and ack() share: delivery tags belong to it
+        self._holder = None  # the channel holding messages taken from the levels, until they are settled
         self._levels_declared = False
 
     @classmethod
@@ -365,7 +366,7 @@ class RabbitMQTransport(Transport):
                     conn.close()
             except AMQPError:
                 pass  # already going away: nothing left to release
-        self._admin = self._publisher = self._consumer = None
+        self._admin = self._publisher = self._consumer = self._holder = None
 
     # -- provisioning ------------------------------------------------------------------------------
     def declare(self, topology: Topology) -> dict:
@@ -610,42 +611,92 @@ class RabbitMQTransport(Transport):
             count += 1
         return count
 
-    # -- migration ----------------------------------------------------------------------------------
-    def drain_levels(self, store: DelayedMessageStore, batch_size: int = 500) -> dict:
-        """Move the messages waiting in the delay levels into `store`, keeping their due times.
+    # -- taking back (a migration to the store) ----------------------------------------------------
+    can_take_back = True
 
-        Walks level 27 down to 0 (a message expiring meanwhile drops to a lower level, read later).
-        Each batch is acked only after the store committed it (at least once; the store skips ids
-        it has). A message without a message id or a due-time header goes to the poison queue.
-        """
-        channel = self._channel()
-        moved = poisoned = 0
+    def take_held(self, max_messages: int) -> list[HeldMessage]:
+        """Basic.get up to `max_messages` from the delay levels, level 27 down to 0 (a message expiring
+        meanwhile drops to a lower level, read later). A message without a message id or a due-time
+        header comes as None (poison). They stay unacknowledged on one channel until settled; if it
+        closes first, the broker puts them back in their levels."""
+        held: list[HeldMessage] = []
         try:
+            if self._holder is None or not self._holder.is_open:
+                self._holder = self._channel()
+                self._holder.confirm_delivery()  # a poison publish returns only once the poison queue has it
+            channel = self._holder
             for n in range(self.names.levels - 1, -1, -1):
-                while True:
-                    batch, tags, poison = [], [], []
-                    while len(tags) < batch_size:
-                        method, properties, body = channel.basic_get(self.names.level(n), auto_ack=False)
-                        if method is None:
-                            break
-                        tags.append(method.delivery_tag)
-                        message = self._stored_form(method.routing_key, properties, body)
-                        if message is None:
-                            poison.append((properties, body))
-                        else:
-                            batch.append(message)
-                    if not tags:
+                while len(held) < max_messages:
+                    method, properties, body = channel.basic_get(self.names.level(n), auto_ack=False)
+                    if method is None:
                         break
-                    store.store(batch, deduplicate=False)  # their ids were recorded when first sent
-                    for properties, body in poison:
-                        channel.basic_publish("", self.names.poison, body, properties)
-                    channel.basic_ack(tags[-1], multiple=True)
-                    moved += len(batch)
-                    poisoned += len(poison)
-        finally:
-            if channel.is_open:
+                    message = self._stored_form(method.routing_key, properties, body)
+                    held.append(HeldMessage(message, _HeldReceipt(channel, method.delivery_tag, properties, body)))
+        except ChannelClosedByBroker as exc:
+            self._holder = None
+            raise DestinationNotFoundError(f"cannot read the delay levels on {self.where}: {exc.reply_text}") from None
+        except AMQPConnectionError as exc:
+            self._admin = self._consumer = self._holder = None
+            raise UnavailableError(f"lost the connection to {self.where} while reading the delay levels "
+                                   f"(the broker puts back what was taken): {_describe(exc)}") from None
+        return held
+
+    def ack_held(self, receipts: Iterable[Any]) -> int:
+        channel, taken = self._holding(receipts)
+        try:
+            for r in taken:
+                channel.basic_ack(r.tag)
+        except AMQPError as exc:
+            self._drop_holder()
+            raise UnavailableError(f"could not acknowledge taken messages on {self.where} (the broker puts "
+                                   f"back the unacknowledged ones): {_describe(exc)}") from None
+        return len(taken)
+
+    def poison_held(self, receipts: Iterable[Any]) -> int:
+        """Publish each to `<prefix>.poison` as it was, then acknowledge it: the ack waits for the confirm."""
+        channel, taken = self._holding(receipts)
+        try:
+            for r in taken:
+                channel.basic_publish("", self.names.poison, r.body, r.properties, mandatory=True)
+                channel.basic_ack(r.tag)
+        except UnroutableError:
+            raise DestinationNotFoundError(
+                f"queue {self.names.poison!r} does not exist on {self.where}: provision an endpoint first") from None
+        except NackError as exc:
+            raise UnavailableError(f"{self.names.poison!r} refused a message: {_describe(exc)}") from None
+        except AMQPError as exc:
+            self._drop_holder()
+            raise UnavailableError(f"could not move taken messages to {self.names.poison!r} on {self.where} "
+                                   f"(the broker puts back the unacknowledged ones): {_describe(exc)}") from None
+        return len(taken)
+
+    def release_held(self, receipts: Iterable[Any]) -> None:
+        try:
+            channel, taken = self._holding(receipts)
+        except UnavailableError:
+            return  # their channel closed: the broker has put them back already
+        try:
+            for r in taken:
+                channel.basic_nack(r.tag, requeue=True)
+        except AMQPError:
+            self._drop_holder()  # closing the channel puts back whatever it still holds
+
+    def _holding(self, receipts: Iterable[Any]) -> tuple[Any, list[_HeldReceipt]]:
+        """The holding channel and the receipts; delivery tags mean nothing on any other channel."""
+        taken = list(receipts)
+        channel = self._holder
+        if taken and (channel is None or not channel.is_open or any(r.channel is not channel for r in taken)):
+            raise UnavailableError(f"the channel that took {len(taken)} message(s) from the delay levels on "
+                                   f"{self.where} closed: the broker has put them back")
+        return channel, taken
+
+    def _drop_holder(self) -> None:
+        channel, self._holder = self._holder, None
+        try:
+            if channel is not None and channel.is_open:
                 channel.close()
-        return {"moved": moved, "poisoned": poisoned}
+        except AMQPError:
+            pass  # a channel that cannot close is gone already: the broker puts its messages back
 
     def _stored_form(self, key: str, properties, body: bytes) -> DelayedMessage | None:
         words = key.split(".", self.names.levels)
@@ -659,6 +710,16 @@ class RabbitMQTransport(Transport):
                                   message_id=properties.message_id)
         except (ValueError, DelayProviderError):
             return None
+
+
+@dataclass(eq=False)
+class _HeldReceipt:
+    """Settles a message taken from a level; its delivery tag belongs to the channel that took it."""
+
+    channel: Any
+    tag: int
+    properties: Any
+    body: bytes
 
 
 def _unwrap(properties) -> tuple[dict[str, str], datetime | None]:

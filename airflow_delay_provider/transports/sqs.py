@@ -611,6 +611,22 @@ class SqsTransport(Transport):
         self._delete(fifo_url, done)
         return counts
 
+    def relay_until(self, endpoint: str, deadline: datetime, totals: RelayCounts, wait_time_seconds: int = 20,
+                    max_per_second: float | None = None, until_idle: bool = False) -> str:
+        """Relay the endpoint's delay queue (`relay_once` after `relay_once`, adding to `totals`) until
+        `deadline`, each long poll shortened so none outlasts it. Returns why it stopped: `"deadline"`, or
+        with `until_idle`, `"idle"` as soon as the delay queue has no visible message (a caller may then
+        wait elsewhere, e.g. a deferred task on SqsDelayQueueTrigger, instead of paying for empty polls).
+
+        `max_per_second` caps the hand-overs to the endpoint (a delivery policy's maxReceivesPerSecond);
+        its token bucket lasts for this call."""
+        throttle = TokenBucket(max_per_second) if max_per_second else None
+        while (left := (deadline - utcnow()).total_seconds()) > 0:
+            if until_idle and self.lifecycle(endpoint, delay_queue=True)["visible"] == 0:
+                return "idle"
+            totals.add(self.relay_once(endpoint, min(wait_time_seconds, max(0, int(left))), throttle=throttle))
+        return "deadline"
+
     def _delete(self, url: str, messages: list[dict]) -> None:
         """Delete in one batch; retry failures one by one (an expired receipt handle means it is gone)."""
         if not messages:

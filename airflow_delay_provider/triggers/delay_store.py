@@ -12,14 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
-from airflow.triggers.base import BaseTrigger, TriggerEvent
+from airflow.triggers.base import TriggerEvent
 
 from airflow_delay_provider import metrics
-from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.pump import (
     MAX_HELD_BACKOFF_SECONDS,
     MIN_HELD_BACKOFF_SECONDS,
@@ -31,24 +30,16 @@ from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.core.stats import PumpStats
 from airflow_delay_provider.hooks.delay_store import DEFAULT_CONN_ID, DelayStoreMixin
 from airflow_delay_provider.hooks.transport import transport_hook, transport_options
-from airflow_delay_provider.triggers.base import hold_final_event
+from airflow_delay_provider.triggers.base import DelayTrigger, parse_time, sleep_until_next_poll
 
 #: The longest stretch of pump work handed to a thread at once, so a cancelled trigger stops soon.
 STRETCH_SECONDS = 10.0
 
 
-def _parse(moment: str | None) -> datetime | None:
-    return None if moment in (None, "") else datetime.fromisoformat(moment)
+class _StoreTrigger(DelayStoreMixin, DelayTrigger):
+    """A trigger on the store: its arguments and hook are DelayStoreMixin's, as on the operators and sensors."""
 
-
-class _StoreTrigger(DelayStoreMixin, BaseTrigger):
-    """Serialises the constructor arguments named in `_fields`, which are also its attributes; the
-    store's arguments and hook are DelayStoreMixin's, as on the operators and sensors."""
-
-    _fields: tuple[str, ...] = ("delay_store_conn_id", "table", "db_schema")
-
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return f"{type(self).__module__}.{type(self).__qualname__}", {f: getattr(self, f) for f in self._fields}
+    serialized_fields = ("delay_store_conn_id", "table", "db_schema")
 
 
 class DispatchTrigger(_StoreTrigger):
@@ -81,7 +72,7 @@ class DispatchTrigger(_StoreTrigger):
         LISTEN/NOTIFY, new messages are noticed within half a second anyway.
     """
 
-    _fields = _StoreTrigger._fields + (
+    serialized_fields = _StoreTrigger.serialized_fields + (
         "transport", "transport_conn_id", "transport_options", "pump_config", "delivery_policy",
         "destination_policies", "due_before", "due_from", "destinations", "destination_prefix", "deadline",
         "max_messages", "poll_interval",
@@ -122,11 +113,14 @@ class DispatchTrigger(_StoreTrigger):
         self.max_messages = max_messages
         self.poll_interval = float(poll_interval)
         self._running: asyncio.Future | None = None
+        # What the running outcome() opened and counted: error_event() reports the counts, release() closes.
+        self._pump: Pump | None = None
+        self._stats = PumpStats()
 
     def open_pump(self) -> Pump:
         """The pump this trigger runs (also what a task that does not defer runs in its worker)."""
         store_hook = self.hook
-        store = store_hook.get_store().restrict(self.destinations, self.destination_prefix, _parse(self.due_from))
+        store = store_hook.get_store().restrict(self.destinations, self.destination_prefix, parse_time(self.due_from))
         store.create_schema()  # a dispatcher started before anything was sent waits on an empty store
         hook = transport_hook(self.transport, self.transport_conn_id, store_hook, self.db_schema)
         transport = hook.get_transport(**transport_options(self.transport, self.transport_options))
@@ -141,28 +135,24 @@ class DispatchTrigger(_StoreTrigger):
         self._running = asyncio.get_running_loop().run_in_executor(None, lambda: context.run(fn, *args, **kwargs))
         return await self._running
 
-    async def run(self) -> AsyncIterator[TriggerEvent]:
-        started = time.monotonic()
-        stats = PumpStats()
-        pump: Pump | None = None
-        try:
-            try:
-                pump = await self._in_thread(self.open_pump)
-                reason, next_due = await self._dispatch(pump, stats)
-                event = TriggerEvent({"status": "done", "summary": self._summary(pump, stats, reason, next_due)})
-            except Exception as exc:  # reported to execute_complete, which fails the task with it
-                event = TriggerEvent({"status": "error", "message": f"{type(exc).__name__}: {exc}",
-                                      "summary": self._summary(pump, stats, "error", None)})
-            await hold_final_event(self, started)
-            yield event
-        finally:
-            if pump is not None:
-                await self._close(pump)
+    async def outcome(self) -> TriggerEvent:
+        self._stats = PumpStats()
+        self._pump = await self._in_thread(self.open_pump)
+        reason, next_due = await self._dispatch(self._pump, self._stats)
+        return self.event("done", summary=self._summary(reason, next_due))
+
+    def error_event(self, exc: Exception, **fields: Any) -> TriggerEvent:
+        # With the counts of what was dispatched before the failure.
+        return super().error_event(exc, summary=self._summary("error", None), **fields)
+
+    async def release(self) -> None:
+        if self._pump is not None:
+            await self._close(self._pump)
 
     async def _dispatch(self, pump: Pump, stats: PumpStats) -> tuple[str, datetime | None]:
         """The loop, on the store's clock (due times are kept on it; the deadline is the task's)."""
-        deadline = await self._in_thread(pump.from_host_time, _parse(self.deadline))
-        due_before = _parse(self.due_before)
+        deadline = await self._in_thread(pump.from_host_time, parse_time(self.deadline))
+        due_before = parse_time(self.due_before)
         backoff = MIN_HELD_BACKOFF_SECONDS
         next_due: datetime | None = None
         while True:
@@ -208,12 +198,12 @@ class DispatchTrigger(_StoreTrigger):
             upcoming,
         )
 
-    def _summary(self, pump: Pump | None, stats: PumpStats, reason: str, next_due: datetime | None) -> dict:
+    def _summary(self, reason: str, next_due: datetime | None) -> dict:
         return {
-            **stats.to_dict(),
+            **self._stats.to_dict(),
             "stopped_because": reason,
             "next_due": None if next_due is None else next_due.isoformat(),
-            "exactly_once": None if pump is None else pump.exactly_once,
+            "exactly_once": None if self._pump is None else self._pump.exactly_once,
         }
 
     async def _close(self, pump: Pump) -> None:
@@ -243,7 +233,7 @@ class ScheduledMessagesTrigger(_StoreTrigger):
     :param destination: count only this destination; default: all.
     """
 
-    _fields = _StoreTrigger._fields + ("due_before", "deadline", "poll_interval", "destination")
+    serialized_fields = _StoreTrigger.serialized_fields + ("due_before", "deadline", "poll_interval", "destination")
 
     def __init__(
         self,
@@ -261,24 +251,12 @@ class ScheduledMessagesTrigger(_StoreTrigger):
         self.poll_interval = float(poll_interval)
         self.destination = destination
 
-    async def run(self) -> AsyncIterator[TriggerEvent]:
-        started = time.monotonic()
-        try:
-            event = await self._wait()
-        except Exception as exc:  # reported to execute_complete, which fails the task with it
-            event = TriggerEvent({"status": "error", "message": f"{type(exc).__name__}: {exc}"})
-        await hold_final_event(self, started)
-        yield event
-
-    async def _wait(self) -> TriggerEvent:
+    async def outcome(self) -> TriggerEvent:
         store = await self.hook.aget_store()
-        due_before, deadline = _parse(self.due_before), _parse(self.deadline)
+        due_before, deadline = parse_time(self.due_before), parse_time(self.deadline)
         while True:
             counts = await asyncio.to_thread(store.count_scheduled, due_before, self.destination)
             if not counts:
-                return TriggerEvent({"status": "drained"})
-            now = utcnow()
-            if deadline is not None and now >= deadline:
-                return TriggerEvent({"status": "timeout", "scheduled": counts})
-            left = self.poll_interval if deadline is None else (deadline - now).total_seconds()
-            await asyncio.sleep(max(0.0, min(self.poll_interval, left)))
+                return self.event("drained")
+            if not await sleep_until_next_poll(self.poll_interval, deadline):
+                return self.event("timeout", scheduled=counts)

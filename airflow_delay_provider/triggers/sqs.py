@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator
-from datetime import datetime
 from typing import Any
 
-from airflow.triggers.base import BaseTrigger, TriggerEvent
+from airflow.triggers.base import TriggerEvent
 
-from airflow_delay_provider.core.delays import utcnow
-from airflow_delay_provider.triggers.base import hold_final_event
+from airflow_delay_provider.triggers.base import DelayTrigger, parse_time, sleep_until_next_poll
 
 
-class SqsDelayQueueTrigger(BaseTrigger):
+class SqsDelayQueueTrigger(DelayTrigger):
     """Fires `ready` when the delay queue has visible messages, `timeout` at `deadline`, `error` on failure.
 
     `ready` and `timeout` carry the delay queue's counts (scheduled, visible, in_flight).
@@ -27,6 +23,8 @@ class SqsDelayQueueTrigger(BaseTrigger):
     :param poll_interval: seconds between looks at the delay queue (default 30).
     :param carry: the deferred task's JSON state; it comes back in every event.
     """
+
+    serialized_fields = ("endpoint", "aws_conn_id", "transport_options", "deadline", "poll_interval", "carry")
 
     def __init__(
         self,
@@ -45,43 +43,19 @@ class SqsDelayQueueTrigger(BaseTrigger):
         self.poll_interval = float(poll_interval)
         self.carry = carry
 
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (
-            f"{type(self).__module__}.{type(self).__qualname__}",
-            {
-                "endpoint": self.endpoint,
-                "aws_conn_id": self.aws_conn_id,
-                "transport_options": self.transport_options,
-                "deadline": self.deadline,
-                "poll_interval": self.poll_interval,
-                "carry": self.carry,
-            },
-        )
+    def event(self, status: str, **fields: Any) -> TriggerEvent:
+        # The task's state comes back in every event, the error's too: execute_complete resumes from it.
+        return super().event(status, carry=self.carry, **fields)
 
-    def _event(self, status: str, **fields: Any) -> TriggerEvent:
-        return TriggerEvent({"status": status, "carry": self.carry, **fields})
-
-    async def run(self) -> AsyncIterator[TriggerEvent]:
-        started = time.monotonic()
-        try:
-            event = await self._wait()
-        except Exception as exc:  # reported to execute_complete, which fails the task with it
-            event = self._event("error", message=f"{type(exc).__name__}: {exc}")
-        await hold_final_event(self, started)
-        yield event
-
-    async def _wait(self) -> TriggerEvent:
+    async def outcome(self) -> TriggerEvent:
         from airflow_delay_provider.hooks.sqs import SqsDelayHook
 
         transport = await asyncio.to_thread(
             lambda: SqsDelayHook(aws_conn_id=self.aws_conn_id).get_transport(**self.transport_options))
-        deadline = None if self.deadline is None else datetime.fromisoformat(self.deadline)
+        deadline = parse_time(self.deadline)
         while True:
             counts = await asyncio.to_thread(transport.lifecycle, self.endpoint, True)
             if counts["visible"] > 0:
-                return self._event("ready", **counts)
-            now = utcnow()
-            if deadline is not None and now >= deadline:
-                return self._event("timeout", **counts)
-            left = self.poll_interval if deadline is None else (deadline - now).total_seconds()
-            await asyncio.sleep(max(0.0, min(self.poll_interval, left)))
+                return self.event("ready", **counts)
+            if not await sleep_until_next_poll(self.poll_interval, deadline):
+                return self.event("timeout", **counts)

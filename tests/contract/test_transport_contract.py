@@ -95,3 +95,33 @@ def test_the_depth_of_a_queue_counts_what_is_waiting(transport):
     while transport.depth("orders")["visible"] < 3 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert transport.depth("orders")["visible"] == 3
+
+
+def take_held(transport, expected: int, timeout: float = 10.0) -> list:
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < expected and time.monotonic() < deadline:
+        batch = transport.take_held(10)
+        got.extend(batch)
+        if not batch:
+            time.sleep(0.05)
+    return got
+
+
+def test_a_message_held_until_due_is_taken_back_intact_and_settled(transport):
+    if not transport.can_take_back:
+        pytest.skip(f"{transport.name} does not hold messages until due")
+    transport.provision("orders")
+    later = utcnow() + timedelta(hours=1)
+    sent = {f"h-{n}": DelayedMessage("orders", f"body-{n}".encode(), later + timedelta(seconds=n), {"n": str(n)},
+                                     f"h-{n}") for n in range(3)}
+    assert transport.send(list(sent.values())) == {}
+    held = take_held(transport, 3)
+    assert {h.message.message_id: h.message for h in held} == sent  # id, destination, body, headers, due time
+    assert transport.take_held(10) == []  # taken ones are hidden until settled
+    first, *rest = held
+    transport.release_held([first.receipt])
+    [again] = take_held(transport, 1)
+    assert again.message == first.message
+    assert transport.ack_held([again.receipt, *(h.receipt for h in rest)]) == 3
+    time.sleep(0.2)
+    assert transport.take_held(10) == [] and transport.receive("orders", max_messages=10) == []

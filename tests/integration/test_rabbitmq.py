@@ -15,7 +15,8 @@ import pytest
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import DestinationNotFoundError, InvalidNameError, UnavailableError
 from airflow_delay_provider.core.message import DelayedMessage
-from airflow_delay_provider.core.pump import Pump, PumpConfig, hand_over
+from airflow_delay_provider.core.migration import hand_over, take_back
+from airflow_delay_provider.core.pump import Pump, PumpConfig
 from airflow_delay_provider.transports.rabbitmq import RabbitMQTransport, delay_topology, routing_key
 from tests.conftest import _rabbitmqctl
 from tests.helpers import collect, make_store, messages
@@ -179,7 +180,7 @@ def test_migration_both_ways_keeps_due_times(rabbit, tmp_path):
     channel = rabbit._channel()
     channel.basic_publish(rabbit.names.level(20), routing_key(2**20, "orders"), b"no headers",
                           pika.BasicProperties(message_id="bad-1"))
-    moved = rabbit.drain_levels(store)
+    moved = take_back(store, rabbit)
     assert moved == {"moved": 50, "poisoned": 1}
     back = store.get("mig-4")
     assert back.due_at == future[4].due_at and back.destination == "orders" and back.headers == {"k": "v"}
@@ -190,6 +191,43 @@ def test_migration_both_ways_keeps_due_times(rabbit, tmp_path):
     assert len(got) == 50
     due = {m.message_id: m.due_at for m in future}
     assert all(-0.02 <= (t - due[m.message_id]).total_seconds() <= 1.0 for t, m in got)
+
+
+def test_taking_back_acks_only_what_the_store_committed(rabbit, tmp_path, monkeypatch):
+    rabbit.provision("orders")
+    store = make_store(f"sqlite:///{tmp_path / 's.db'}", None, "delayed")
+    later = utcnow() + timedelta(hours=1)
+    assert rabbit.send([DelayedMessage("orders", b"m", later, {}, f"tb-{i}") for i in range(30)]) == {}
+
+    def waiting() -> int:
+        return sum(rabbit.depth(rabbit.names.level(n))["visible"] for n in range(rabbit.names.levels))
+
+    # Taken but not settled when the channel closes (a crash): the broker puts them back.
+    held = rabbit.take_held(10)
+    assert len(held) == 10
+    rabbit.close()
+    with pytest.raises(UnavailableError, match="put them back"):
+        rabbit.ack_held([h.receipt for h in held])  # a delivery tag means nothing on another channel
+    # The store fails on the second batch: the first stays moved, the rest go back to their levels.
+    calls = []
+    real_store = store.store
+
+    def failing(batch, deduplicate=True):
+        calls.append(len(batch))
+        if len(calls) == 2:
+            raise UnavailableError("the database is down")
+        return real_store(batch, deduplicate)
+
+    monkeypatch.setattr(store, "store", failing)
+    with pytest.raises(UnavailableError, match="database is down"):
+        take_back(store, rabbit, batch_size=10)
+    assert store.count_scheduled() == {"orders": 10}
+    deadline = time.monotonic() + 10
+    while waiting() < 20 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert waiting() == 20
+    assert take_back(store, rabbit, batch_size=10) == {"moved": 20, "poisoned": 0}
+    assert store.count_scheduled() == {"orders": 30} and waiting() == 0
 
 
 def test_bad_input_and_unreachable_broker(rabbit):

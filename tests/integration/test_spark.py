@@ -191,20 +191,22 @@ def test_operator_says_how_to_install_what_is_missing(monkeypatch, tmp_path):
 
     from airflow_delay_provider.core.errors import InvalidInputError
     from airflow_delay_provider.operators.sweep import BulkSweepOperator, SparkSetupError
+    from airflow_delay_provider.spark import setup
 
+    assert SparkSetupError is setup.SparkSetupError  # still importable from the operator's module
     op = BulkSweepOperator(task_id="s", due_before="2026-01-01T00:00:00+00:00", jdbc_jar=str(tmp_path / "none.jar"))
     with pytest.raises(SparkSetupError, match="apt-get install libpostgresql-jdbc-java"):
-        op._check_machine(uses_jdbc=True)
-    assert op._check_machine(uses_jdbc=False)  # SQLite needs no jar
+        setup.check_machine(uses_jdbc=True, jdbc_jar=op.jdbc_jar)
+    assert setup.check_machine(uses_jdbc=False, jdbc_jar=op.jdbc_jar)  # SQLite needs no jar
     monkeypatch.delenv("JAVA_HOME", raising=False)
     real_which = shutil.which
     monkeypatch.setattr(shutil, "which",
                         lambda name, path=None: None if name == "java" else real_which(name, path=path))
     with pytest.raises(SparkSetupError, match="openjdk-17-jre-headless"):
-        op._check_machine(uses_jdbc=False)
+        setup.check_machine(uses_jdbc=False, jdbc_jar=op.jdbc_jar)
     monkeypatch.setattr(shutil, "which", lambda name, path=None: None)
     with pytest.raises(SparkSetupError, match="spark-submit was not found"):
-        op._check_machine(uses_jdbc=False)
+        setup.check_machine(uses_jdbc=False, jdbc_jar=op.jdbc_jar)
     for bad in ({"transport": "kafka"}, {"reader": "odbc"}, {"partitions": -1}, {"lease_seconds": 1},
                 {"batch_size": 0}, {"delivery_policy": {"healthyRetryPolicy": {"numRetries": 101}}}):
         with pytest.raises(InvalidInputError):

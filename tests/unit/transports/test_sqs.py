@@ -1,11 +1,21 @@
-"""The SQS transport's pure parts: delay-queue names and delay plans (no SQS needed)."""
+"""The SQS transport's pure parts: delay-queue names, delay plans and the relay loop (no SQS needed)."""
 
 from __future__ import annotations
 
+import time
+from datetime import timedelta
+
 import pytest
 
+from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import DelayError
-from airflow_delay_provider.transports.sqs import delay_plan, delay_queue_name, estimate_cost
+from airflow_delay_provider.transports.sqs import (
+    RelayCounts,
+    SqsTransport,
+    delay_plan,
+    delay_queue_name,
+    estimate_cost,
+)
 
 
 def test_delay_queue_names_and_limits():
@@ -32,3 +42,37 @@ def test_worked_examples_and_the_cost_of_a_year():
         delay_plan(-1)
     with pytest.raises(DelayError, match="1..900"):
         delay_plan(10, queue_delay=1000)
+
+
+class ScriptedRelay(SqsTransport):
+    """A relay whose delay queue shows `visible` messages, and whose each poll relays one of them."""
+
+    def __init__(self, visible: list[int]) -> None:
+        super().__init__(client=None)
+        self.visible = visible
+        self.polls: list[tuple[int, object]] = []
+
+    def lifecycle(self, endpoint: str, delay_queue: bool = False) -> dict[str, int]:
+        assert delay_queue
+        return {"scheduled": 0, "visible": self.visible.pop(0) if self.visible else 0, "in_flight": 0}
+
+    def relay_once(self, endpoint, wait_time_seconds=20, visibility_timeout=30, throttle=None) -> RelayCounts:
+        self.polls.append((wait_time_seconds, throttle))
+        time.sleep(0.01)  # a long poll takes a while
+        return RelayCounts(relayed=1)
+
+
+def test_the_relay_loop_stops_at_its_deadline_or_when_idle_and_adds_up_its_counts():
+    relay, totals = ScriptedRelay([2, 1, 0]), RelayCounts(handed_over=5)
+    assert relay.relay_until("orders", utcnow() + timedelta(seconds=30), totals, until_idle=True) == "idle"
+    assert totals == RelayCounts(relayed=2, handed_over=5) and len(relay.polls) == 2
+    # Polls never outlast the deadline; one throttle for the whole call.
+    relay = ScriptedRelay([])
+    stopped = relay.relay_until("orders", utcnow() + timedelta(seconds=0.3), RelayCounts(), wait_time_seconds=20,
+                                max_per_second=5)
+    assert stopped == "deadline" and relay.polls
+    assert all(wait == 0 for wait, _ in relay.polls) and len({id(t) for _, t in relay.polls}) == 1
+    assert relay.polls[0][1].rate == 5
+    relay = ScriptedRelay([])
+    assert relay.relay_until("orders", utcnow() - timedelta(seconds=1), RelayCounts(), until_idle=True) == "deadline"
+    assert relay.polls == []
