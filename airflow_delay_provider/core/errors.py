@@ -33,3 +33,7 @@ class UnavailableError(DelayProviderError, ConnectionError):
 
 class CriticalError(DelayProviderError):
     """A circuit breaker tripped: failures went on for longer than allowed, so the work stops loudly."""
+
+
+class UnknownDestinationError(InvalidInputError):
+    """A backlog action named a destination the store has never provisioned nor taken messages for."""

@@ -10,6 +10,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from airflow_delay_provider.core.errors import InvalidInputError
+from airflow_delay_provider.hooks.backlog import BacklogActions
 from airflow_delay_provider.stores.engine import check_identifier, safe_url
 from airflow_delay_provider.stores.sql import (
     DEFAULT_DEDUP_WINDOW_SECONDS,
@@ -90,7 +91,7 @@ def url_from_connection(conn: Any) -> URL:
     ), conn, "driver")
 
 
-class DelayStoreHook(BaseHook):
+class DelayStoreHook(BacklogActions, BaseHook):
     """Opens the delayed-message store named by a `delay_store` connection (default `delay_store_default`).
 
     Connection extras: `driver` (default postgresql+psycopg; `sqlite` with an absolute file path as

@@ -1,22 +1,88 @@
-"""Settings kept per destination beside the messages: delivery policies, queue-level delays, and the
-throttle buckets every pump of the store shares. A mixin of SqlDelayedMessageStore, which gives it
-the engine, the clock and the tables."""
+"""Settings kept per destination beside the messages: the destinations the store knows and which are
+paused, delivery policies, queue-level delays, and the throttle buckets every pump of the store shares.
+A mixin of SqlDelayedMessageStore, which gives it the engine, the clock and the tables."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Collection, Mapping
 
-from sqlalchemy import delete, insert, select, update
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from airflow_delay_provider.core.delays import resolve_delay
+from airflow_delay_provider.core.errors import InvalidInputError, UnknownDestinationError
 from airflow_delay_provider.core.message import check_destination
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy, PolicyError
-from airflow_delay_provider.stores.tables import to_us
+from airflow_delay_provider.stores.tables import from_us, to_us
 
 
 class DestinationSettings:
+    # -- known destinations, paused or not ----------------------------------------------------------
+    def _register(self, conn, destinations: Collection[str], now_us: int) -> None:
+        insert = (postgresql.insert if self.is_postgres else sqlite.insert)(self.dests)
+        conn.execute(insert.on_conflict_do_nothing(index_elements=["destination"]),
+                     [{"destination": d, "registered_at_us": now_us} for d in sorted(destinations)])
+
+    def register_destinations(self, destinations: Collection[str]) -> None:
+        """Make destinations known to the store before anything is sent to them (provisioning does)."""
+        for destination in destinations:
+            check_destination(destination)
+        if destinations:
+            with self._errors("register destinations"), self.engine.begin() as conn:
+                self._register(conn, destinations, to_us(self.clock()))
+
+    def destinations(self) -> dict[str, dict]:
+        """Every destination the store knows (provisioned, or sent to): `{name: {"paused": bool,
+        "paused_at": iso or None}}`."""
+        d = self.dests
+        with self._errors("read the store's destinations"), self.engine.connect() as conn:
+            rows = conn.execute(select(d.c.destination, d.c.paused_at_us).order_by(d.c.destination)).all()
+        return {name: {"paused": at is not None, "paused_at": None if at is None else from_us(at).isoformat()}
+                for name, at in rows}
+
+    def check_known(self, destinations: Collection[str]) -> None:
+        """Refuse destinations the store has never provisioned nor taken messages for, naming them."""
+        for destination in destinations:
+            check_destination(destination)
+        known = self.destinations()
+        unknown = sorted(set(destinations) - set(known))
+        if unknown:
+            listed = ", ".join(repr(k) for k in list(known)[:20]) or "none yet"
+            raise UnknownDestinationError(
+                f"unknown destination(s) {unknown}: this store has never provisioned them nor taken messages for "
+                f"them; known destinations: {listed}{' ...' if len(known) > 20 else ''}")
+
+    def set_paused(self, destinations: Collection[str], paused: bool) -> dict:
+        """Pause (or resume) destinations: while paused, pumps and new sweeps leave their messages stored
+        (due ones wait); batches claimed before the pause still finish. Resuming wakes the pumps, which
+        take the waiting messages oldest first under the destination's throttle. Idempotent: returns
+        `{"changed": [...], "unchanged": [...]}`."""
+        names = sorted(set(destinations))
+        if not names:
+            raise InvalidInputError("name the destination(s) to pause or resume")
+        self.check_known(names)
+        d, now = self.dests, to_us(self.clock())
+        with self._errors("pause destinations" if paused else "resume destinations"), self.engine.begin() as conn:
+            changed = list(conn.execute(
+                update(d).where(d.c.destination.in_(names),
+                                d.c.paused_at_us.is_(None) if paused else d.c.paused_at_us.is_not(None))
+                .values(paused_at_us=now if paused else None).returning(d.c.destination)).scalars())
+            if changed and not paused and self.is_postgres:
+                soonest = self._soonest(conn, changed)
+                if soonest is not None:  # resumed messages may be due now: wake the pumps
+                    conn.execute(select(func.pg_notify(self.channel, str(soonest))))
+        return {"changed": sorted(changed), "unchanged": [n for n in names if n not in changed]}
+
+    def _soonest(self, conn, destinations: Collection[str]) -> int | None:
+        t = self.table
+        return conn.execute(select(func.min(t.c.due_at_us)).where(t.c.destination.in_(list(destinations)))).scalar()
+
+    def _not_paused(self):
+        """Rows of destinations that are not paused: every claim and lease adds this."""
+        d = self.dests
+        return self.table.c.destination.not_in(select(d.c.destination).where(d.c.paused_at_us.is_not(None)))
+
     def set_policies(self, policies: Mapping[str, dict]) -> None:
         """Store each destination's delivery policy (delivery-policy JSON), replacing what was there.
         Each is checked first: a pump ignores a stored policy it cannot read."""

@@ -53,7 +53,8 @@ class SweepLeases:
                 due_from_us=None if due_from is None else to_us(due_from), due_before_us=to_us(due_before),
                 status="running", started_at_us=now_us,
             ))
-        window = [t.c.due_at_us <= now_us, t.c.due_at_us < to_us(due_before)]
+        # A paused destination's rows stay stored: the sweep leaves them, as the pump does.
+        window = [t.c.due_at_us <= now_us, t.c.due_at_us < to_us(due_before), self._not_paused()]
         if due_from is not None:
             window.append(t.c.due_at_us >= to_us(due_from))
         expired = select(s.c.claim_id).where(s.c.lease_until_us < now_us)

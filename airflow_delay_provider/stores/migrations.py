@@ -138,6 +138,7 @@ class SchemaMigrations:
         return {
             "messages": qualified(t), "policies": qualified(f"{t}_policies"), "sweeps": qualified(f"{t}_sweeps"),
             "ids": qualified(f"{t}_ids"), "throttle": qualified(f"{t}_throttle"), "delays": qualified(f"{t}_delays"),
+            "dests": qualified(f"{t}_dests"),
             # Index names live in the table's schema on PostgreSQL and may not be qualified there.
             "ix_due": preparer.quote_identifier(f"ix_{t}_due"), "ix_ids": preparer.quote_identifier(ids_index),
             "id_type": "BIGSERIAL" if self.is_postgres else "INTEGER",  # SQLite's INTEGER key is the rowid

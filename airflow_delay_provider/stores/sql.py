@@ -37,6 +37,7 @@ from airflow_delay_provider.core.errors import (
 )
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
+from airflow_delay_provider.stores.backlog import BacklogControls
 from airflow_delay_provider.stores.destinations import DestinationSettings
 from airflow_delay_provider.stores.engine import (
     KEEPALIVES,
@@ -54,6 +55,7 @@ from airflow_delay_provider.stores.tables import (
     _message,
     check_claim_id,
     check_store_table,
+    destinations_table,
     from_us,
     ids_table,
     policies_table,
@@ -120,7 +122,9 @@ class _SqlClaim(Claim):
         self._unsettled.difference_update(changes)
 
 
-class SqlDelayedMessageStore(SchemaMigrations, SweepLeases, DestinationSettings, SqlDatabase, DelayedMessageStore):
+class SqlDelayedMessageStore(
+    BacklogControls, SchemaMigrations, SweepLeases, DestinationSettings, SqlDatabase, DelayedMessageStore
+):
     """Delayed messages in one table; claims lock rows (`FOR UPDATE SKIP LOCKED` on PostgreSQL)."""
 
     def __init__(
@@ -144,6 +148,7 @@ class SqlDelayedMessageStore(SchemaMigrations, SweepLeases, DestinationSettings,
         self.throttle = throttle_table(self.table.metadata, self.table_name, self.schema)
         self.delays = queue_delays_table(self.table.metadata, self.table_name, self.schema)
         self.policy_table = policies_table(self.table.metadata, self.table_name, self.schema)
+        self.dests = destinations_table(self.table.metadata, self.table_name, self.schema)
         self.sweeps = sweeps_table(self.table.metadata, f"{self.table_name}_sweeps", self.schema)
         self.versions = versions_table(MetaData(), self.table_name, self.schema)
         self.concurrent_claims = self.is_postgres  # SQLite locks the whole database per write transaction
@@ -215,7 +220,7 @@ class SqlDelayedMessageStore(SchemaMigrations, SweepLeases, DestinationSettings,
 
     def _check_existing_shape(self, conn: Connection) -> None:
         inspector = inspect(conn)
-        for table in (self.table, self.policy_table, self.sweeps, self.ids, self.throttle, self.delays):
+        for table in (self.table, self.policy_table, self.sweeps, self.ids, self.throttle, self.delays, self.dests):
             if not inspector.has_table(table.name, schema=self.schema):
                 continue
             found = {c["name"] for c in inspector.get_columns(table.name, schema=self.schema)}
@@ -261,6 +266,8 @@ class SqlDelayedMessageStore(SchemaMigrations, SweepLeases, DestinationSettings,
             if remember:
                 self._expire_ids(conn, now)
             stored = self._insert_new(conn, rows, now if remember else None)
+            if stored:
+                self._register(conn, {r["destination"] for r in rows}, now)
             if self.is_postgres and stored:
                 # Delivered at commit; wakes idle pumps that sleep past this due time.
                 soonest = min(r["due_at_us"] for r in rows)
@@ -337,7 +344,8 @@ class SqlDelayedMessageStore(SchemaMigrations, SweepLeases, DestinationSettings,
         self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = ()
     ) -> Iterator[Claim]:
         t = self.table
-        due = select(t.c.id).where(t.c.due_at_us <= to_us(now), self._unleased(to_us(now)), *self._scope)
+        due = select(t.c.id).where(t.c.due_at_us <= to_us(now), self._unleased(to_us(now)), self._not_paused(),
+                                   *self._scope)
         if due_before is not None:
             due = due.where(t.c.due_at_us < to_us(due_before))
         if exclude:
@@ -359,7 +367,8 @@ class SqlDelayedMessageStore(SchemaMigrations, SweepLeases, DestinationSettings,
     # -- reads -----------------------------------------------------------------------------------
     def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:
         t = self.table
-        query = select(func.min(t.c.due_at_us)).where(self._unleased(to_us(self.clock())), *self._scope)
+        query = select(func.min(t.c.due_at_us)).where(self._unleased(to_us(self.clock())), self._not_paused(),
+                                                       *self._scope)
         if destination is not None:
             query = query.where(t.c.destination == destination)
         if due_before is not None:

@@ -105,6 +105,13 @@ def queue_delays_table(metadata: MetaData, store_table_name: str, schema: str | 
                             Column("queue_delay_seconds", Integer, nullable=False))
 
 
+def destinations_table(metadata: MetaData, store_table_name: str, schema: str | None) -> Table:
+    """Every destination the store has taken messages for or provisioned, and its pause state."""
+    return _per_destination(metadata, f"{store_table_name}_dests", schema,
+                            Column("registered_at_us", BigInteger, nullable=False),
+                            Column("paused_at_us", BigInteger, nullable=True))
+
+
 def policies_table(metadata: MetaData, store_table_name: str, schema: str | None) -> Table:
     """Each destination's delivery policy (delivery-policy JSON)."""
     return _per_destination(metadata, f"{store_table_name}_policies", schema, Column("policy", Text, nullable=False))

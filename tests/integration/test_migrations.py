@@ -19,7 +19,7 @@ from tests.helpers import messages
 
 
 def _tables(store):
-    return (store.table, store.policy_table, store.sweeps, store.ids, store.throttle, store.delays)
+    return tuple(store.table.metadata.tables.values())
 
 
 def _insert_v1_row(store, message_id: str, due) -> None:

@@ -1,0 +1,160 @@
+"""Operating the backlog: which scheduled messages an action applies to, and what it reports.
+
+Every control (browse, cancel, reschedule, run now, purge) takes a `Selector`. A selector must name
+something: message ids, a header match, or a destination, so that an empty form or a missing template
+value never means "every message". Results are plain dicts of lists and counts (XCom and JSON friendly).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from airflow_delay_provider.core.delays import MAX_DELAY_SECONDS
+from airflow_delay_provider.core.errors import InvalidInputError
+from airflow_delay_provider.core.message import MAX_MESSAGE_ID_LENGTH, check_destination, check_headers
+from airflow_delay_provider.core.requests import parse_int, parse_moment
+
+#: The most ids one action takes (a larger list is split by the caller).
+MAX_IDS = 10_000
+#: The most messages one page of a browse returns.
+MAX_PAGE = 1_000
+#: Bodies in a browse are cut to this many bytes unless asked otherwise.
+BODY_PREVIEW_BYTES = 200
+#: The backlog histogram's buckets: messages due at most this far ahead (seconds), then "later".
+BUCKETS: tuple[tuple[str, int], ...] = (("due", 0), ("next_minute", 60), ("next_hour", 3_600),
+                                        ("next_day", 86_400))
+
+
+@dataclass(frozen=True)
+class Selector:
+    """Which scheduled messages an action applies to: all conditions given must hold.
+
+    :param message_ids: the ids a send task returned.
+    :param destination: one destination's messages.
+    :param headers: messages whose headers include all of these (e.g. ``{"order-id": "42"}``).
+    :param due_from: due at or after (aware datetime).
+    :param due_before: due before (aware datetime).
+    """
+
+    message_ids: tuple[str, ...] = ()
+    destination: str | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+    due_from: datetime | None = None
+    due_before: datetime | None = None
+
+    @classmethod
+    def build(cls, message_ids: object = None, destination: object = None, headers: object = None,
+              due_from: object = None, due_before: object = None, allow_everything: bool = False) -> Selector:
+        """A checked selector; `allow_everything` only for reads (a browse of the whole store)."""
+        ids = _ids(message_ids)
+        dest = None if destination in (None, "") else check_destination(destination)
+        try:
+            match = check_headers(headers or {})
+        except Exception as exc:
+            raise InvalidInputError(f"headers (the header match): {exc}") from None
+        selector = cls(ids, dest, match, _moment("due_from", due_from), _moment("due_before", due_before))
+        if not allow_everything and not (ids or dest or match):
+            raise InvalidInputError(
+                "select messages by message_ids, by headers (e.g. {'order-id': '42'}) or by destination; "
+                "an action with none of them would apply to every message, which is refused"
+            )
+        if selector.due_from and selector.due_before and selector.due_from >= selector.due_before:
+            raise InvalidInputError(f"due_from ({selector.due_from.isoformat()}) must be before due_before "
+                                    f"({selector.due_before.isoformat()})")
+        return selector
+
+    def header_patterns(self) -> list[str]:
+        """Substrings every matching row's stored header JSON contains (stored as compact JSON, ASCII)."""
+        return [json.dumps(k) + ":" + json.dumps(v) for k, v in sorted(self.headers.items())]
+
+    def matches_headers(self, headers: Mapping[str, str]) -> bool:
+        return all(headers.get(k) == v for k, v in self.headers.items())
+
+    def describe(self) -> dict[str, Any]:
+        return {k: v for k, v in (
+            ("message_ids", len(self.message_ids) or None), ("destination", self.destination),
+            ("headers", dict(self.headers) or None),
+            ("due_from", self.due_from and self.due_from.isoformat()),
+            ("due_before", self.due_before and self.due_before.isoformat()),
+        ) if v is not None}
+
+
+def _ids(value: object) -> tuple[str, ...]:
+    if value in (None, "", [], ()):
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple, set, frozenset)):
+        raise InvalidInputError(f"message_ids must be a list of message ids, got {type(value).__name__}")
+    ids = tuple(dict.fromkeys(value))  # keeps order, drops repeats
+    if len(ids) > MAX_IDS:
+        raise InvalidInputError(f"at most {MAX_IDS} message_ids per action, got {len(ids)}: split the list")
+    for mid in ids:
+        if not isinstance(mid, str) or not mid or len(mid) > MAX_MESSAGE_ID_LENGTH:
+            raise InvalidInputError(f"message ids are non-empty strings of at most {MAX_MESSAGE_ID_LENGTH} "
+                                    f"characters, got {mid!r:.60}")
+    return ids
+
+
+def _moment(name: str, value: object) -> datetime | None:
+    moment = parse_moment(value, name)
+    return None if moment is None else moment.astimezone(UTC)
+
+
+def new_due_time(now: datetime, deliver_at: object = None, delay_seconds: object = None) -> datetime:
+    """When a rescheduled message becomes due: exactly one of `deliver_at` (not before now) or
+    `delay_seconds` (0 = run now), at most the longest delay (7 days) ahead."""
+    if (deliver_at in (None, "")) == (delay_seconds in (None, "")):
+        raise InvalidInputError("give exactly one of deliver_at (a time) or delay_seconds (0 runs it now)")
+    if delay_seconds not in (None, ""):
+        if isinstance(delay_seconds, str):  # a rendered template
+            delay_seconds = parse_int(delay_seconds, "delay_seconds")
+        if isinstance(delay_seconds, bool) or not isinstance(delay_seconds, (int, float)) \
+                or not 0 <= delay_seconds <= MAX_DELAY_SECONDS:
+            raise InvalidInputError(f"delay_seconds must be a number from 0 to {MAX_DELAY_SECONDS} (7 days), "
+                                    f"got {delay_seconds!r}")
+        return now + timedelta(seconds=delay_seconds)
+    at = _moment("deliver_at", deliver_at)
+    assert at is not None
+    if at < now - timedelta(seconds=1):  # a second of grace for clocks and form round trips
+        raise InvalidInputError(f"deliver_at {at.isoformat()} is in the past (now {now.isoformat()}); a message "
+                                "cannot be made due earlier than now: use delay_seconds=0 to run it now")
+    if at > now + timedelta(seconds=MAX_DELAY_SECONDS):
+        raise InvalidInputError(f"deliver_at {at.isoformat()} is more than 7 days ahead (the longest delay)")
+    return max(at, now)
+
+
+def bucket_of(due_in_seconds: float) -> str:
+    """The histogram bucket of a message due this many seconds from now."""
+    for name, limit in BUCKETS:
+        if due_in_seconds <= limit:
+            return name
+    return "later"
+
+
+def empty_histogram() -> dict[str, int]:
+    return {name: 0 for name, _ in BUCKETS} | {"later": 0}
+
+
+def preview(body: bytes, limit: int = BODY_PREVIEW_BYTES) -> dict[str, Any]:
+    """A body as a browse shows it: text (invalid UTF-8 replaced), cut to `limit` bytes."""
+    return {"body": body[:limit].decode("utf-8", errors="replace"), "body_bytes": len(body),
+            "body_truncated": len(body) > limit}
+
+
+def cancel_report(requested: Sequence[str], cancelled: Sequence[str], in_flight: Sequence[str],
+                  accepted_before: Sequence[str]) -> dict[str, Any]:
+    """What a cancel by ids did to each id: cancelled now; in flight (a sweep or the relay holds it and
+    may deliver it: not cancelled); gone (accepted earlier and no longer scheduled: delivered, moved to
+    the error queue, or cancelled before); unknown (never accepted here, or longer ago than the
+    de-duplication window)."""
+    done, busy, seen = set(cancelled), set(in_flight), set(accepted_before)
+    gone = [m for m in requested if m not in done and m not in busy and m in seen]
+    unknown = [m for m in requested if m not in done and m not in busy and m not in seen]
+    return {"cancelled": list(cancelled), "in_flight": list(in_flight), "gone": gone, "unknown": unknown,
+            "counts": {"cancelled": len(cancelled), "in_flight": len(in_flight), "gone": len(gone),
+                       "unknown": len(unknown)}}

@@ -1,0 +1,69 @@
+"""The backlog controls of DelayStoreHook: one set of methods behind the operators, the CLI and the UI page.
+
+Each takes plain values (as a form, a command line or a rendered template gives them), checks them
+with `core.backlog`, acts on the store and returns a JSON-ready dict.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from airflow_delay_provider.core.backlog import BODY_PREVIEW_BYTES, Selector, new_due_time
+from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
+
+
+class BacklogActions:
+    """A mixin of DelayStoreHook, which gives it `get_store()`."""
+
+    def _store(self) -> SqlDelayedMessageStore:
+        store: SqlDelayedMessageStore = self.get_store()  # type: ignore[attr-defined]
+        store.create_schema()  # cheap when current; an older store is brought up to date first
+        return store
+
+    def browse(self, *, message_ids: Any = None, destination: Any = None, headers: Any = None,
+               due_from: Any = None, due_before: Any = None, limit: int = 50, after: str | None = None,
+               show_bodies: bool = True, body_bytes: int = BODY_PREVIEW_BYTES) -> dict[str, Any]:
+        """A page of scheduled messages, soonest first, claiming nothing. With no selector: every message.
+
+        :param show_bodies: False leaves bodies out (only their size is shown).
+        """
+        selector = Selector.build(message_ids, destination, headers, due_from, due_before, allow_everything=True)
+        return self._store().browse(selector, limit=limit, after=after, body_bytes=body_bytes if show_bodies else None)
+
+    def backlog(self, destination: str | None = None) -> dict[str, Any]:
+        """Per destination: scheduled, due, in flight (a sweep holds them), paused, the due-time histogram."""
+        return self._store().backlog(destination or None)
+
+    def cancel(self, *, message_ids: Any = None, destination: Any = None, headers: Any = None,
+               due_from: Any = None, due_before: Any = None) -> dict[str, Any]:
+        """Cancel scheduled messages (by ids, header match and/or a named destination)."""
+        return self._store().cancel(Selector.build(message_ids, destination, headers, due_from, due_before))
+
+    def reschedule(self, *, message_ids: Any = None, destination: Any = None, headers: Any = None,
+                   deliver_at: Any = None, delay_seconds: Any = None) -> dict[str, Any]:
+        """Make selected messages due at `deliver_at` or after `delay_seconds` from now (0: run now)."""
+        store = self._store()
+        selector = Selector.build(message_ids, destination, headers)
+        return store.reschedule(selector, new_due_time(store.clock(), deliver_at, delay_seconds))
+
+    def run_now(self, *, message_ids: Any = None, destination: Any = None, headers: Any = None) -> dict[str, Any]:
+        """Make selected messages due now."""
+        return self.reschedule(message_ids=message_ids, destination=destination, headers=headers, delay_seconds=0)
+
+    def pause(self, destinations: Any) -> dict[str, Any]:
+        """Pause destinations: their messages stay stored until resumed (batches already claimed finish)."""
+        return {"paused": True, **self._store().set_paused(_names(destinations), True)}
+
+    def resume(self, destinations: Any) -> dict[str, Any]:
+        """Resume destinations: pumps take their waiting messages oldest first, within the throttle."""
+        return {"paused": False, **self._store().set_paused(_names(destinations), False)}
+
+    def purge(self, destination: str, dry_run: bool = True) -> dict[str, Any]:
+        """Remove every scheduled message of `destination`; `dry_run` (default) only counts them."""
+        return self._store().purge(destination, dry_run=dry_run)
+
+
+def _names(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return list(value or [])

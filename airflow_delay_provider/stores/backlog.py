@@ -1,0 +1,214 @@
+"""Operating the backlog of a SQL store: browse, count, cancel, reschedule and purge scheduled messages.
+
+A mixin of SqlDelayedMessageStore, which gives it the engine, the clock and the tables.
+
+Cancel, reschedule and purge race safely with pumps: a pump claims rows by deleting them inside its
+transaction, so an action that reaches a claimed row waits for that claim to end (it never skips it).
+When the claim committed, the message was delivered (or dead-lettered) and the action reports it gone;
+when the claim failed and wrote the message back for a retry, the action's next pass (a new snapshot)
+finds the written-back row. So a cancel and a delivery of one message never both succeed. Rows a bulk
+sweep holds under a live lease are reported `in_flight` and left alone: the sweep may be sending them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import and_, case, delete, func, or_, select, update
+
+from airflow_delay_provider.core.backlog import (
+    BODY_PREVIEW_BYTES,
+    BUCKETS,
+    MAX_PAGE,
+    Selector,
+    cancel_report,
+    empty_histogram,
+    preview,
+)
+from airflow_delay_provider.core.errors import InvalidInputError
+from airflow_delay_provider.core.message import check_destination
+from airflow_delay_provider.stores.tables import _message, from_us, to_us
+
+#: Passes an action makes: the second and later ones see rows that a claim it waited for wrote back.
+_PASSES = 4
+#: Ids listed in a report at most (the counts are always complete).
+_LISTED = 1_000
+
+
+class BacklogControls:
+    # -- reading ------------------------------------------------------------------------------------
+    def browse(self, selector: Selector, limit: int = 50, after: str | None = None,
+               body_bytes: int | None = BODY_PREVIEW_BYTES) -> dict[str, Any]:
+        """One page of scheduled messages, soonest due first, without claiming or locking them.
+
+        :param selector: which messages (`Selector.build(..., allow_everything=True)` for all).
+        :param limit: messages per page (1..1000).
+        :param after: the `next` cursor of the previous page.
+        :param body_bytes: bodies are cut to this many bytes; None leaves bodies out (for readers who may
+            not see them).
+        :return: ``{"messages": [...], "next": cursor or None}``.
+        """
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
+            raise InvalidInputError(f"limit must be an int from 1 to {MAX_PAGE}, got {limit!r}")
+        t = self.table
+        query = select(t, self._leased_now().label("in_flight")).where(*self._selected(selector))
+        if after:
+            due_us, row_id = _cursor(after)
+            query = query.where(or_(t.c.due_at_us > due_us, and_(t.c.due_at_us == due_us, t.c.id > row_id)))
+        query = query.order_by(t.c.due_at_us, t.c.id).limit(limit + 1)
+        paused = {d for d, state in self.destinations().items() if state["paused"]}
+        with self._errors("browse scheduled messages"), self.engine.connect() as conn:
+            rows = conn.execute(query).all()
+        page = []
+        for row in rows[:limit]:
+            m = _message(row)
+            if not selector.matches_headers(m.headers):  # the SQL match is a substring prefilter
+                continue
+            item = {"message_id": m.message_id, "destination": m.destination, "due_at": m.due_at.isoformat(),
+                    "stored_at": from_us(row.stored_at_us).isoformat(), "failures": m.failures,
+                    "headers": m.headers, "in_flight": bool(row.in_flight), "paused": m.destination in paused}
+            item |= preview(m.body, body_bytes) if body_bytes is not None else {"body_bytes": len(m.body)}
+            page.append(item)
+        more = len(rows) > limit
+        return {"messages": page, "next": f"{rows[limit - 1].due_at_us}:{rows[limit - 1].id}" if more else None}
+
+    def backlog(self, destination: str | None = None) -> dict[str, Any]:
+        """Counts per destination: scheduled, due now (`paused` instead while it is paused), held by a
+        sweep, and the due-time histogram (due, next minute, hour, day, later)."""
+        t = self.table
+        now_us = to_us(self.clock())
+        buckets = [func.sum(case((t.c.due_at_us <= now_us + limit * 1_000_000, 1), else_=0)) for _, limit in BUCKETS]
+        query = select(t.c.destination, func.count(), func.sum(case((self._leased_now(), 1), else_=0)), *buckets)
+        if destination is not None:
+            query = query.where(t.c.destination == check_destination(destination))
+        with self._errors("count the backlog"), self.engine.connect() as conn:
+            rows = conn.execute(query.group_by(t.c.destination)).all()
+        known = self.destinations()
+        report = {}
+        for name in sorted({r[0] for r in rows} | ({destination} if destination else set(known))):
+            paused = known.get(name, {}).get("paused", False)
+            report[name] = {"scheduled": 0, "due": 0, "in_flight": 0, "paused": paused, "histogram": empty_histogram()}
+        for name, scheduled, leased, *cumulative in rows:
+            entry = report[name]
+            entry["scheduled"], entry["in_flight"] = scheduled, int(leased or 0)
+            previous = 0
+            for (bucket, _), upto in zip(BUCKETS, cumulative, strict=True):
+                entry["histogram"][bucket] = int(upto or 0) - previous
+                previous = int(upto or 0)
+            entry["histogram"]["later"] = scheduled - previous
+            entry["due"] = entry["histogram"]["due"]
+        totals = {k: sum(e[k] for e in report.values()) for k in ("scheduled", "due", "in_flight")}
+        totals["paused_due"] = sum(e["due"] for e in report.values() if e["paused"])
+        return {"at": from_us(now_us).isoformat(), "destinations": report, "totals": totals}
+
+    # -- changing -----------------------------------------------------------------------------------
+    def cancel(self, selector: Selector) -> dict[str, Any]:
+        """Remove the selected scheduled messages so they are never delivered.
+
+        :return: ``cancelled`` (removed now), ``in_flight`` (held by a running sweep: not cancelled),
+            and for ids that were asked for and not found: ``gone`` (accepted earlier, no longer
+            scheduled: delivered, dead-lettered or cancelled before) and ``unknown``; with counts.
+        """
+        cancelled, in_flight = self._change(selector, "cancel scheduled messages", None)
+        return self._report(selector, cancelled, in_flight)
+
+    def reschedule(self, selector: Selector, due_at: datetime) -> dict[str, Any]:
+        """Make the selected messages due at `due_at` (checked by `core.backlog.new_due_time`: never before
+        now). Pumps waiting past the new time are woken. Reports like `cancel`, with `rescheduled`."""
+        due_us = max(to_us(due_at), to_us(self.clock()))
+        changed, in_flight = self._change(selector, "reschedule messages", due_us)
+        report = self._report(selector, changed, in_flight)
+        report["rescheduled"] = report.pop("cancelled")
+        report["counts"]["rescheduled"] = report["counts"].pop("cancelled")
+        report["due_at"] = from_us(due_us).isoformat()
+        return report
+
+    def purge(self, destination: str, dry_run: bool = True) -> dict[str, Any]:
+        """Remove every scheduled message of one named destination; with `dry_run` (the default) only
+        count what would go. Messages a running sweep holds stay (counted `in_flight`)."""
+        self.check_known([check_destination(destination)])
+        selector = Selector(destination=destination)
+        if dry_run:
+            counts = self.backlog(destination)["destinations"][destination]
+            return {"destination": destination, "dry_run": True, "would_purge": counts["scheduled"] -
+                    counts["in_flight"], "in_flight": counts["in_flight"]}
+        purged, in_flight = self._change(selector, "purge a destination", None, listed=0)
+        return {"destination": destination, "dry_run": False, "purged": purged, "in_flight": in_flight}
+
+    def _change(self, selector: Selector, action: str, due_us: int | None, listed: int = _LISTED):
+        """Delete (due_us None) or re-time the selected rows no live sweep lease holds, in passes until a
+        pass finds nothing; returns (changed ids or count, in-flight ids or count)."""
+        if selector.destination is not None:
+            self.check_known([selector.destination])
+        t = self.table
+        where = [*self._selected(selector), self._unleased(to_us(self.clock()))]
+        if due_us is not None:
+            where.append(t.c.due_at_us != due_us)  # rows already at the new time are done
+        changed: list[str] = []
+        with self._errors(action), self.engine.begin() as conn:
+            for _ in range(_PASSES):
+                statement = delete(t) if due_us is None else update(t).values(due_at_us=due_us)
+                changed.extend(conn.execute(statement.where(*where).returning(t.c.message_id)).scalars())
+                # A claim this pass waited for may have written rows back for a retry; a new statement
+                # (a new snapshot) sees them, and the next pass takes them.
+                if not conn.execute(select(t.c.id).where(*where).limit(1)).first():
+                    break
+            if due_us is not None and changed and self.is_postgres:
+                conn.execute(select(func.pg_notify(self.channel, str(due_us))))
+            in_flight = list(conn.execute(select(t.c.message_id).where(
+                *self._selected(selector), self._leased_now()).limit(_LISTED + 1)).scalars())
+        if not listed:
+            return len(changed), len(in_flight)
+        return changed, in_flight
+
+    def _report(self, selector: Selector, changed: Sequence[str], in_flight: Sequence[str]) -> dict[str, Any]:
+        if not selector.message_ids:
+            return {"cancelled": list(changed[:_LISTED]), "in_flight": list(in_flight[:_LISTED]),
+                    "counts": {"cancelled": len(changed), "in_flight": len(in_flight)},
+                    "truncated": len(changed) > _LISTED or len(in_flight) > _LISTED,
+                    "selector": selector.describe()}
+        missing = [m for m in selector.message_ids if m not in set(changed) | set(in_flight)]
+        report = cancel_report(selector.message_ids, changed, in_flight, self._accepted(missing))
+        return {**report, "selector": selector.describe()}
+
+    def _accepted(self, message_ids: Sequence[str]) -> list[str]:
+        """Of these ids, those the store accepted within its de-duplication window."""
+        if not message_ids:
+            return []
+        i = self.ids
+        with self._errors("read accepted message ids"), self.engine.connect() as conn:
+            return list(conn.execute(select(i.c.message_id).where(i.c.message_id.in_(list(message_ids)))).scalars())
+
+    # -- conditions ---------------------------------------------------------------------------------
+    def _selected(self, selector: Selector) -> list:
+        t = self.table
+        conditions = list(self._scope)
+        if selector.message_ids:
+            conditions.append(t.c.message_id.in_(list(selector.message_ids)))
+        if selector.destination is not None:
+            conditions.append(t.c.destination == selector.destination)
+        # Headers are stored as compact ASCII JSON, so `"key":"value"` appears in the text exactly when
+        # the header has that value (quotes inside values are escaped, so they cannot fake it).
+        conditions.extend(t.c.headers.contains(p, autoescape=True) for p in selector.header_patterns())
+        if selector.due_from is not None:
+            conditions.append(t.c.due_at_us >= to_us(selector.due_from))
+        if selector.due_before is not None:
+            conditions.append(t.c.due_at_us < to_us(selector.due_before))
+        return conditions
+
+    def _leased_now(self):
+        """Rows a running sweep holds under a live lease."""
+        t, s = self.table, self.sweeps
+        return and_(t.c.claim_id.is_not(None),
+                    t.c.claim_id.in_(select(s.c.claim_id).where(s.c.lease_until_us >= to_us(self.clock()))))
+
+
+def _cursor(value: str) -> tuple[int, int]:
+    try:
+        due_us, row_id = (int(part) for part in value.split(":"))
+    except (ValueError, AttributeError):
+        raise InvalidInputError(f"after must be the `next` cursor of a previous page, got {value!r}") from None
+    return due_us, row_id
+
