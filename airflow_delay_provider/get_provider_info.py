@@ -21,11 +21,14 @@ def get_provider_info() -> dict:
         "operators": [{"integration-name": INTEGRATION, "python-modules": [
             "airflow_delay_provider.operators.provision", "airflow_delay_provider.operators.send",
             "airflow_delay_provider.operators.dispatch", "airflow_delay_provider.operators.migrate",
-            "airflow_delay_provider.operators.sqs", "airflow_delay_provider.operators.sweep"]}],
+            "airflow_delay_provider.operators.sqs", "airflow_delay_provider.operators.sweep",
+            "airflow_delay_provider.operators.backlog", "airflow_delay_provider.operators.redrive"]}],
         "sensors": [{"integration-name": INTEGRATION, "python-modules": [
             "airflow_delay_provider.sensors.delay_store"]}],
         "triggers": [{"integration-name": INTEGRATION, "python-modules": [
             "airflow_delay_provider.triggers.delay_store", "airflow_delay_provider.triggers.sqs"]}],
+        "cli": ["airflow_delay_provider.cli.definition.get_delay_cli_commands"],
+        "plugins": [{"name": "delay_backlog", "plugin-class": "airflow_delay_provider.ui.plugin.DelayBacklogPlugin"}],
         "connection-types": [
             {
                 "hook-class-name": "airflow_delay_provider.hooks.delay_store.DelayStoreHook",

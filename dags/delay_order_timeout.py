@@ -1,4 +1,4 @@
-"""An order timeout: place an order, send a delayed cancellation check, cancel only if still unpaid."""
+"""An order timeout: place an order, schedule a cancellation check, and take the check back when the order is paid."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 from airflow.sdk import DAG, Param, task
 
 from airflow_delay_provider.dag_params import reject_unknown_conf
+from airflow_delay_provider.operators.backlog import CancelDelayedMessagesOperator
 from airflow_delay_provider.operators.dispatch import DispatchDueMessagesOperator
 from airflow_delay_provider.operators.provision import ProvisionDelayInfrastructureOperator
 from airflow_delay_provider.operators.send import SendDelayedMessageOperator
@@ -41,24 +42,41 @@ with DAG(
         "pay": Param(False, type="boolean", title="Pay the order before the timeout"),
     },
     doc_md="""
-### Cancel an unpaid order after a timeout
+### Cancel an unpaid order after a timeout; take the timeout back when it is paid
 
-1. **place_order** records an order as `unpaid` (and pays it at once when `pay` is set).
-2. **schedule_check** sends a cancellation check for the order, delayed by `timeout_seconds`.
-3. **dispatch** delivers the check when it is due, deferring meanwhile.
-4. **cancel_if_unpaid** consumes the check and cancels the order only if it is still unpaid: a paid
-   order is left alone. The check carries the order id, so handling it twice changes nothing.
+1. **place_order** records an order as `unpaid`.
+2. **schedule_check** sends a cancellation check for the order, delayed by `timeout_seconds`; its
+   XCom is the check's message id.
+3. **paid_in_time** branches on `pay` (the customer paying before the timeout):
+   - paid: **pay_order** marks the order paid and **cancel_check** cancels the scheduled check by its
+     message id, so it is never delivered. Its report says whether the cancel won: `cancelled`, or
+     `gone` when the check had already been delivered (the payment came too late).
+   - unpaid: **dispatch** delivers the check when it is due (deferring meanwhile), and
+     **cancel_if_unpaid** consumes it and cancels the order if it is still unpaid. The check carries
+     the order id and the status condition, so a check delivered twice, or after a late payment,
+     changes nothing.
 """,
 ) as dag:
     provision = ProvisionDelayInfrastructureOperator(task_id="provision", endpoints=[QUEUE])
 
     @task
-    def place_order(params: dict | None = None, run_id: str | None = None) -> str:
+    def place_order(run_id: str | None = None) -> str:
         engine, orders = _orders()
         order_id = "order-" + hashlib.sha1(run_id.encode()).hexdigest()[:12]
         with engine.begin() as conn:
             conn.execute(orders.delete().where(orders.c.order_id == order_id))
-            conn.execute(orders.insert().values(order_id=order_id, status="paid" if params["pay"] else "unpaid"))
+            conn.execute(orders.insert().values(order_id=order_id, status="unpaid"))
+        return order_id
+
+    @task.branch
+    def paid_in_time(params: dict | None = None) -> str:
+        return "pay_order" if params["pay"] else "dispatch"
+
+    @task
+    def pay_order(order_id: str) -> str:
+        engine, orders = _orders()
+        with engine.begin() as conn:
+            conn.execute(orders.update().where(orders.c.order_id == order_id).values(status="paid"))
         return order_id
 
     order = place_order()
@@ -97,4 +115,12 @@ with DAG(
             status = conn.execute(orders.select().where(orders.c.order_id == order_id)).one().status
         return {"order_id": order_id, "check": outcome, "status": status}
 
-    provision >> order >> check >> dispatch >> cancel_if_unpaid(order)
+    cancel_check = CancelDelayedMessagesOperator(
+        task_id="cancel_check",
+        message_ids="{{ ti.xcom_pull(task_ids='schedule_check') }}",
+    )
+
+    paid = pay_order(order)
+    provision >> order >> check >> paid_in_time() >> [paid, dispatch]
+    paid >> cancel_check
+    dispatch >> cancel_if_unpaid(order)

@@ -53,3 +53,23 @@ def collect(transport, queue: str, expected: int, timeout: float) -> list:
         else:
             time.sleep(0.02)
     return got
+
+
+def orders(store, n=10, destination="orders", due_in=3600.0, body=b"x") -> None:
+    """`n` messages `<destination>-<i>` with an `order-id` header, due `due_in + i` seconds from now."""
+    now = utcnow()
+    store.store([DelayedMessage(destination, body, now + timedelta(seconds=due_in + i),
+                                {"order-id": str(i)}, message_id=f"{destination}-{i}") for i in range(n)])
+
+
+#: spread_backlog's due times of `orders` (seconds from now): two due, then one per histogram bucket, two later.
+SPREAD = (-10, -1, 30, 120, 7200, 90_000, 500_000)
+
+
+def spread_backlog(store) -> None:
+    """`orders` due across the backlog histogram, and two due `refunds`, paused."""
+    now = utcnow()
+    store.store([DelayedMessage("orders", b"", now + timedelta(seconds=s), message_id=f"o{i}")
+                 for i, s in enumerate(SPREAD)])
+    orders(store, 2, destination="refunds", due_in=-3)
+    store.set_paused(["refunds"], True)

@@ -8,13 +8,13 @@ value never means "every message". Results are plain dicts of lists and counts (
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from airflow_delay_provider.core.delays import MAX_DELAY_SECONDS
-from airflow_delay_provider.core.errors import InvalidInputError
+from airflow_delay_provider.core.errors import InvalidInputError, UnknownDestinationError
 from airflow_delay_provider.core.message import MAX_MESSAGE_ID_LENGTH, check_destination, check_headers
 from airflow_delay_provider.core.requests import parse_int, parse_moment
 
@@ -57,15 +57,20 @@ class Selector:
         except Exception as exc:
             raise InvalidInputError(f"headers (the header match): {exc}") from None
         selector = cls(ids, dest, match, _moment("due_from", due_from), _moment("due_before", due_before))
-        if not allow_everything and not (ids or dest or match):
-            raise InvalidInputError(
-                "select messages by message_ids, by headers (e.g. {'order-id': '42'}) or by destination; "
-                "an action with none of them would apply to every message, which is refused"
-            )
+        if not allow_everything:
+            selector.require_something()
         if selector.due_from and selector.due_before and selector.due_from >= selector.due_before:
             raise InvalidInputError(f"due_from ({selector.due_from.isoformat()}) must be before due_before "
                                     f"({selector.due_before.isoformat()})")
         return selector
+
+    def require_something(self) -> None:
+        """Refuse a selector that names nothing: every action that changes messages calls this."""
+        if not (self.message_ids or self.destination or self.headers):
+            raise InvalidInputError(
+                "select messages by message_ids, by headers (e.g. {'order-id': '42'}) or by destination; "
+                "an action with none of them would apply to every message, which is refused"
+            )
 
     def header_patterns(self) -> list[str]:
         """Substrings every matching row's stored header JSON contains (stored as compact JSON, ASCII)."""
@@ -103,6 +108,18 @@ def _ids(value: object) -> tuple[str, ...]:
 def _moment(name: str, value: object) -> datetime | None:
     moment = parse_moment(value, name)
     return None if moment is None else moment.astimezone(UTC)
+
+
+def check_known(destinations: Collection[str], known: Collection[str]) -> None:
+    """Refuse destinations not in `known` (those a store has provisioned or taken messages for), naming them."""
+    for destination in destinations:
+        check_destination(destination)
+    unknown = sorted(set(destinations) - set(known))
+    if unknown:
+        listed = ", ".join(repr(k) for k in list(known)[:20]) or "none yet"
+        raise UnknownDestinationError(
+            f"unknown destination(s) {unknown}: this store has never provisioned them nor taken messages for "
+            f"them; known destinations: {listed}{' ...' if len(known) > 20 else ''}")
 
 
 def new_due_time(now: datetime, deliver_at: object = None, delay_seconds: object = None) -> datetime:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
+from airflow_delay_provider.core.backlog import BODY_PREVIEW_BYTES, Selector
 from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import DelayedMessage, check_destination
 
@@ -43,18 +44,19 @@ class DelayedMessageStore(ABC):
     @abstractmethod
     def store(self, messages: Sequence[DelayedMessage], deduplicate: bool = True) -> int:
         """Store messages atomically (all or none); ids already stored, or (with `deduplicate`) accepted
-        within the store's de-duplication window, are skipped. Returns how many were new."""
+        within the store's de-duplication window, are skipped. Returns how many were new. The messages'
+        destinations become known (see `destinations`)."""
 
     @abstractmethod
     def claim_due(
         self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = ()
     ) -> AbstractContextManager[Claim]:
         """Claim up to `limit` messages due at `now` (and before `due_before`), oldest first,
-        leaving out the destinations in `exclude`."""
+        leaving out the destinations in `exclude` and paused ones."""
 
     @abstractmethod
     def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:
-        """Due time of the earliest stored message, or None when nothing is stored."""
+        """Due time of the earliest stored message of a destination that is not paused, or None."""
 
     @abstractmethod
     def count_scheduled(self, due_before: datetime | None = None) -> dict[str, int]:
@@ -79,6 +81,44 @@ class DelayedMessageStore(ABC):
     @abstractmethod
     def wait(self, until: datetime) -> None:
         """Sleep until `until`, returning earlier when a message due sooner is stored."""
+
+    # -- operating the backlog (core/backlog.py has the selectors and report shapes) ---------------------
+    def browse(self, selector: Selector, limit: int = 50, after: str | None = None,
+               body_bytes: int | None = BODY_PREVIEW_BYTES) -> dict[str, Any]:
+        """One page of scheduled messages, soonest first, claiming nothing: `{"messages", "next"}`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot browse its backlog")
+
+    def backlog(self, destination: str | None = None) -> dict[str, Any]:
+        """Counts per destination (scheduled, due, in flight, paused, due-time histogram) and totals."""
+        raise NotImplementedError(f"{type(self).__name__} cannot count its backlog")
+
+    def cancel(self, selector: Selector) -> dict[str, Any]:
+        """Remove the selected messages; reports ids cancelled, in flight, gone and unknown."""
+        raise NotImplementedError(f"{type(self).__name__} cannot cancel messages")
+
+    def reschedule(self, selector: Selector, due_at: datetime) -> dict[str, Any]:
+        """Make the selected messages due at `due_at` (never before now); reports like `cancel`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot reschedule messages")
+
+    def purge(self, destination: str, dry_run: bool = True) -> dict[str, Any]:
+        """Remove every scheduled message of one known destination (with `dry_run`, only count them)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot purge a destination")
+
+    def register_destinations(self, destinations: Collection[str]) -> None:
+        """Make destinations known before anything is sent to them (provisioning does)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no destinations")
+
+    def destinations(self) -> dict[str, dict[str, Any]]:
+        """Every known destination: `{name: {"paused": bool, "paused_at": iso or None}}`."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no destinations")
+
+    def check_known(self, destinations: Collection[str]) -> None:
+        """Raise UnknownDestinationError naming destinations never provisioned nor sent to."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no destinations")
+
+    def set_paused(self, destinations: Collection[str], paused: bool) -> dict[str, list[str]]:
+        """Pause or resume known destinations (claims leave paused ones stored): `{"changed", "unchanged"}`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot pause destinations")
 
 
 @dataclass(frozen=True)
@@ -189,6 +229,16 @@ class Transport(ABC):
     def release_held(self, receipts: Iterable[Any]) -> None:
         """Put taken messages back to wait for their due time, as if never taken."""
         raise NotImplementedError(f"transport {self.name!r} cannot take back held messages")
+
+    #: True when peek() can show a queue's messages without consuming them (nor counting a delivery).
+    can_peek: bool = False
+
+    def peek(self, endpoint: str, max_messages: int = 10) -> list[ReceivedMessage]:
+        """Up to `max_messages` visible messages of `endpoint`, left where they are: still visible to
+        every reader, not counted as a delivery (a queue's delivery limit is never brought closer), their
+        `receipt` None (nothing to settle). Raises NotImplementedError, saying why, where the broker
+        cannot show a message without counting a delivery."""
+        raise NotImplementedError(f"transport {self.name!r} cannot show messages without receiving them")
 
     def joins(self, store: DelayedMessageStore) -> bool:
         """True when sends can run inside the store's transaction, making dispatch exactly once."""

@@ -9,6 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from airflow_delay_provider.core.backlog import BODY_PREVIEW_BYTES, Selector, new_due_time
+from airflow_delay_provider.core.ports import Transport
+from airflow_delay_provider.core.redrive import list_dead_letters
+from airflow_delay_provider.core.redrive import redrive as redrive_dead_letters
+from airflow_delay_provider.core.requests import parse_count
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
 
 
@@ -61,6 +65,24 @@ class BacklogActions:
     def purge(self, destination: str, dry_run: bool = True) -> dict[str, Any]:
         """Remove every scheduled message of `destination`; `dry_run` (default) only counts them."""
         return self._store().purge(destination, dry_run=dry_run)
+
+    def dead_letters(self, transport: Transport, error_queue: str = "error", destination: Any = None,
+                     message_ids: Any = None, limit: Any = 50) -> dict[str, Any]:
+        """Dead letters in `error_queue` of `transport`, oldest first, consuming nothing: each with its
+        original destination, attempts, first and last failure, last error, body preview and headers;
+        filtered by original destination and/or message ids. A transport that cannot look without
+        consuming (RabbitMQ: see Transport.peek) refuses, saying why."""
+        return list_dead_letters(transport, error_queue, destination=destination or None,
+                                 message_ids=message_ids, limit=parse_count("limit", limit) or 50)
+
+    def redrive(self, transport: Transport, error_queue: str = "error", destination: Any = None,
+                message_ids: Any = None, max_messages: Any = None, max_per_second: Any = None) -> dict[str, Any]:
+        """Store dead letters of `error_queue` again for their original destination, due now, failures
+        reset; each leaves the error queue once stored. Returns counts: redriven (per destination),
+        skipped (not dead-lettered by the pump, with why) and left (not selected)."""
+        return redrive_dead_letters(self._store(), transport, error_queue, destination=destination or None,
+                                    message_ids=message_ids, max_messages=max_messages,
+                                    max_per_second=max_per_second)
 
 
 def _names(value: Any) -> list[str]:

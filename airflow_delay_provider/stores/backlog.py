@@ -140,6 +140,7 @@ class BacklogControls:
     def _change(self, selector: Selector, action: str, due_us: int | None, listed: int = _LISTED):
         """Delete (due_us None) or re-time the selected rows no live sweep lease holds, in passes until a
         pass finds nothing; returns (changed ids or count, in-flight ids or count)."""
+        selector.require_something()
         if selector.destination is not None:
             self.check_known([selector.destination])
         t = self.table
@@ -155,8 +156,13 @@ class BacklogControls:
                 # (a new snapshot) sees them, and the next pass takes them.
                 if not conn.execute(select(t.c.id).where(*where).limit(1)).first():
                     break
-            if due_us is not None and changed and self.is_postgres:
-                conn.execute(select(func.pg_notify(self.channel, str(due_us))))
+            if due_us is not None:
+                # Rows already at the new time (a repeated reschedule) are where they were asked to be.
+                at_time = select(t.c.message_id).where(*where[:-1], t.c.due_at_us == due_us).limit(_LISTED + 1)
+                done = set(changed)
+                changed.extend(m for m in conn.execute(at_time).scalars() if m not in done)
+                if changed and self.is_postgres:
+                    conn.execute(select(func.pg_notify(self.channel, str(due_us))))
             in_flight = list(conn.execute(select(t.c.message_id).where(
                 *self._selected(selector), self._leased_now()).limit(_LISTED + 1)).scalars())
         if not listed:

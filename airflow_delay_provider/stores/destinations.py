@@ -10,8 +10,9 @@ from collections.abc import Collection, Mapping
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
+from airflow_delay_provider.core.backlog import check_known
 from airflow_delay_provider.core.delays import resolve_delay
-from airflow_delay_provider.core.errors import InvalidInputError, UnknownDestinationError
+from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import check_destination
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy, PolicyError
 from airflow_delay_provider.stores.tables import from_us, to_us
@@ -43,15 +44,7 @@ class DestinationSettings:
 
     def check_known(self, destinations: Collection[str]) -> None:
         """Refuse destinations the store has never provisioned nor taken messages for, naming them."""
-        for destination in destinations:
-            check_destination(destination)
-        known = self.destinations()
-        unknown = sorted(set(destinations) - set(known))
-        if unknown:
-            listed = ", ".join(repr(k) for k in list(known)[:20]) or "none yet"
-            raise UnknownDestinationError(
-                f"unknown destination(s) {unknown}: this store has never provisioned them nor taken messages for "
-                f"them; known destinations: {listed}{' ...' if len(known) > 20 else ''}")
+        check_known(destinations, self.destinations())
 
     def set_paused(self, destinations: Collection[str], paused: bool) -> dict:
         """Pause (or resume) destinations: while paused, pumps and new sweeps leave their messages stored

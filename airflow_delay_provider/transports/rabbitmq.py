@@ -611,6 +611,30 @@ class RabbitMQTransport(Transport):
             count += 1
         return count
 
+    def release(self, endpoint: str, receipts: Iterable[Any]) -> int:
+        """Return received, unacked messages to their queue (basic.nack with requeue). RabbitMQ before 4.3
+        counts that, as any return, toward the queue's delivery limit (see peek)."""
+        count = 0
+        try:
+            for tag in receipts:
+                if self._consumer is None or not self._consumer.is_open:
+                    break  # their channel closed: the broker has returned them already
+                self._consumer.basic_nack(tag, requeue=True)
+                count += 1
+        except AMQPError:
+            self._consumer = None  # a channel that fails here is gone: the broker returns what it held
+        return count
+
+    def peek(self, endpoint: str, max_messages: int = 10) -> list[ReceivedMessage]:
+        """Refused: AMQP shows a message only by delivering it, and a quorum queue counts every return
+        toward its delivery limit, so peeking could move a message to poison."""
+        raise NotImplementedError(
+            f"cannot peek at RabbitMQ queue {endpoint!r}: AMQP shows a message only by delivering it, and a quorum "
+            "queue counts its return (basic.nack or basic.reject with requeue, or its channel closing) toward "
+            f"x-delivery-limit ({self.delivery_limit}) on RabbitMQ 3.x and 4.0-4.2, so looking at a message more "
+            f"than {self.delivery_limit} times would move it to {self.names.poison!r}; redrive by destination or by "
+            "message ids instead, which moves what it selects back to the store")
+
     # -- taking back (a migration to the store) ----------------------------------------------------
     can_take_back = True
 

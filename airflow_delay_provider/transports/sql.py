@@ -172,19 +172,28 @@ class SqlTableTransport(SqlDatabase, Transport):
                     .where(t.c.seq.in_([r.seq for r in rows]))
                     .values(visible_at_us=hidden_until, receive_count=t.c.receive_count + 1)
                 )
-        return [
-            ReceivedMessage(
-                message_id=r.message_id,
-                destination=r.queue,
-                body=r.body,
-                headers=json.loads(r.headers),
-                receipt=r.seq,
-                enqueued_at=from_us(r.enqueued_at_us),
-                due_at=None if r.due_at_us is None else from_us(r.due_at_us),
-                receive_count=r.receive_count + 1,
-            )
-            for r in rows
-        ]
+        return [_received(r, receipt=r.seq, receive_count=r.receive_count + 1) for r in rows]
+
+    can_peek = True
+
+    def peek(self, endpoint: str, max_messages: int = 10) -> list[ReceivedMessage]:
+        """A plain SELECT of the visible messages, oldest first: nothing is locked, hidden or counted."""
+        t = self.messages
+        query = (select(t).where(t.c.queue == endpoint, t.c.visible_at_us <= to_us(utcnow()))
+                 .order_by(t.c.seq).limit(max_messages))
+        with self._errors(f"peek at queue {endpoint!r}"), self.engine.connect() as conn:
+            rows = conn.execute(query).all()
+        return [_received(r, receipt=None, receive_count=r.receive_count) for r in rows]
+
+    def release(self, endpoint: str, receipts: Iterable[Any]) -> int:
+        """Make received, unacked messages visible again now (as if their visibility timeout ended)."""
+        seqs = [int(r) for r in receipts]
+        if not seqs:
+            return 0
+        t = self.messages
+        with self._errors(f"release messages of queue {endpoint!r}"), self.engine.begin() as conn:
+            return conn.execute(update(t).where(t.c.queue == endpoint, t.c.seq.in_(seqs))
+                                .values(visible_at_us=to_us(utcnow()))).rowcount
 
     def ack(self, endpoint: str, receipts: Iterable[Any]) -> int:
         seqs = [int(r) for r in receipts]
@@ -205,3 +214,16 @@ class SqlTableTransport(SqlDatabase, Transport):
         with self._errors(f"read the depth of queue {endpoint!r}"), self.engine.connect() as conn:
             visible, in_flight = conn.execute(query).one()
         return {"visible": visible, "in_flight": in_flight}
+
+
+def _received(r: Any, receipt: Any, receive_count: int) -> ReceivedMessage:
+    return ReceivedMessage(
+        message_id=r.message_id,
+        destination=r.queue,
+        body=r.body,
+        headers=json.loads(r.headers),
+        receipt=receipt,
+        enqueued_at=from_us(r.enqueued_at_us),
+        due_at=None if r.due_at_us is None else from_us(r.due_at_us),
+        receive_count=receive_count,
+    )

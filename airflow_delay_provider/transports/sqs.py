@@ -21,7 +21,7 @@ import math
 import re
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -482,6 +482,76 @@ class SqsTransport(Transport):
             if body is not None:
                 received.append(_received(endpoint, m, body, receipt=f"{m['ReceiptHandle']}{RECEIPT_S3}{pointer}"))
         return received
+
+    can_peek = True
+
+    #: How long peek() hides what it received while it walks the queue; then they are made visible again.
+    PEEK_HIDE_SECONDS = 30
+
+    def peek(self, endpoint: str, max_messages: int = 10) -> list[ReceivedMessage]:
+        """Receive up to `max_messages` (hidden while peek walks the queue), then make them visible again
+        at once. SQS counts each receive (ApproximateReceiveCount), so a queue with a RedrivePolicy is
+        refused: peeking could move a message to its dead-letter queue. A large body is read from S3
+        (an empty body when it is gone, with `extra["body_missing"]`); nothing is deleted."""
+        url = self._url(self.queue_name(endpoint))
+        try:
+            attrs = self.client.get_queue_attributes(QueueUrl=url, AttributeNames=["RedrivePolicy"])
+        except (ClientError, BotoCoreError) as exc:
+            raise UnavailableError(f"could not read the attributes of SQS queue {endpoint!r}: {_aws_error(exc)}"
+                                   ) from None
+        if attrs.get("Attributes", {}).get("RedrivePolicy"):
+            raise NotImplementedError(
+                f"cannot peek at SQS queue {endpoint!r}: it has a RedrivePolicy, and every receive counts toward "
+                "its maxReceiveCount, so looking could move messages to its dead-letter queue")
+        seen: dict[str, ReceivedMessage] = {}
+        handles: list[str] = []
+        try:
+            while len(seen) < max_messages:
+                got = self.client.receive_message(
+                    QueueUrl=url, MaxNumberOfMessages=min(max_messages - len(seen), BATCH_SIZE),
+                    VisibilityTimeout=self.PEEK_HIDE_SECONDS, MessageAttributeNames=["All"],
+                    AttributeNames=["All"], WaitTimeSeconds=0,
+                ).get("Messages", [])
+                if not got:
+                    break
+                for m in got:
+                    handles.append(m["ReceiptHandle"])
+                    pointer = _attr(m, ATTR_BODY_S3)
+                    message = _received(endpoint, m, self._peek_body(pointer) if pointer else None)
+                    if pointer and not message.body:
+                        message.extra.update(body_missing=True, body_s3=pointer)
+                    seen.setdefault(m["MessageId"], replace(message, receipt=None))  # once, if the walk is slow
+        except (ClientError, BotoCoreError) as exc:
+            raise UnavailableError(f"could not peek at SQS queue {endpoint!r}: {_aws_error(exc)}") from None
+        finally:
+            self._show(url, handles)
+        return list(seen.values())
+
+    def _peek_body(self, pointer: str) -> bytes:
+        bucket, key = pointer.split("/", 1)
+        try:
+            return self.s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+        except (ClientError, BotoCoreError, AttributeError):
+            return b""  # gone (or no S3 client): the listing says so; nothing is deleted while peeking
+
+    def release(self, endpoint: str, receipts: Iterable[Any]) -> int:
+        """Make received, unacked messages visible again now (their visibility timeout set to 0)."""
+        url = self._url(self.queue_name(endpoint))
+        return self._show(url, [str(r).partition(RECEIPT_S3)[0] for r in receipts])
+
+    def _show(self, url: str, handles: list[str]) -> int:
+        """Set the visibility timeout of received messages to 0, in batches; returns how many were shown."""
+        shown = 0
+        for i in range(0, len(handles), BATCH_SIZE):
+            chunk = handles[i : i + BATCH_SIZE]
+            try:
+                result = self.client.change_message_visibility_batch(QueueUrl=url, Entries=[
+                    {"Id": str(n), "ReceiptHandle": h, "VisibilityTimeout": 0} for n, h in enumerate(chunk)])
+            except (ClientError, BotoCoreError) as exc:  # they come back when their visibility timeout ends
+                log.warning("could not make %d message(s) visible again: %s", len(chunk), _aws_error(exc))
+                continue
+            shown += len(result.get("Successful", []))
+        return shown
 
     def _large_body(self, url: str, m: dict, pointer: str) -> bytes | None:
         """The body from S3, or None when it is gone: the message is then deleted, not delivered."""

@@ -1,4 +1,8 @@
-"""One contract for every delayed-message store: the in-memory fake, SQLite and PostgreSQL."""
+"""One contract for every delayed-message store: the in-memory fake, SQLite and PostgreSQL.
+
+Claims, de-duplication and waiting; then operating the backlog: browse, counts, cancel, reschedule, run
+now, pause/resume and purge. What only the SQL store has (bulk-sweep leases, pumps racing actions on
+PostgreSQL) is in tests/integration/test_backlog.py."""
 
 from __future__ import annotations
 
@@ -8,9 +12,12 @@ from datetime import timedelta
 
 import pytest
 
+from airflow_delay_provider.core.backlog import Selector, new_due_time
 from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.errors import InvalidInputError, UnknownDestinationError
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.testing import InMemoryStore
+from tests.helpers import orders, spread_backlog
 
 
 @pytest.fixture(params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.services)])
@@ -100,3 +107,145 @@ def test_a_sooner_message_wakes_a_waiting_store(store):
     store.store([msg(1, -1)])
     # Woken by the store (PostgreSQL's NOTIFY, the fake's condition) or by its short poll (SQLite).
     assert woke.wait(5.0)
+
+
+# -- operating the backlog ------------------------------------------------------------------------------
+def _ids(messages):
+    return [m["message_id"] for m in messages]
+
+
+def test_browse_pages_in_due_order_with_filters_and_claims_nothing(store):
+    orders(store, 7, body=b"a" * 500)
+    orders(store, 3, destination="refunds", due_in=-5)
+    everything = Selector.build(allow_everything=True)
+    first = store.browse(everything, limit=4)
+    second = store.browse(everything, limit=4, after=first["next"])
+    third = store.browse(everything, limit=4, after=second["next"])
+    assert _ids(first["messages"]) == ["refunds-0", "refunds-1", "refunds-2", "orders-0"]
+    assert _ids(second["messages"]) == [f"orders-{i}" for i in range(1, 5)]
+    assert _ids(third["messages"]) == ["orders-5", "orders-6"] and third["next"] is None
+    shown = first["messages"][3]
+    assert shown["body_bytes"] == 500 and shown["body_truncated"] and len(shown["body"]) == 200
+    assert shown["headers"] == {"order-id": "0"} and not shown["in_flight"] and not shown["paused"]
+    assert "body" not in store.browse(everything, body_bytes=None)["messages"][0]
+
+    by_header = store.browse(Selector.build(headers={"order-id": "1"}))
+    assert _ids(by_header["messages"]) == ["refunds-1", "orders-1"]
+    assert _ids(store.browse(Selector.build(destination="refunds", headers={"order-id": "2"}))["messages"]) == [
+        "refunds-2"]
+    window = Selector.build(destination="orders", due_from=utcnow() + timedelta(seconds=3601.5),
+                            due_before=utcnow() + timedelta(seconds=3604.5))
+    assert _ids(store.browse(window)["messages"]) == ["orders-2", "orders-3", "orders-4"]
+    # Reading claimed nothing: the due messages are all still there for a pump.
+    with store.claim_due(utcnow(), 100) as claim:
+        assert sorted(m.message_id for m in claim.messages) == ["refunds-0", "refunds-1", "refunds-2"]
+    with pytest.raises(InvalidInputError, match="cursor"):
+        store.browse(everything, after="nonsense")
+
+
+def test_backlog_counts_buckets_and_pauses(store):
+    spread_backlog(store)
+    report = store.backlog()
+    ordered, refunds = report["destinations"]["orders"], report["destinations"]["refunds"]
+    assert ordered["histogram"] == {"due": 2, "next_minute": 1, "next_hour": 1, "next_day": 1, "later": 2}
+    assert ordered["scheduled"] == 7 and ordered["due"] == 2 and not ordered["paused"]
+    assert refunds["paused"] and refunds["due"] == 2
+    assert report["totals"] == {"scheduled": 9, "due": 4, "in_flight": 0, "paused_due": 2}
+
+
+def test_cancel_by_ids_reports_each_and_is_idempotent(store):
+    orders(store, 5)
+    result = store.cancel(Selector.build(message_ids=["orders-1", "orders-3", "never-sent"]))
+    assert sorted(result["cancelled"]) == ["orders-1", "orders-3"]
+    assert result["unknown"] == ["never-sent"] and result["gone"] == []
+    again = store.cancel(Selector.build(message_ids=["orders-1"]))
+    assert again["cancelled"] == [] and again["gone"] == ["orders-1"]
+    assert sorted(m.message_id for m in [store.get(f"orders-{i}") for i in range(5)] if m) == [
+        "orders-0", "orders-2", "orders-4"]
+    # A cancelled id stays accepted: sending it again stores nothing (a retried send task cannot revive it).
+    orders(store, 2)
+    assert store.get("orders-1") is None
+
+
+def test_cancel_by_header_and_destination(store):
+    orders(store, 4)
+    orders(store, 4, destination="refunds")
+    by_header = store.cancel(Selector.build(headers={"order-id": "2"}))
+    assert sorted(by_header["cancelled"]) == ["orders-2", "refunds-2"] and by_header["counts"]["cancelled"] == 2
+    whole = store.cancel(Selector.build(destination="refunds"))
+    assert whole["counts"]["cancelled"] == 3 and store.count_scheduled() == {"orders": 3}
+
+
+@pytest.mark.parametrize("selector", [{}, {"message_ids": []}, {"destination": ""}, {"headers": {}}])
+def test_an_empty_selector_is_refused(store, selector):
+    orders(store, 2)
+    with pytest.raises(InvalidInputError, match="would apply to every message"):
+        store.cancel(Selector.build(**selector))
+    assert sum(store.count_scheduled().values()) == 2
+
+
+def test_unknown_destinations_are_refused_by_name(store):
+    orders(store, 1)
+    with pytest.raises(UnknownDestinationError, match=r"unknown destination\(s\) \['ordres'\].*'orders'"):
+        store.cancel(Selector.build(destination="ordres"))
+    with pytest.raises(UnknownDestinationError):
+        store.set_paused(["ordres"], True)
+    with pytest.raises(UnknownDestinationError):
+        store.purge("ordres", dry_run=False)
+    store.register_destinations(["provisioned-only"])
+    assert store.set_paused(["provisioned-only"], True) == {"changed": ["provisioned-only"], "unchanged": []}
+
+
+def test_reschedule_later_and_run_now(store):
+    orders(store, 3)
+    later = new_due_time(store.clock(), delay_seconds=7200)
+    moved = store.reschedule(Selector.build(message_ids=["orders-0"]), later)
+    assert moved["rescheduled"] == ["orders-0"] and store.get("orders-0").due_at == later
+    now = store.reschedule(Selector.build(message_ids=["orders-1", "orders-9"]),
+                           new_due_time(store.clock(), delay_seconds=0))
+    assert now["rescheduled"] == ["orders-1"] and now["unknown"] == ["orders-9"]
+    with store.claim_due(utcnow(), 10) as claim:
+        assert [m.message_id for m in claim.messages] == ["orders-1"]
+    with pytest.raises(InvalidInputError, match="in the past"):
+        new_due_time(utcnow(), deliver_at=utcnow() - timedelta(minutes=5))
+    with pytest.raises(InvalidInputError, match="exactly one"):
+        new_due_time(utcnow())
+
+
+def test_pause_keeps_due_messages_stored_and_resume_releases_them(store):
+    orders(store, 3, due_in=-2)
+    orders(store, 2, destination="refunds", due_in=-2)
+    assert store.set_paused(["orders"], True)["changed"] == ["orders"]
+    assert store.set_paused(["orders"], True) == {"changed": [], "unchanged": ["orders"]}
+    assert store.next_due("orders") is None
+    with store.claim_due(utcnow(), 10) as claim:
+        assert sorted(m.message_id for m in claim.messages) == ["refunds-0", "refunds-1"]
+        claim.remove([m.message_id for m in claim.messages])
+    assert store.count_scheduled() == {"orders": 3}
+    store.set_paused(["orders"], False)
+    with store.claim_due(utcnow(), 10) as claim:
+        assert [m.message_id for m in claim.messages] == ["orders-0", "orders-1", "orders-2"]
+
+
+def test_purge_counts_first_then_removes_one_destination(store):
+    orders(store, 5)
+    orders(store, 2, destination="refunds")
+    assert store.purge("orders") == {"destination": "orders", "dry_run": True, "would_purge": 5, "in_flight": 0}
+    assert store.count_scheduled() == {"orders": 5, "refunds": 2}
+    assert store.purge("orders", dry_run=False)["purged"] == 5
+    assert store.count_scheduled() == {"refunds": 2}
+
+
+def test_a_repeated_reschedule_reports_the_message_rescheduled_and_an_empty_selector_changes_nothing(store):
+    from airflow_delay_provider.core.backlog import Selector
+    from airflow_delay_provider.core.errors import InvalidInputError
+
+    store.store([msg(1, 600), msg(2, 600)])
+    at = store.clock() + timedelta(hours=1)
+    assert store.reschedule(Selector.build(message_ids=["m-1"]), at)["rescheduled"] == ["m-1"]
+    again = store.reschedule(Selector.build(message_ids=["m-1"]), at)
+    assert again["rescheduled"] == ["m-1"] and again["gone"] == []
+    for action in (lambda: store.cancel(Selector()), lambda: store.reschedule(Selector(), at)):
+        with pytest.raises(InvalidInputError, match="would apply to every message"):
+            action()
+    assert store.count_scheduled() == {"orders": 2}

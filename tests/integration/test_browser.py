@@ -3,16 +3,9 @@ the manual send DAG's trigger form, filled in and submitted, and the message del
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import time
-import urllib.request
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 
@@ -20,88 +13,56 @@ from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.pump import Pump
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
 from airflow_delay_provider.transports.sql import SqlTableTransport
+from tests.browser_helpers import (
+    airflow_env,
+    airflow_process,
+    get_json,
+    launch_chromium,
+    require_chromium,
+    screenshot_path,
+)
 from tests.conftest import ROOT
 from tests.services import free_port
-
-CHROMIUM = "/usr/bin/chromium"
-#: Set DELAY_UPDATE_SCREENSHOT=1 to refresh the docs' picture of the form.
-DOCS_SCREENSHOT = ROOT / "docs" / "manual_send_form.png"
-
-
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=15) as response:
-        return json.load(response)
 
 
 @pytest.fixture(scope="module")
 def standalone(tmp_path_factory):
     """`airflow standalone` (scheduler, dag-processor, triggerer, api-server) on a free port, with
     only the manual send DAG, no login; yields (base URL, AIRFLOW_HOME)."""
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: apt-get install chromium (`make test` does)", pytrace=False)
+    require_chromium()
     home = tmp_path_factory.mktemp("standalone")
     dags = home / "dags"
     dags.mkdir()
     shutil.copy(ROOT / "dags" / "delay_manual_send.py", dags)
     port = free_port()
-    bin_dir = str(Path(sys.executable).parent)
-    env = {
-        **os.environ,
-        "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__API__HOST": "127.0.0.1",
-        "AIRFLOW__API__PORT": str(port),
-        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
-        "AIRFLOW__CORE__PARALLELISM": "4",
-        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
-        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
-    }
-    env.pop("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", None)  # its own SQLite database, not the tests'
-    env["AIRFLOW_CONN_DELAY_STORE_DEFAULT"] = json.dumps(
-        {"conn_type": "delay_store", "schema": str(home / "delay_store.db"), "extra": {"driver": "sqlite"}})
-    log = open(home / "standalone.log", "w")  # noqa: SIM115 - the server writes to it until the fixture ends
-    proc = subprocess.Popen([str(Path(bin_dir) / "airflow"), "standalone"], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    env = airflow_env(
+        home, port,
+        AIRFLOW__CORE__DAGS_FOLDER=str(dags),
+        AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS="True",
+        AIRFLOW__CORE__PARALLELISM="4",
+        AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION="False",
+        AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL="5",
+    )
     base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if any(d["dag_id"] == "delay_manual_send" for d in _get(base + "/api/v2/dags")["dags"]):
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None:
-                pytest.fail(f"airflow standalone exited: {(home / 'standalone.log').read_text()[-3000:]}",
-                            pytrace=False)
-            time.sleep(1)
-        else:
-            pytest.fail(f"airflow standalone did not come up: {(home / 'standalone.log').read_text()[-3000:]}",
-                        pytrace=False)
+
+    def ready() -> bool:
+        return any(d["dag_id"] == "delay_manual_send" for d in get_json(base + "/api/v2/dags")["dags"])
+
+    with airflow_process(["standalone"], env, home, ready):
         yield base, home
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
 
 
 def test_trigger_form_in_a_browser_sends_a_message_delivered_after_its_delay(standalone, tmp_path):
     from playwright.sync_api import sync_playwright
 
-    screenshot = DOCS_SCREENSHOT if os.environ.get("DELAY_UPDATE_SCREENSHOT") else tmp_path / "form.png"
+    screenshot = screenshot_path("manual_send_form.png", tmp_path)
     base, home = standalone
     url = f"sqlite:///{home / 'delay_store.db'}"  # the store of the standalone's delay_store_default
     queue = SqlTableTransport(url)
     queue.provision("browser.q")
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        browser = launch_chromium(p)
         page = browser.new_page(viewport={"width": 1300, "height": 1000})
         page.goto(f"{base}/dags/delay_manual_send", wait_until="networkidle")
         page.get_by_role("button", name="Trigger").first.click()
@@ -123,7 +84,7 @@ def test_trigger_form_in_a_browser_sends_a_message_delivered_after_its_delay(sta
     run = None
     while time.monotonic() < deadline:
         try:
-            runs = _get(f"{base}/api/v2/dags/delay_manual_send/dagRuns")["dag_runs"]
+            runs = get_json(f"{base}/api/v2/dags/delay_manual_send/dagRuns")["dag_runs"]
         except OSError:  # the api-server shares 2 cores with the whole of Airflow: ask again
             continue
         run = runs[0] if runs else None

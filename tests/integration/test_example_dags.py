@@ -104,13 +104,24 @@ def test_manual_send_form_accepts_good_values(airflow_home):
     assert values["transport"] == "rabbitmq" and values["delay_seconds"] == 30
 
 
-@pytest.mark.parametrize(("pay", "check", "status"), [(False, "cancelled", "cancelled"), (True, "left alone", "paid")])
-def test_order_timeout_cancels_only_unpaid_orders(run_dag, pay, check, status):
-    state, states, values = run_dag(load("delay_order_timeout"), {"timeout_seconds": 2, "pay": pay})
+def test_order_timeout_cancels_an_unpaid_order_when_the_check_arrives(run_dag):
+    state, states, values = run_dag(load("delay_order_timeout"), {"timeout_seconds": 2, "pay": False})
     assert state == "success", states
-    result = values["cancel_if_unpaid"]
-    assert (result["check"], result["status"]) == (check, status)
+    assert (values["cancel_if_unpaid"]["check"], values["cancel_if_unpaid"]["status"]) == ("cancelled", "cancelled")
     assert values["dispatch"]["dispatched"] >= 1
+    assert states["pay_order"] == states["cancel_check"] == "skipped"
+
+
+def test_order_timeout_takes_the_check_back_when_the_order_is_paid(run_dag):
+    from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+
+    state, states, values = run_dag(load("delay_order_timeout"), {"timeout_seconds": 60, "pay": True})
+    assert state == "success", states
+    check_id = values["schedule_check"]
+    assert values["cancel_check"]["cancelled"] == [check_id]
+    assert states["dispatch"] == states["cancel_if_unpaid"] == "skipped"
+    store = DelayStoreHook().get_store()
+    assert store.get(check_id) is None  # never to be delivered: nothing left to dispatch
 
 
 def test_manual_send_refuses_unknown_conf_keys_and_stores_nothing(run_dag):

@@ -118,7 +118,8 @@ def _exported_classes() -> dict[str, type]:
             for name in entry["python-modules"]:
                 module = importlib.import_module(name)
                 for attr, value in vars(module).items():
-                    if inspect.isclass(value) and value.__module__ == name and issubclass(value, BaseOperator):
+                    public = not attr.startswith("_") and inspect.isclass(value) and value.__module__ == name
+                    if public and issubclass(value, BaseOperator):
                         classes[attr] = value
     return classes
 

@@ -1,0 +1,74 @@
+"""The `airflow delayed-messages` command group, registered through the provider's `cli` entry.
+
+Every command acts through DelayStoreHook's backlog methods, as the operators and the UI page do,
+and prints its JSON report.
+"""
+
+from __future__ import annotations
+
+from airflow.cli.cli_config import ActionCommand, Arg, GroupCommand, lazy_load_command
+
+_COMMANDS = "airflow_delay_provider.cli.commands."
+
+ARG_CONN_ID = Arg(("--conn-id",), help="the delay_store connection (default: delay_store_default)",
+                  default="delay_store_default")
+ARG_TABLE = Arg(("--table",), help="the store's table (default: the connection's)")
+ARG_DB_SCHEMA = Arg(("--db-schema",), help="the store's PostgreSQL schema (default: the connection's)")
+ARG_IDS = Arg(("--id",), dest="message_ids", action="append", metavar="MESSAGE_ID",
+              help="a message id (repeat for several, or separate them with commas)")
+ARG_DESTINATION = Arg(("--destination",), help="only this destination's messages")
+ARG_HEADER = Arg(("--header",), dest="headers", action="append", metavar="KEY=VALUE",
+                 help="only messages with this header value (repeat: all must match)")
+ARG_DUE_FROM = Arg(("--due-from",), help="due at or after this ISO time (with offset)")
+ARG_DUE_BEFORE = Arg(("--due-before",), help="due before this ISO time (with offset)")
+ARG_LIMIT = Arg(("--limit",), type=int, default=50, help="messages per page (1..1000, default 50)")
+ARG_AFTER = Arg(("--after",), help="the `next` cursor printed by the previous page")
+ARG_NO_BODIES = Arg(("--no-bodies",), action="store_true", help="show body sizes only")
+ARG_DELIVER_AT = Arg(("--deliver-at",), help="the new due time, an ISO time with offset (not in the past)")
+ARG_DELAY = Arg(("--delay-seconds",), type=float, help="the new due time, seconds from now (0: run now)")
+ARG_DESTINATIONS = Arg(("destinations",), nargs="+", metavar="DESTINATION", help="the destinations")
+ARG_PURGE_DESTINATION = Arg(("destination",), help="the destination whose scheduled messages go")
+ARG_YES = Arg(("--yes",), action="store_true", help="really purge (without it: a dry run that only counts)")
+ARG_TRANSPORT = Arg(("--transport",), default="sql", help="the transport of the error queue: sql, rabbitmq or sqs")
+ARG_TRANSPORT_CONN = Arg(("--transport-conn-id",), help="the transport's connection (default: its kind's default)")
+ARG_ERROR_QUEUE = Arg(("--error-queue",), default="error", help="the error queue (default: error)")
+ARG_MAX_MESSAGES = Arg(("--max-messages",), type=int, help="redrive at most this many")
+ARG_RATE = Arg(("--max-per-second",), type=float, help="redrive at most this many per second")
+
+_STORE = (ARG_CONN_ID, ARG_TABLE, ARG_DB_SCHEMA)
+_SELECT = (ARG_IDS, ARG_DESTINATION, ARG_HEADER)
+
+COMMANDS = (
+    ActionCommand(name="backlog", help="Counts per destination: scheduled, due, in flight, paused, histogram",
+                  func=lazy_load_command(_COMMANDS + "backlog"), args=(*_STORE, ARG_DESTINATION)),
+    ActionCommand(name="browse", help="List scheduled messages, soonest due first, without claiming them",
+                  func=lazy_load_command(_COMMANDS + "browse"),
+                  args=(*_STORE, *_SELECT, ARG_DUE_FROM, ARG_DUE_BEFORE, ARG_LIMIT, ARG_AFTER, ARG_NO_BODIES)),
+    ActionCommand(name="cancel", help="Cancel scheduled messages (by --id, --header and/or --destination)",
+                  func=lazy_load_command(_COMMANDS + "cancel"), args=(*_STORE, *_SELECT)),
+    ActionCommand(name="reschedule", help="Move scheduled messages to --deliver-at or --delay-seconds from now",
+                  func=lazy_load_command(_COMMANDS + "reschedule"),
+                  args=(*_STORE, *_SELECT, ARG_DELIVER_AT, ARG_DELAY)),
+    ActionCommand(name="run-now", help="Make scheduled messages due now",
+                  func=lazy_load_command(_COMMANDS + "run_now"), args=(*_STORE, *_SELECT)),
+    ActionCommand(name="pause", help="Pause destinations: their messages stay stored until resumed",
+                  func=lazy_load_command(_COMMANDS + "pause"), args=(*_STORE, ARG_DESTINATIONS)),
+    ActionCommand(name="resume", help="Resume paused destinations",
+                  func=lazy_load_command(_COMMANDS + "resume"), args=(*_STORE, ARG_DESTINATIONS)),
+    ActionCommand(name="purge", help="Remove every scheduled message of a destination (a dry run without --yes)",
+                  func=lazy_load_command(_COMMANDS + "purge"), args=(*_STORE, ARG_PURGE_DESTINATION, ARG_YES)),
+    ActionCommand(name="dead-letters", help="List the error queue's messages with their failure details",
+                  func=lazy_load_command(_COMMANDS + "dead_letters"),
+                  args=(*_STORE, ARG_TRANSPORT, ARG_TRANSPORT_CONN, ARG_ERROR_QUEUE, ARG_IDS, ARG_DESTINATION,
+                        ARG_LIMIT)),
+    ActionCommand(name="redrive", help="Send dead letters back to their destinations through the store",
+                  func=lazy_load_command(_COMMANDS + "redrive"),
+                  args=(*_STORE, ARG_TRANSPORT, ARG_TRANSPORT_CONN, ARG_ERROR_QUEUE, ARG_IDS, ARG_DESTINATION,
+                        ARG_MAX_MESSAGES, ARG_RATE)),
+)
+
+
+def get_delay_cli_commands() -> list[GroupCommand]:
+    """The provider's `cli` entry: `airflow delayed-messages <command>`."""
+    return [GroupCommand(name="delayed-messages", help="Operate the backlog of delayed messages",
+                         subcommands=COMMANDS)]

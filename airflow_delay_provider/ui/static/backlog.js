@@ -1,0 +1,398 @@
+// The backlog page: counts, the due-time histogram (plain SVG) and the message list, from this app's JSON
+// endpoints. Everything shown goes into the page as text nodes (never as HTML), so message ids, headers
+// and bodies cannot inject markup. Actions are offered only to users who may edit; the server checks again.
+"use strict";
+
+(() => {
+  const BUCKETS = [
+    ["due", "Due now"], ["next_minute", "< 1 minute"], ["next_hour", "< 1 hour"], ["next_day", "< 1 day"],
+    ["later", "Later"],
+  ];
+  const REFRESH_MS = 15000;
+  const state = {
+    backlog: null, canEdit: false, chartDestination: null, query: {}, cursors: [], after: null, next: null,
+    page: [], selected: new Set(), busy: false,
+  };
+  const $ = (id) => document.getElementById(id);
+
+  /** An element with attributes, listeners (on*) and children (strings become text nodes). */
+  function el(tag, attrs, ...children) {
+    const node = document.createElement(tag);
+    for (const [key, value] of Object.entries(attrs || {})) {
+      if (value === undefined || value === null || value === false) continue;
+      if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
+      else if (key === "class") node.className = value;
+      else node.setAttribute(key, value === true ? "" : String(value));
+    }
+    for (const child of children.flat()) {
+      if (child !== undefined && child !== null && child !== false) node.append(child instanceof Node ? child : String(child));
+    }
+    return node;
+  }
+
+  function svg(tag, attrs, ...children) {
+    const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
+    for (const [key, value] of Object.entries(attrs || {})) node.setAttribute(key, String(value));
+    for (const child of children) node.append(child instanceof Node ? child : String(child));
+    return node;
+  }
+
+  async function api(path, body) {
+    const init = { credentials: "same-origin", headers: { Accept: "application/json" } };
+    if (body !== undefined) {
+      init.method = "POST";
+      init.headers["Content-Type"] = "application/json";
+      init.body = JSON.stringify(body);
+    }
+    const response = await fetch(path, init);
+    let data = null;
+    try { data = await response.json(); } catch (_) { /* not JSON */ }
+    if (!response.ok) {
+      let detail = data && data.detail !== undefined ? data.detail : response.statusText;
+      if (typeof detail !== "string") detail = JSON.stringify(detail);
+      if (response.status === 401) detail = "your Airflow session has ended: reload the page to log in again";
+      const error = new Error(`${response.status}: ${detail}`);
+      error.status = response.status;
+      throw error;
+    }
+    return data;
+  }
+
+  function say(text, kind) {
+    const status = $("status");
+    status.textContent = text;
+    status.className = kind || "";
+  }
+
+  const plural = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
+
+  function when(iso) {
+    const at = new Date(iso);
+    const text = at.toISOString().replace("T", " ").replace(/\.\d+Z$/, " UTC");
+    const seconds = Math.round((at.getTime() - Date.now()) / 1000);
+    const span = Math.abs(seconds);
+    const amount = span < 90 ? `${span} s` : span < 5400 ? `${Math.round(span / 60)} min`
+      : span < 129600 ? `${Math.round(span / 3600)} h` : `${Math.round(span / 86400)} d`;
+    return [text, seconds > 0 ? `in ${amount}` : `due ${amount} ago`];
+  }
+
+  // -- confirmation (window.confirm is blocked in the UI's sandboxed frame, so the page has its own) ------
+  function confirmAction(text, label) {
+    return new Promise((resolve) => {
+      const box = $("confirm"), yes = $("confirm-yes"), no = $("confirm-no");
+      const before = document.activeElement;
+      $("confirm-text").textContent = text;
+      yes.textContent = label;
+      box.hidden = false;
+      no.focus();
+      const onKey = (event) => { if (event.key === "Escape") done(false); };
+      function done(answer) {
+        box.hidden = true;
+        yes.onclick = no.onclick = null;
+        document.removeEventListener("keydown", onKey);
+        if (before && before.focus) before.focus();
+        resolve(answer);
+      }
+      yes.onclick = () => done(true);
+      no.onclick = () => done(false);
+      document.addEventListener("keydown", onKey);
+    });
+  }
+
+  async function act(work) {
+    if (state.busy) return;
+    state.busy = true;
+    document.body.setAttribute("aria-busy", "true");
+    try {
+      const message = await work();
+      if (message) say(message, "ok");
+      await Promise.all([loadBacklog(), loadMessages(state.after)]);
+    } catch (error) {
+      say(error.message, "error");
+    } finally {
+      state.busy = false;
+      document.body.removeAttribute("aria-busy");
+    }
+  }
+
+  // -- actions ------------------------------------------------------------------------------------------
+  function idList(ids) {
+    const shown = ids.slice(0, 5).join("\n");
+    return ids.length > 5 ? `${shown}\n… and ${ids.length - 5} more` : shown;
+  }
+
+  function cancel(ids) {
+    return act(async () => {
+      if (!await confirmAction(`Cancel ${plural(ids.length, "message")}? They will never be delivered.\n\n${idList(ids)}`,
+        "Cancel messages")) return null;
+      const report = await api("api/cancel", { message_ids: ids });
+      state.selected.clear();
+      return describe("Cancelled", report.counts.cancelled, report.counts);
+    });
+  }
+
+  function runNow(ids) {
+    return act(async () => {
+      if (!await confirmAction(`Deliver ${plural(ids.length, "message")} now instead of at the scheduled time?\n\n${idList(ids)}`,
+        "Run now")) return null;
+      const report = await api("api/run-now", { message_ids: ids });
+      state.selected.clear();
+      return describe("Made due now:", report.counts.rescheduled, report.counts);
+    });
+  }
+
+  function describe(done, count, counts) {
+    const notes = [];
+    if (counts.in_flight) notes.push(`${counts.in_flight} in flight (a sweep holds them: not changed)`);
+    if (counts.gone) notes.push(`${counts.gone} already gone (delivered or cancelled)`);
+    if (counts.unknown) notes.push(`${counts.unknown} unknown`);
+    return `${done} ${plural(count, "message")}${notes.length ? "; " + notes.join(", ") : ""}.`;
+  }
+
+  function pause(name) {
+    return act(async () => {
+      if (!await confirmAction(`Pause “${name}”? Its messages stay stored (due ones wait) until it is resumed; `
+        + "batches already claimed still finish.", "Pause")) return null;
+      await api("api/pause", { destinations: [name] });
+      return `Paused ${name}.`;
+    });
+  }
+
+  function resume(name, due) {
+    return act(async () => {
+      if (!await confirmAction(`Resume “${name}”? Its ${plural(due, "due message")} will be delivered, oldest first.`,
+        "Resume")) return null;
+      await api("api/resume", { destinations: [name] });
+      return `Resumed ${name}.`;
+    });
+  }
+
+  function purge(name) {
+    return act(async () => {
+      const dry = await api("api/purge", { destination: name, dry_run: true });
+      const held = dry.in_flight ? `\n${plural(dry.in_flight, "message")} in flight (held by a sweep) will stay.` : "";
+      if (!dry.would_purge) return `Nothing to purge in ${name}.${held}`;
+      if (!await confirmAction(`Purge ${plural(dry.would_purge, "scheduled message")} of “${name}”? They will never `
+        + `be delivered. This cannot be undone.${held}`, `Purge ${dry.would_purge}`)) return null;
+      const report = await api("api/purge", { destination: name, dry_run: false });
+      return `Purged ${plural(report.purged, "message")} of ${name}.`;
+    });
+  }
+
+  // -- the summary and the chart ---------------------------------------------------------------------------
+  async function loadBacklog() {
+    const backlog = await api("api/backlog");
+    state.backlog = backlog;
+    state.canEdit = backlog.can_edit;
+    $("who").textContent = `${backlog.user} · ${backlog.can_edit ? "may act" : "read only"} · store ${backlog.conn_id}`;
+    $("updated").textContent = `updated ${when(backlog.at)[0]}`;
+    renderDestinations();
+    renderChart();
+  }
+
+  function renderDestinations() {
+    const { destinations, totals, dead_letters: dl } = state.backlog;
+    const names = Object.keys(destinations);
+    const dead = dl && !dl.error ? dl.per_destination : null;  // null: not configured, or not countable
+    document.querySelector("#destinations th.dl-col").hidden = dead === null;
+    const note = $("dl-note");
+    note.hidden = !dl;
+    if (dl) {
+      note.textContent = dl.error
+        ? `Dead letters (error queue “${dl.error_queue}” on ${dl.transport}) cannot be counted: ${dl.error}`
+        : `Dead letters: error queue “${dl.error_queue}” on ${dl.transport}`
+          + (dl.more ? `, counted among the first ${dl.total} (there may be more).` : ".");
+    }
+    const rows = names.map((name) => {
+      const d = destinations[name];
+      const actions = state.canEdit ? el("div", { class: "actions" },
+        d.paused
+          ? el("button", { type: "button", onclick: () => resume(name, d.due) }, "Resume")
+          : el("button", { type: "button", onclick: () => pause(name) }, "Pause"),
+        el("button", { type: "button", class: "danger", onclick: () => purge(name) }, "Purge…")) : "";
+      return el("tr", { class: state.chartDestination === name ? "selected" : null, "data-destination": name },
+        el("td", {}, el("button", { type: "button", class: "link", title: "Show its messages and histogram",
+          onclick: () => showDestination(name) }, name)),
+        el("td", { class: "num" }, d.scheduled), el("td", { class: "num" }, d.due),
+        el("td", { class: "num" }, d.in_flight),
+        dead !== null && el("td", { class: "num" }, dead[name] || 0),
+        el("td", {}, el("span", { class: `badge ${d.paused ? "paused" : "active"}` }, d.paused ? "paused" : "active")),
+        state.canEdit && el("td", {}, actions));
+    });
+    if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 7, class: "empty" }, "No destinations yet.")));
+    document.querySelector("#destinations th.actions-col").hidden = !state.canEdit;
+    $("destinations").tBodies[0].replaceChildren(...rows);
+    const paused = names.filter((n) => destinations[n].paused).length;
+    $("destinations").tFoot.replaceChildren(el("tr", {},
+      el("td", {}, el("button", { type: "button", class: "link", onclick: () => showDestination(null) }, "All destinations")),
+      el("td", { class: "num" }, totals.scheduled), el("td", { class: "num" }, totals.due),
+      el("td", { class: "num" }, totals.in_flight),
+      dead !== null && el("td", { class: "num" }, `${dl.total}${dl.more ? "+" : ""}`),
+      el("td", {}, paused ? `${paused} paused` : ""),
+      state.canEdit && el("td", {})));
+    $("known-destinations").replaceChildren(...names.map((n) => el("option", { value: n })));
+  }
+
+  function renderChart() {
+    const { destinations } = state.backlog;
+    const name = state.chartDestination && destinations[state.chartDestination] ? state.chartDestination : null;
+    const counts = Object.fromEntries(BUCKETS.map(([key]) => [key, 0]));
+    for (const [dest, d] of Object.entries(destinations)) {
+      if (name === null || dest === name) for (const [key] of BUCKETS) counts[key] += d.histogram[key] || 0;
+    }
+    $("histogram-title").textContent = `When the scheduled messages of ${name === null ? "all destinations" : `“${name}”`} are due`;
+    const W = 520, H = 230, left = 48, right = 10, top = 22, bottom = 34;
+    const max = Math.max(1, ...Object.values(counts));
+    const step = niceStep(max / 4), top_value = Math.ceil(max / step) * step;
+    const y = (v) => top + (H - top - bottom) * (1 - v / top_value);
+    const band = (W - left - right) / BUCKETS.length;
+    const label = BUCKETS.map(([key, text]) => `${text}: ${counts[key]}`).join(", ");
+    const chart = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": `Messages by due time: ${label}` });
+    for (let v = 0; v <= top_value; v += step) {
+      chart.append(svg("line", { class: "grid", x1: left, x2: W - right, y1: y(v), y2: y(v) }),
+        svg("text", { x: left - 6, y: y(v) + 4, "text-anchor": "end" }, v.toLocaleString()));
+    }
+    BUCKETS.forEach(([key, text], i) => {
+      const x = left + i * band + band * 0.15, width = band * 0.7, value = counts[key];
+      const bar = svg("rect", { class: `bar ${key}`, x, width, y: y(value), height: Math.max(0, y(0) - y(value)),
+        "data-bucket": key, "data-count": value });
+      bar.append(svg("title", {}, `${text}: ${value}`));
+      chart.append(bar,
+        svg("text", { class: "value", x: x + width / 2, y: y(value) - 5, "text-anchor": "middle" }, value.toLocaleString()),
+        svg("text", { x: x + width / 2, y: H - bottom + 18, "text-anchor": "middle" }, text));
+    });
+    chart.append(svg("line", { class: "axis", x1: left, x2: W - right, y1: y(0), y2: y(0) }));
+    $("chart").replaceChildren(chart);
+  }
+
+  function niceStep(raw) {
+    if (raw <= 1) return 1;
+    const power = 10 ** Math.floor(Math.log10(raw));
+    for (const m of [1, 2, 5, 10]) if (raw <= m * power) return m * power;
+    return 10 * power;
+  }
+
+  function showDestination(name) {
+    state.chartDestination = name;
+    const form = $("search");
+    form.elements.destination.value = name || "";
+    renderDestinations();
+    renderChart();
+    search();
+  }
+
+  // -- the message list ----------------------------------------------------------------------------------
+  function search() {
+    const form = $("search").elements;
+    state.query = {
+      destination: form.destination.value.trim(), header: form.header.value.trim(),
+      message_id: form.message_id.value.trim(), limit: form.limit.value,
+    };
+    state.cursors = [];
+    state.selected.clear();
+    return loadMessages(null).catch((error) => say(error.message, "error"));
+  }
+
+  async function loadMessages(after) {
+    const params = new URLSearchParams();
+    for (const [key, value] of Object.entries(state.query)) if (value) params.append(key, value);
+    if (after) params.set("after", after);
+    const result = await api(`api/messages?${params}`);
+    state.after = after;
+    state.next = result.next;
+    state.page = result.messages;
+    state.canEdit = result.can_edit;
+    for (const id of [...state.selected]) if (!state.page.some((m) => m.message_id === id)) state.selected.delete(id);
+    renderMessages();
+  }
+
+  function renderMessages() {
+    const edit = state.canEdit;
+    const heads = [edit && "", "Message id", "Destination", "Due", "Headers", "Failures", "State",
+      edit ? "Body" : "Size", edit && "Actions"].filter((h) => h !== false);
+    const table = $("messages");
+    table.tHead.rows[0].replaceChildren(...heads.map((h, i) => el("th", { scope: "col", class: edit && i === 0 ? "pick" : null },
+      edit && i === 0 ? el("input", { type: "checkbox", "aria-label": "Select all on this page", onchange: selectAll,
+        checked: state.page.length > 0 && state.page.every((m) => state.selected.has(m.message_id)) }) : h)));
+    const rows = state.page.map((m) => {
+      const [at, relative] = when(m.due_at);
+      const headers = Object.entries(m.headers || {});
+      const size = el("span", { class: "size" }, plural(m.body_bytes, "byte"));
+      const cells = [
+        edit && el("td", { class: "pick" }, el("input", { type: "checkbox", "aria-label": `Select ${m.message_id}`,
+          checked: state.selected.has(m.message_id), disabled: m.in_flight,
+          onchange: (event) => select(m.message_id, event.target.checked) })),
+        el("td", { class: "id" }, m.message_id),
+        el("td", { class: "dest" }, m.destination),
+        el("td", { class: "due" }, at, el("span", { class: "rel" }, relative)),
+        el("td", { class: "hdrs" }, headers.length ? el("ul", { class: "headers" }, headers.map(([k, v]) => el("li", {}, `${k}=${v}`))) : ""),
+        el("td", { class: "num" }, m.failures),
+        el("td", {}, m.in_flight ? el("span", { class: "badge in-flight" }, "in flight")
+          : m.paused ? el("span", { class: "badge paused" }, "paused") : "scheduled"),
+        el("td", {}, edit && m.body !== undefined
+          ? [el("pre", { class: "body" }, m.body + (m.body_truncated ? "…" : "")), size] : size),
+        edit && el("td", {}, el("div", { class: "actions" },
+          el("button", { type: "button", disabled: m.in_flight, onclick: () => runNow([m.message_id]) }, "Run now"),
+          el("button", { type: "button", class: "danger", disabled: m.in_flight,
+            onclick: () => cancel([m.message_id]) }, "Cancel"))),
+      ].filter((c) => c !== false);
+      return el("tr", { "data-message-id": m.message_id }, cells);
+    });
+    if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: heads.length, class: "empty" },
+      state.after ? "No more messages." : "No scheduled messages match.")));
+    table.tBodies[0].replaceChildren(...rows);
+    const page = state.cursors.length + 1;
+    $("page-info").textContent = `Page ${page} · ${plural(state.page.length, "message")}`;
+    $("prev").disabled = $("first").disabled = page === 1;
+    $("next").disabled = !state.next;
+    renderBulk();
+  }
+
+  function select(id, on) {
+    if (on) state.selected.add(id); else state.selected.delete(id);
+    renderBulk();
+  }
+
+  function selectAll(event) {
+    for (const m of state.page) if (!m.in_flight) select(m.message_id, event.target.checked);
+    renderMessages();
+  }
+
+  function renderBulk() {
+    const n = state.selected.size;
+    $("bulk").hidden = !state.canEdit || n === 0;
+    $("selected-count").textContent = `${plural(n, "message")} selected`;
+  }
+
+  function page(direction) {
+    if (direction === "next" && state.next) {
+      state.cursors.push(state.after);
+      return loadMessages(state.next).catch((error) => say(error.message, "error"));
+    }
+    if (direction === "prev" && state.cursors.length) {
+      return loadMessages(state.cursors.pop()).catch((error) => say(error.message, "error"));
+    }
+    state.cursors = [];
+    return loadMessages(null).catch((error) => say(error.message, "error"));
+  }
+
+  function refresh() {
+    return Promise.all([loadBacklog(), loadMessages(state.after)]).catch((error) => say(error.message, "error"));
+  }
+
+  document.addEventListener("DOMContentLoaded", () => {
+    $("search").addEventListener("submit", (event) => { event.preventDefault(); search(); });
+    $("clear").addEventListener("click", () => { $("search").reset(); state.chartDestination = null; renderChart(); search(); });
+    $("refresh").addEventListener("click", refresh);
+    $("first").addEventListener("click", () => page("first"));
+    $("prev").addEventListener("click", () => page("prev"));
+    $("next").addEventListener("click", () => page("next"));
+    $("bulk-cancel").addEventListener("click", () => cancel([...state.selected]));
+    $("bulk-run-now").addEventListener("click", () => runNow([...state.selected]));
+    state.query = { limit: $("search").elements.limit.value };
+    refresh();
+    setInterval(() => {
+      if (!document.hidden && !state.busy && $("confirm").hidden) loadBacklog().catch((error) => say(error.message, "error"));
+    }, REFRESH_MS);
+  });
+})();

@@ -1,0 +1,100 @@
+"""What the real-browser tests share: Debian's chromium (driven by Playwright), an Airflow process of the
+test's own on a free port, and where a test's screenshot goes.
+
+Playwright's own browser download is unreachable, so the tests drive /usr/bin/chromium (`make test`
+installs it). Set DELAY_UPDATE_SCREENSHOT=1 to write the screenshots into docs/ instead of the test's
+temporary folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+CHROMIUM = "/usr/bin/chromium"
+BIN_DIR = Path(sys.executable).parent
+
+
+def require_chromium() -> None:
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install chromium (`make test` does)", pytrace=False)
+
+
+def launch_chromium(playwright):
+    """Headless Debian chromium."""
+    return playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=15) as response:
+        return json.load(response)
+
+
+def screenshot_path(name: str, tmp_path: Path) -> Path:
+    """docs/<name> when DELAY_UPDATE_SCREENSHOT is set, else a file in the test's temporary folder."""
+    return ROOT / "docs" / name if os.environ.get("DELAY_UPDATE_SCREENSHOT") else tmp_path / name
+
+
+def airflow_env(home: Path, port: int, **settings: str) -> dict[str, str]:
+    """The environment of an Airflow of its own: AIRFLOW_HOME `home` (its own SQLite metadata database, not
+    the tests'), the api-server on 127.0.0.1:`port`, no examples, and `delay_store_default` a SQLite store
+    at home/delay_store.db; `settings` are added (AIRFLOW__SECTION__KEY names)."""
+    env = {
+        **os.environ,
+        "PATH": str(BIN_DIR) + os.pathsep + os.environ.get("PATH", ""),
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__API__HOST": "127.0.0.1",
+        "AIRFLOW__API__PORT": str(port),
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
+        **settings,
+    }
+    env.pop("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", None)  # its own SQLite database, not the tests'
+    env["AIRFLOW_CONN_DELAY_STORE_DEFAULT"] = json.dumps(
+        {"conn_type": "delay_store", "schema": str(home / "delay_store.db"), "extra": {"driver": "sqlite"}})
+    return env
+
+
+@contextmanager
+def airflow_process(args: list[str], env: dict[str, str], home: Path, ready: Callable[[], bool],
+                    timeout: float = 180) -> Iterator[subprocess.Popen]:
+    """`airflow <args>` in a session of its own, logging to home/<args[0]>.log, until `ready()` (connection
+    errors count as not yet); stopped (SIGTERM, then SIGKILL) at the end."""
+    log_path = home / f"{args[0]}.log"
+    log = open(log_path, "w")  # noqa: SIM115 - the server writes to it until the block ends
+    proc = subprocess.Popen([str(BIN_DIR / "airflow"), *args], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    name = f"airflow {args[0]}"
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if ready():
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None:
+                pytest.fail(f"{name} exited: {log_path.read_text()[-3000:]}", pytrace=False)
+            time.sleep(1)
+        else:
+            pytest.fail(f"{name} did not come up: {log_path.read_text()[-3000:]}", pytrace=False)
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()

@@ -1,0 +1,131 @@
+"""The backlog controls from a DAG (the operators, templated from a send task's XCom) and from the
+`airflow delayed-messages` command line, on the real PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from airflow_delay_provider.core.errors import InvalidInputError
+from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
+from tests.conftest import PG_URL
+from tests.integration.test_airflow import _pg_conn
+
+START = datetime(2026, 1, 1)
+
+
+@pytest.fixture
+def pg_store(pg_schema, monkeypatch):
+    table = f"b_{uuid.uuid4().hex[:10]}"
+    conn_id = _pg_conn(monkeypatch, pg_schema, table, password="s3cr3t-pw")
+    store = SqlDelayedMessageStore(PG_URL, table=table, schema=pg_schema)
+    store.create_schema()
+    return conn_id, store
+
+
+def test_operators_cancel_reschedule_pause_and_purge_what_a_send_task_scheduled(run_dag, pg_store):
+    from airflow.sdk import DAG
+
+    from airflow_delay_provider.operators.backlog import (
+        CancelDelayedMessagesOperator,
+        PauseDestinationOperator,
+        PurgeDelayedMessagesOperator,
+        RescheduleDelayedMessagesOperator,
+        ResumeDestinationOperator,
+    )
+    from airflow_delay_provider.operators.send import SendDelayedMessageOperator
+
+    conn_id, store = pg_store
+    store_args = {"delay_store_conn_id": conn_id}
+    with DAG(f"backlog_ops_{uuid.uuid4().hex[:6]}", schedule=None, start_date=START) as dag:
+        send = SendDelayedMessageOperator(task_id="send", **store_args, messages=[
+            {"destination": "orders", "body": f"order {i}", "headers": {"order-id": str(i)}, "delay_seconds": 3600}
+            for i in range(4)])
+        cancel = CancelDelayedMessagesOperator(
+            task_id="cancel", **store_args, message_ids="{{ ti.xcom_pull(task_ids='send')[:2] }}")
+        cancel_again = CancelDelayedMessagesOperator(
+            task_id="cancel_again", **store_args, message_ids="{{ ti.xcom_pull(task_ids='send')[0] }}")
+        run_now = RescheduleDelayedMessagesOperator(task_id="run_now", **store_args, headers={"order-id": "2"},
+                                                    delay_seconds="{{ 0 }}")
+        pause = PauseDestinationOperator(task_id="pause", **store_args, destinations="orders")
+        resume = ResumeDestinationOperator(task_id="resume", **store_args, destinations=["orders"])
+        dry = PurgeDelayedMessagesOperator(task_id="dry", **store_args, destination="orders")
+        send >> cancel >> cancel_again >> run_now >> pause >> resume >> dry
+    state, states, values = run_dag(dag)
+    assert state == "success", states
+    ids = values["send"]
+    assert sorted(values["cancel"]["cancelled"]) == sorted(ids[:2])
+    assert values["cancel_again"]["gone"] == [ids[0]] and values["cancel_again"]["cancelled"] == []
+    assert values["run_now"]["rescheduled"] == [ids[2]]
+    assert values["pause"] == {"paused": True, "changed": ["orders"], "unchanged": []}
+    assert values["resume"]["changed"] == ["orders"]
+    assert values["dry"] == {"destination": "orders", "dry_run": True, "would_purge": 2, "in_flight": 0}
+    assert store.get(ids[2]).due_at <= store.clock()
+    assert store.get(ids[3]) is not None and store.get(ids[0]) is None
+
+
+def test_an_empty_or_unknown_selector_fails_at_parse_or_run_time(run_dag, pg_store):
+    from airflow.sdk import DAG
+
+    from airflow_delay_provider.operators.backlog import CancelDelayedMessagesOperator, PauseDestinationOperator
+
+    conn_id, store = pg_store
+    with pytest.raises(InvalidInputError, match="would apply to every message"):
+        CancelDelayedMessagesOperator(task_id="c", delay_store_conn_id=conn_id)
+    with pytest.raises(InvalidInputError, match="at least one destination"):
+        PauseDestinationOperator(task_id="p", delay_store_conn_id=conn_id, destinations=[])
+    store.store([])
+    with DAG(f"backlog_bad_{uuid.uuid4().hex[:6]}", schedule=None, start_date=START) as dag:
+        # The template renders to nothing (no such XCom): refused when the task runs, nothing cancelled.
+        CancelDelayedMessagesOperator(task_id="cancel", delay_store_conn_id=conn_id,
+                                      message_ids="{{ ti.xcom_pull(task_ids='missing') or '' }}")
+    state, states, _ = run_dag(dag)
+    assert states["cancel"] == "failed"
+
+
+def _cli(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).parent / "airflow"), "delayed-messages", *args],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_the_command_line_lists_cancels_pauses_and_purges_without_showing_the_password(
+        airflow_home, pg_store, monkeypatch):
+    conn_id, store = pg_store
+    from datetime import timedelta
+
+    from airflow_delay_provider.core.delays import utcnow
+    from airflow_delay_provider.core.message import DelayedMessage
+
+    store.store([DelayedMessage("orders", b"hello", utcnow() + timedelta(seconds=90 + i), {"order-id": str(i)},
+                                message_id=f"cli-{i}") for i in range(3)])
+    env = {**os.environ}
+    base = ("--conn-id", conn_id)
+    listed = _cli("browse", *base, "--destination", "orders", "--limit", "2", env=env)
+    assert listed.returncode == 0, listed.stderr
+    page = json.loads(listed.stdout)
+    assert [m["message_id"] for m in page["messages"]] == ["cli-0", "cli-1"] and page["next"]
+    counts = json.loads(_cli("backlog", *base, env=env).stdout)
+    assert counts["destinations"]["orders"]["histogram"]["next_hour"] == 3
+
+    cancelled = json.loads(_cli("cancel", *base, "--id", "cli-0,nope", env=env).stdout)
+    assert cancelled["cancelled"] == ["cli-0"] and cancelled["unknown"] == ["nope"]
+    by_header = json.loads(_cli("run-now", *base, "--header", "order-id=2", env=env).stdout)
+    assert by_header["rescheduled"] == ["cli-2"]
+    assert json.loads(_cli("pause", *base, "orders", env=env).stdout)["changed"] == ["orders"]
+    assert json.loads(_cli("purge", *base, "orders", env=env).stdout)["would_purge"] == 2
+    assert json.loads(_cli("purge", *base, "orders", "--yes", env=env).stdout)["purged"] == 2
+    assert store.count_scheduled() == {}
+
+    refused = _cli("cancel", *base, env=env)
+    assert refused.returncode == 1 and "would apply to every message" in refused.stderr
+    unknown = _cli("pause", *base, "ordres", env=env)
+    assert unknown.returncode == 1 and "unknown destination(s) ['ordres']" in unknown.stderr
+    for result in (listed, refused, unknown):
+        assert "s3cr3t-pw" not in result.stdout + result.stderr

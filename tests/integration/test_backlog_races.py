@@ -1,0 +1,98 @@
+"""Pausing and cancelling while pumps and a Spark sweep run, on the real PostgreSQL: a pause loses nothing
+and lets nothing of the paused destination through after its in-flight batches; a cancel never removes
+what a running sweep holds."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from datetime import timedelta
+
+from airflow_delay_provider.core.backlog import Selector
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.core.pump import Pump, PumpConfig
+from airflow_delay_provider.testing import InMemoryTransport
+from tests.helpers import drain, make_store, make_transport
+from tests.integration.test_spark import due_messages, spark_ready, specs, submit  # noqa: F401 - fixture
+
+
+class _Recording(InMemoryTransport):
+    """Remembers when each message was sent, and sends slowly enough for a pause to land mid-drain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent_at: dict[str, float] = {}
+
+    def send(self, messages, connection=None):
+        time.sleep(0.005)
+        result = super().send(messages)
+        self.sent_at.update((m.message_id, time.monotonic()) for m in messages if m.message_id not in result)
+        return result
+
+
+def test_a_pause_under_running_pumps_holds_the_rest_and_a_resume_delivers_it_once(pg):
+    store = make_store(*pg)
+    transport = _Recording()
+    for queue in ("orders", "refunds", "error"):
+        transport.provision(queue)
+    due = utcnow() - timedelta(seconds=1)
+    store.store([DelayedMessage(d, b"x", due, message_id=f"{d}-{i}") for d in ("orders", "refunds")
+                 for i in range(3000)])
+    def drain_with_pumps() -> list[threading.Thread]:
+        pumps = [Pump(make_store(*pg), transport, PumpConfig(batch_size=50)) for _ in range(2)]
+        threads = [threading.Thread(target=p.run, kwargs={"stop_when_idle": True}) for p in pumps]
+        for t in threads:
+            t.start()
+        return threads
+
+    threads = drain_with_pumps()
+    while sum(1 for m in transport.sent_at if m.startswith("orders")) < 500:
+        time.sleep(0.01)
+    store.set_paused(["orders"], True)
+    paused_at = time.monotonic()
+    for t in threads:  # they stop when nothing is left to claim: refunds drained, orders held
+        t.join(timeout=120)
+    held = store.count_scheduled().get("orders", 0)
+    after_pause = [m for m, at in transport.sent_at.items() if m.startswith("orders") and at > paused_at + 1.0]
+    assert after_pause == []  # only batches claimed before the pause finished (well within a second)
+    assert held > 0 and held + sum(1 for m in transport.sent_at if m.startswith("orders")) == 3000
+    assert store.count_scheduled().get("refunds") is None
+    assert store.backlog("orders")["totals"]["paused_due"] == held
+
+    store.set_paused(["orders"], False)
+    for t in drain_with_pumps():
+        t.join(timeout=120)
+    assert store.count_scheduled() == {}
+    delivered = Counter(m.message_id for q in ("orders", "refunds") for m in transport.receive(q, 10_000))
+    assert len(delivered) == 6000 and set(delivered.values()) == {1}
+
+
+def test_a_sweep_leaves_a_paused_destination_and_cancel_cannot_take_what_it_holds(spark_ready, pg):  # noqa: F811
+    url, schema, table = pg
+    store = make_store(*pg)
+    transport = make_transport(*pg, "orders", "refunds", "error")
+    store.store(due_messages(2000, "orders") + due_messages(500, "refunds", prefix="r"))
+    store.set_paused(["refunds"], True)
+    sql = {"kind": "sql", "url": url, "schema": schema, "table_prefix": f"{table}_"}
+    proc = submit(*specs(*pg, sql), "--due-before", (utcnow() + timedelta(minutes=1)).isoformat(),
+                  "--partitions", "2", "--batch-size", "50", wait=False)
+    try:
+        # Once the sweep has leased its window, a cancel of every message finds each either in flight
+        # (held, perhaps being sent) or gone (already delivered): it removes none of them.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None \
+                and not store.backlog("orders")["totals"]["in_flight"]:
+            time.sleep(0.02)
+        result = store.cancel(Selector.build(message_ids=[f"m-{i}" for i in range(2000)]))
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    assert result["counts"]["in_flight"] > 0, "the cancel never met the sweep's lease"
+    assert result["cancelled"] == [] and result["counts"]["in_flight"] + result["counts"]["gone"] == 2000
+    swept = Counter(m.message_id for m in drain(transport, "orders"))
+    assert len(swept) == 2000 and set(swept.values()) == {1}
+    assert store.count_scheduled() == {"refunds": 500} and drain(transport, "refunds") == []
