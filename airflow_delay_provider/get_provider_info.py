@@ -22,11 +22,13 @@ def get_provider_info() -> dict:
             "airflow_delay_provider.operators.provision", "airflow_delay_provider.operators.send",
             "airflow_delay_provider.operators.dispatch", "airflow_delay_provider.operators.migrate",
             "airflow_delay_provider.operators.sqs", "airflow_delay_provider.operators.sweep",
-            "airflow_delay_provider.operators.backlog", "airflow_delay_provider.operators.redrive"]}],
+            "airflow_delay_provider.operators.backlog", "airflow_delay_provider.operators.redrive",
+            "airflow_delay_provider.operators.schedule"]}],
         "sensors": [{"integration-name": INTEGRATION, "python-modules": [
             "airflow_delay_provider.sensors.delay_store"]}],
         "triggers": [{"integration-name": INTEGRATION, "python-modules": [
-            "airflow_delay_provider.triggers.delay_store", "airflow_delay_provider.triggers.sqs"]}],
+            "airflow_delay_provider.triggers.delay_store", "airflow_delay_provider.triggers.sqs",
+            "airflow_delay_provider.triggers.asset"]}],
         "cli": ["airflow_delay_provider.cli.definition.get_delay_cli_commands"],
         "plugins": [{"name": "delay_backlog", "plugin-class": "airflow_delay_provider.ui.plugin.DelayBacklogPlugin"}],
         "connection-types": [

@@ -6,8 +6,10 @@ path (deferrable: the pump runs in the triggerer), and measures, per path, how l
 after their due time: single messages due 2, 15, 90 and 300 s after sending, and a burst due at one
 instant. Paths: store -> SQL-table queue, store -> RabbitMQ, RabbitMQ's native delay levels (no Airflow
 involved: the broker's figure), store -> SQS (moto's server, which accepts only a few hundred messages
-a second, so its burst is smaller). Also: the seconds a worker slot is held per minute of waiting, and
-the same demo under `airflow dags test` (triggers in line, one process) for comparison.
+a second, so its burst is smaller), and delayed DAG runs: store -> asset watcher -> asset event -> DAG run,
+measured from the due time to the run being created (messages of one delay due 4 s apart, so each gets a
+run of its own). Also: the seconds a worker slot is held per minute of waiting, and the same demo under
+`airflow dags test` (triggers in line, one process) for comparison.
 
     python bench/bench_deployment.py            # all delays (about 7 minutes)
     python bench/bench_deployment.py --quick    # 2 s and 15 s only, smaller bursts
@@ -42,6 +44,7 @@ from airflow_delay_provider.transports.rabbitmq import RabbitMQTransport  # noqa
 from airflow_delay_provider.transports.sql import SqlTableTransport  # noqa: E402
 from airflow_delay_provider.transports.sqs import ATTR_MESSAGE_ID, SqsTransport  # noqa: E402
 from tests.deployment.rig import Deployment  # noqa: E402
+from tests.helpers import store_connection  # noqa: E402
 from tests.services import MotoServer  # noqa: E402
 
 PG_URL = os.environ.get("DELAY_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -62,6 +65,25 @@ with DAG(dag_id="bench_dispatch_{kind}", schedule=None, catchup=False,
                                 destination_prefix="{prefix}", transport="{transport}",
                                 transport_conn_id={conn!r})
 '''
+
+
+#: The target of delayed DAG runs: one run per due message of airflow.asset.delayed_dag_run.bench_dag_run.
+TARGET_DAG = '''
+import itertools
+from airflow.sdk import DAG, task
+from airflow_delay_provider.triggers.asset import dag_run_asset, message_payloads
+
+with DAG(dag_id="bench_dag_run", schedule=dag_run_asset("bench_dag_run"), catchup=False) as dag:
+    @task
+    def handle(triggering_asset_events=None):
+        return message_payloads(itertools.chain(*triggering_asset_events.values()))
+
+    handle()
+'''
+DAG_RUN_DEST = "airflow.asset.delayed_dag_run.bench_dag_run"
+DAG_RUN_LABEL = "store -> DAG run (asset event)"
+#: Delayed runs of one delay are due this far apart: each more than a scheduler loop after the last.
+DAG_RUN_STAGGER = 4
 
 
 def log(message: str) -> None:
@@ -156,6 +178,42 @@ class SlotWatch:
             last = now
 
 
+def dag_run_rows(airflow: Deployment, due: dict[str, datetime], delays, wait: float) -> tuple[list[dict], dict]:
+    """Lateness from a delayed run's due time to its DAG run being created (the run's queued_at) and to its
+    event being recorded (run_after: when the asset event queued the run), per delay."""
+    from tests.deployment.rig import parse_time
+
+    deadline = time.monotonic() + wait
+    runs: list[dict] = []
+    handled: dict[str, list[dict]] = {}
+    while True:
+        runs = [r for r in airflow.dag_runs("bench_dag_run", run_type="asset_triggered")
+                if r["state"] in ("success", "failed")]
+        handled = {}
+        for run in runs:
+            payloads = airflow.xcom("bench_dag_run", run["dag_run_id"], "handle") if run["state"] == "success" else []
+            for p in payloads or []:
+                handled.setdefault(p["message_id"], []).append(run)
+        if set(due) <= set(handled) or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    rows = []
+    for d in delays:
+        ids = [m for m in due if f"-d{d}-" in m]
+        created = [(parse_time(handled[m][0]["queued_at"]) - due[m]).total_seconds() for m in ids if m in handled]
+        recorded = [(parse_time(handled[m][0]["run_after"]) - due[m]).total_seconds() for m in ids if m in handled]
+        twice = sum(len(handled[m]) > 1 for m in ids if m in handled)
+        rows.append({"path": DAG_RUN_LABEL, "messages": f"due in {d} s", "n": len(ids), "delivered": len(created),
+                     "early": sum(x < 0 for x in created), "twice": twice,
+                     "first_ms": round(1000 * min(created), 1) if created else None,
+                     "p50_ms": round(1000 * statistics.median(created), 1) if created else None,
+                     "p99_ms": round(1000 * pct(created, 99), 1) if created else None,
+                     "max_ms": round(1000 * max(created), 1) if created else None,
+                     "event_recorded_p50_ms": round(1000 * statistics.median(recorded), 1) if recorded else None})
+    several = sum(1 for r in runs if sum(r in v for v in handled.values()) > 1)
+    return rows, {"runs": len(runs), "runs_with_several_messages": several}
+
+
 def dags_test_figure(tmp: Path) -> dict:
     """The demo under `airflow dags test` (triggers run in line): the figure `make demo` prints."""
     env = {**os.environ, "AIRFLOW_HOME": str(tmp / "dags-test")}
@@ -193,12 +251,8 @@ def main() -> None:
     sqs_client = boto3.client("sqs", endpoint_url=moto.url, region_name="us-east-1",
                               aws_access_key_id="testing", aws_secret_access_key="testing")
     sqs = SqsTransport(sqs_client)
-    login, rest = PG_URL.split("://", 1)[1].split("@")
-    hostport, database = rest.split("/")
-    host, port = hostport.split(":")
     connections = {
-        "delay_store_default": {"conn_type": "delay_store", "host": host, "port": int(port), "login": login,
-                                "schema": database, "extra": {"db_schema": schema}},
+        "delay_store_default": store_connection(PG_URL, schema),
         "rabbitmq_default": {"conn_type": "rabbitmq", "host": "127.0.0.1", "port": 5672, "login": "guest",
                              "password": "guest", "schema": vhost, "extra": {"prefix": "delay"}},
         "aws_default": {"conn_type": "aws", "login": "testing", "password": "testing",
@@ -209,6 +263,7 @@ def main() -> None:
     for kind, (prefix, transport, conn) in DISPATCHERS.items():
         (dags / f"bench_dispatch_{kind}.py").write_text(
             DAG_TEMPLATE.format(kind=kind, prefix=prefix, transport=transport, conn=conn))
+    (dags / "bench_dag_run.py").write_text(TARGET_DAG)
     destinations = {"sql": "bsql.q", "rabbitmq": "brmq.q", "native": "brmq.native", "sqs": "bsqs-q"}
     queues.provision(destinations["sql"])
     queues.provision("error")
@@ -218,7 +273,10 @@ def main() -> None:
     sqs.provision(destinations["sqs"])
     sqs.provision("error")
     total = max(delays) + 120
-    airflow = Deployment(tmp / "rig", dags, connections=connections)
+    # Unpausing the delayed-run target starts its watcher at the file's next parse: parse often.
+    airflow = Deployment(tmp / "rig", dags, connections=connections,
+                         env={"AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "5"})
+    dag_run_due: dict[str, datetime] = {}
     arrivals = Arrivals()
     due: dict[str, tuple[str, object]] = {}  # message id -> (path label, due time)
     results: dict = {"delays": list(delays), "bursts": burst_n}
@@ -231,7 +289,13 @@ def main() -> None:
             runs[kind] = airflow.trigger(f"bench_dispatch_{kind}", {"seconds": total + 60})
         for kind, run_id in runs.items():
             airflow.wait_trigger_assigned(f"bench_dispatch_{kind}", run_id, "dispatch", timeout=120)
-        log("dispatchers running in the triggerer")
+        airflow.unpause("bench_dag_run")
+        watch_deadline = time.monotonic() + 120
+        while not store.event_claims(DAG_RUN_DEST):
+            if time.monotonic() > watch_deadline:
+                raise RuntimeError("the delayed-run target's asset watcher did not start")
+            time.sleep(0.5)
+        log("dispatchers and the delayed-run watcher running in the triggerer")
         slots = SlotWatch(airflow, runs)
         threads = [
             threading.Thread(target=consume_sql, args=(queues, destinations["sql"], arrivals)),
@@ -267,7 +331,13 @@ def main() -> None:
             now = store.clock()
             send(path, [DelayedMessage(destination, BODY, now + timedelta(seconds=d), {}, f"{path}-d{d}-{i}")
                         for d in delays for i in range(args.per_delay)])
-        log(f"{len(due)} messages sent; waiting {max(delays)} s for the last due time")
+        now = store.clock()
+        runs_batch = [DelayedMessage(DAG_RUN_DEST, b'{"bench": true}', now + timedelta(seconds=d + DAG_RUN_STAGGER * i),
+                                     {}, f"dagrun-d{d}-{i}") for d in delays for i in range(args.per_delay)]
+        store.store(runs_batch)
+        dag_run_due.update({m.message_id: m.due_at for m in runs_batch})
+        log(f"{len(due)} messages and {len(runs_batch)} delayed runs sent; waiting {max(delays)} s for the last due "
+            "time")
         deadline = time.monotonic() + max(delays) + 120
         while time.monotonic() < deadline and len(arrivals.at) < len(due):
             time.sleep(1)
@@ -292,6 +362,11 @@ def main() -> None:
                              "p50_ms": round(1000 * statistics.median(late), 1) if late else None,
                              "p99_ms": round(1000 * pct(late, 99), 1) if late else None,
                              "max_ms": round(1000 * max(late), 1) if late else None})
+        log("delayed runs: waiting for the target's runs")
+        run_rows, run_summary = dag_run_rows(airflow, dag_run_due, delays,
+                                             wait=DAG_RUN_STAGGER * args.per_delay + 120)
+        rows += run_rows
+        results["dag_runs"] = run_summary
         results["rows"] = rows
     finally:
         arrivals.stop.set()
@@ -332,6 +407,11 @@ def report(r: dict) -> None:
     for row in r["rows"]:
         print(f"| {row['path']} | {row['messages']} | {row['delivered']}/{row['n']} | {row['early']} | "
               f"{row['twice']} | {row['first_ms']} | {row['p50_ms']} | {row['p99_ms']} | {row['max_ms']} |")
+    if r.get("dag_runs"):
+        late = {row["messages"]: row.get("event_recorded_p50_ms") for row in r["rows"] if row["path"] == DAG_RUN_LABEL}
+        print(f"\nDelayed DAG runs: {r['dag_runs']['runs']} runs, {r['dag_runs']['runs_with_several_messages']} "
+              f"carrying several messages; the rows' figures are due -> run created (queued); due -> event "
+              f"recorded (run_after), p50 ms: {late}")
     print(f"\nWorker slot held by a dispatcher: {r['worker_slot_seconds_per_minute']} s per minute of waiting "
           f"({100 * r['worker_slot_seconds_per_minute'] / 60:.1f}%)")
     d = r["dags_test"]

@@ -11,6 +11,16 @@ from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
 from airflow_delay_provider.transports.sql import SqlTableTransport
 
 
+def store_connection(url: str, db_schema: str, table: str | None = None) -> dict:
+    """A `delay_store` connection (as AIRFLOW_CONN_* JSON takes it) to `db_schema` of the PostgreSQL at `url`."""
+    from sqlalchemy.engine import make_url
+
+    parts = make_url(url)
+    extra = {"db_schema": db_schema, **({"table": table} if table else {})}
+    return {"conn_type": "delay_store", "host": parts.host, "port": parts.port or 5432, "login": parts.username,
+            "schema": parts.database, "extra": extra}
+
+
 def make_store(url, schema, table) -> SqlDelayedMessageStore:
     store = SqlDelayedMessageStore(url, table=table, schema=schema)
     store.create_schema()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from functools import partial
@@ -182,3 +183,29 @@ def build_batch(
 def destinations_of(items: list[dict[str, Any]], defaults: Mapping[str, Any]) -> set[str]:
     """The destination names a send request mentions (before they are checked)."""
     return {d for i in items if isinstance(d := {**defaults, **i}.get("destination"), str)}
+
+
+#: The largest conf (as JSON) a delayed DAG run carries: it becomes an asset event's extra in Airflow's database.
+MAX_CONF_BYTES = 64 * 1024
+
+
+def check_conf(conf: Any) -> dict[str, Any]:
+    """The run's conf: a dict (or its rendered JSON text) whose JSON is at most MAX_CONF_BYTES."""
+    if conf is None or conf == "":
+        return {}
+    if isinstance(conf, str):
+        try:
+            conf = json.loads(conf)
+        except ValueError:
+            raise InvalidInputError(f"conf must be a dict or JSON text of an object, got {conf[:80]!r}") from None
+    if not isinstance(conf, dict):
+        raise InvalidInputError(f"conf must be a dict (a JSON object), got {type(conf).__name__}")
+    try:
+        text = json.dumps(conf, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise InvalidInputError(f"conf must be JSON-serialisable (str, numbers, bools, None, lists and dicts with "
+                                f"str keys); {exc}") from None
+    if len(text.encode()) > MAX_CONF_BYTES:
+        raise InvalidInputError(f"conf takes {len(text.encode())} bytes as JSON; at most {MAX_CONF_BYTES} are allowed "
+                                "(it is stored in Airflow's metadata database): pass a reference instead")
+    return conf

@@ -54,7 +54,9 @@ class SweepLeases:
                 status="running", started_at_us=now_us,
             ))
         # A paused destination's rows stay stored: the sweep leaves them, as the pump does.
-        window = [t.c.due_at_us <= now_us, t.c.due_at_us < to_us(due_before), self._not_paused()]
+        # Event destinations are handed to Airflow by their asset watchers, not swept.
+        window = [t.c.due_at_us <= now_us, t.c.due_at_us < to_us(due_before), self._not_paused(),
+                  self._dispatchable()]
         if due_from is not None:
             window.append(t.c.due_at_us >= to_us(due_from))
         expired = select(s.c.claim_id).where(s.c.lease_until_us < now_us)

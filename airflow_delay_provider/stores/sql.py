@@ -46,6 +46,7 @@ from airflow_delay_provider.stores.engine import (
     engine_url,
     safe_url,
 )
+from airflow_delay_provider.stores.event_leases import EventLeases
 from airflow_delay_provider.stores.leases import LeasedRows, SweepLeases
 from airflow_delay_provider.stores.migrations import SchemaMigrations, versions_table
 from airflow_delay_provider.stores.tables import (
@@ -123,7 +124,7 @@ class _SqlClaim(Claim):
 
 
 class SqlDelayedMessageStore(
-    BacklogControls, SchemaMigrations, SweepLeases, DestinationSettings, SqlDatabase, DelayedMessageStore
+    BacklogControls, SchemaMigrations, SweepLeases, EventLeases, DestinationSettings, SqlDatabase, DelayedMessageStore
 ):
     """Delayed messages in one table; claims lock rows (`FOR UPDATE SKIP LOCKED` on PostgreSQL)."""
 
@@ -345,7 +346,7 @@ class SqlDelayedMessageStore(
     ) -> Iterator[Claim]:
         t = self.table
         due = select(t.c.id).where(t.c.due_at_us <= to_us(now), self._unleased(to_us(now)), self._not_paused(),
-                                   *self._scope)
+                                   self._dispatchable(), *self._scope)
         if due_before is not None:
             due = due.where(t.c.due_at_us < to_us(due_before))
         if exclude:
@@ -368,7 +369,7 @@ class SqlDelayedMessageStore(
     def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:
         t = self.table
         query = select(func.min(t.c.due_at_us)).where(self._unleased(to_us(self.clock())), self._not_paused(),
-                                                       *self._scope)
+                                                       self._dispatchable(), *self._scope)
         if destination is not None:
             query = query.where(t.c.destination == destination)
         if due_before is not None:

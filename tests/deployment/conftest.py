@@ -56,3 +56,14 @@ def deployment(postgres_server, tmp_path_factory) -> Callable[..., Deployment]:
             problems.append(f"database {rig.db_name} was not dropped")
     if problems:
         pytest.fail("; ".join(problems), pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def store(pg_schema):
+    """The store the deployment's `delay_store_default` connection points at (this run's PostgreSQL schema)."""
+    from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
+    from tests.conftest import PG_URL
+
+    store = SqlDelayedMessageStore(PG_URL, schema=pg_schema)
+    store.create_schema()
+    return store

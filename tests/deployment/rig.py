@@ -840,6 +840,10 @@ class Deployment:
                 if isinstance(entry, dict):
                     lines.append(" ".join(str(entry.get(k)) for k in ("timestamp", "level", "event")
                                           if entry.get(k) is not None))
+                    # A failed task's exception is structured beside its "Task failed" line.
+                    for error in entry.get("error_detail") or []:
+                        if isinstance(error, dict):
+                            lines.append(f"{error.get('exc_type')}: {error.get('exc_value')}")
                 else:
                     lines.append(str(entry))
             return "\n".join(lines)

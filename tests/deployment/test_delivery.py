@@ -13,9 +13,9 @@ import pytest
 
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.message import DelayedMessage
-from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
 from airflow_delay_provider.transports.sql import SqlTableTransport
 from tests.conftest import PG_URL, ROOT, _rabbitmqctl
+from tests.helpers import store_connection
 
 EXAMPLE_RUNS = {  # a manual run of each example DAG, as a user would trigger it
     "demo_delayed_delivery": {"count": 40, "max_delay": 3},
@@ -35,12 +35,8 @@ def services(pg_schema, moto_server, rabbit_available):
     vhost = f"adp_dep_{uuid.uuid4().hex[:8]}"
     _rabbitmqctl("add_vhost", vhost)
     _rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
-    login, rest = PG_URL.split("://", 1)[1].split("@")
-    hostport, database = rest.split("/")
-    host, port = hostport.split(":")
     yield {
-        "delay_store_default": {"conn_type": "delay_store", "host": host, "port": int(port), "login": login,
-                                "schema": database, "extra": {"db_schema": pg_schema}},
+        "delay_store_default": store_connection(PG_URL, pg_schema),
         "rabbitmq_default": {"conn_type": "rabbitmq", "host": "127.0.0.1", "port": 5672, "login": "guest",
                              "password": "guest", "schema": vhost},
         "aws_default": {"conn_type": "aws", "login": "testing", "password": "testing",
@@ -53,13 +49,6 @@ def services(pg_schema, moto_server, rabbit_available):
 @pytest.fixture(scope="module")
 def airflow(deployment, services):
     return deployment(ROOT / "dags", connections=services, env={"SPARK_LOCAL_IP": "127.0.0.1"})
-
-
-@pytest.fixture(scope="module")
-def store(pg_schema):
-    store = SqlDelayedMessageStore(PG_URL, schema=pg_schema)
-    store.create_schema()
-    return store
 
 
 @pytest.fixture(scope="module")

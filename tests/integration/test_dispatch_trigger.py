@@ -16,7 +16,7 @@ from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.pump import Pump
 from airflow_delay_provider.triggers.delay_store import DispatchTrigger
 from tests.conftest import PG_URL
-from tests.helpers import collect, make_store, make_transport, messages
+from tests.helpers import collect, make_store, make_transport, messages, store_connection
 
 
 @pytest.fixture
@@ -24,12 +24,7 @@ def store_conn(pg, monkeypatch):
     """A `delay_store` connection to this test's table on PostgreSQL, its store and the SQL-table transport."""
     url, schema, table = pg
     conn_id = f"store_{uuid.uuid4().hex[:8]}"
-    login, rest = PG_URL.split("://", 1)[1].split("@")
-    hostport, database = rest.split("/")
-    host, port = hostport.split(":")
-    monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps({
-        "conn_type": "delay_store", "host": host, "port": int(port), "login": login, "schema": database,
-        "extra": {"db_schema": schema, "table": table}}))
+    monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(store_connection(PG_URL, schema, table)))
     store = make_store(url, schema, table)
     # The transport's default table prefix, shared by the run's tests: a queue name of this test's own.
     name = f"q{uuid.uuid4().hex[:8]}"

@@ -26,7 +26,8 @@ def form(conf: dict) -> dict:
 
 
 EXAMPLE_DAGS = {"demo_delayed_delivery", "delay_manual_send", "delay_scheduled_sweep", "delay_continuous_dispatch",
-                "delay_sqs_relay", "delay_order_timeout", "delay_provision_all", "spark_bulk_sweep"}
+                "delay_sqs_relay", "delay_order_timeout", "delay_provision_all", "spark_bulk_sweep",
+                "delay_dag_run_scheduler", "delay_dag_run_target"}
 
 
 def _bag():
