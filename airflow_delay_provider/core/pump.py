@@ -48,6 +48,10 @@ MAX_HELD_BACKOFF_SECONDS = 1.0
 @dataclass
 class PumpConfig:
     batch_size: int = 1000
+    #: The first claim after the pump wakes (or starts) takes this many messages, and each next one twice as
+    #: many up to batch_size: the head of a burst is delivered within milliseconds of its due time instead
+    #: of after a whole batch has been claimed, sent and committed; a backlog still moves in full batches.
+    first_batch_size: int = 16
     number_of_retries: int = 0
     error_queue: str = "error"
     #: Longest sleep while idle; a sooner message wakes the pump earlier where the store can tell.
@@ -64,6 +68,9 @@ class PumpConfig:
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) \
                 or not 1 <= self.batch_size <= 10_000:
             raise InvalidInputError(f"batch_size must be an int in 1..10000, got {self.batch_size!r}")
+        if isinstance(self.first_batch_size, bool) or not isinstance(self.first_batch_size, int) \
+                or self.first_batch_size < 1:
+            raise InvalidInputError(f"first_batch_size must be an int >= 1, got {self.first_batch_size!r}")
         if isinstance(self.number_of_retries, bool) or not isinstance(self.number_of_retries, int) \
                 or not 0 <= self.number_of_retries <= 100:
             raise InvalidInputError(f"number_of_retries must be an int in 0..100, got {self.number_of_retries!r}")
@@ -394,6 +401,8 @@ class Pump:
         started = time.monotonic()
         last_report = started
         held_backoff = MIN_HELD_BACKOFF_SECONDS
+        first = min(self.config.first_batch_size, self.config.batch_size)
+        ramp = first
         while True:
             now = self._clock()
             in_flight = len(self._inflight.messages) if self._inflight else 0
@@ -404,12 +413,12 @@ class Pump:
             if max_messages is not None and handled >= max_messages:
                 self._settle_inflight(stats)
                 return PumpResult(stats, "max_messages", self._next_due(due_before))
-            limit = (self.config.batch_size if max_messages is None
-                     else min(self.config.batch_size, max_messages - handled))
+            limit = ramp if max_messages is None else min(ramp, max_messages - handled)
             batch = self._step(limit, due_before)
             if batch is None:  # the store failed; the fetch breaker has waited
                 continue
             stats.merge(batch)
+            ramp = min(2 * ramp, self.config.batch_size)
             if time.monotonic() - last_report >= self.config.progress_interval_seconds:
                 last_report = time.monotonic()
                 self._report(stats, started, due_before)
@@ -433,6 +442,7 @@ class Pump:
                 # throttle): look again soon, backing off while they stay held, without spinning.
                 self.store.wait(now + timedelta(seconds=held_backoff))
                 held_backoff = min(held_backoff * 2, MAX_HELD_BACKOFF_SECONDS)
+                ramp = first
                 continue
             held_backoff = MIN_HELD_BACKOFF_SECONDS
             target = now + timedelta(seconds=self.config.max_idle_seconds)
@@ -445,6 +455,7 @@ class Pump:
             if deadline is not None:
                 target = min(target, deadline)
             self.store.wait(target)
+            ramp = first
 
     def _settle_inflight(self, stats: PumpStats) -> None:
         if self._inflight is not None:

@@ -22,6 +22,7 @@ import logging
 import re
 import shlex
 import ssl
+import struct
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -30,7 +31,17 @@ from datetime import datetime
 from typing import Any
 
 import pika
-from pika.exceptions import AMQPConnectionError, AMQPError, ChannelClosedByBroker, NackError, UnroutableError
+import pika.data
+import pika.frame
+import pika.spec
+from pika.exceptions import (
+    AMQPConnectionError,
+    AMQPError,
+    ChannelClosedByBroker,
+    ChannelWrongStateError,
+    NackError,
+    UnroutableError,
+)
 
 from airflow_delay_provider.core.delays import seconds_until, utcnow, whole_seconds
 from airflow_delay_provider.core.errors import (
@@ -571,13 +582,12 @@ class RabbitMQTransport(Transport):
         headers = {**m.headers, HEADER_DUE_AT: m.due_at.isoformat()}
         if delay:
             headers[DELAY_HEADER] = delay
-        properties = pika.BasicProperties(message_id=m.message_id, headers=headers, delivery_mode=2)
         if delay == 0:
             # Due now: straight to the queue through the default exchange; `mandatory` makes a
             # missing queue come back as a return, so the pump can dead-letter it at once.
-            return Publication(m.message_id, "", m.destination, m.body, properties)
+            return Publication(m.message_id, "", m.destination, m.body, headers)
         key = routing_key(delay, m.destination, self.names.levels)
-        return Publication(m.message_id, self.names.level(first_level(delay)), key, m.body, properties)
+        return Publication(m.message_id, self.names.level(first_level(delay)), key, m.body, headers)
 
     # -- receiving ----------------------------------------------------------------------------------
     def receive(self, endpoint: str, max_messages: int = 10, visibility_timeout: float = 30.0) -> list[ReceivedMessage]:
@@ -781,11 +791,49 @@ def _describe(exc: BaseException) -> str:
 # -- publishing with windowed confirms ----------------------------------------------------------
 @dataclass
 class Publication:
+    """A message as published: persistent, with its id and headers as properties."""
+
     message_id: str
     exchange: str
     routing_key: str
     body: bytes
-    properties: pika.BasicProperties
+    headers: dict[str, Any]
+
+
+#: The properties every publication has, in the order AMQP 0-9-1 encodes them: headers, delivery_mode, message_id.
+_PROPERTY_FLAGS = pika.spec.BasicProperties.FLAG_HEADERS | pika.spec.BasicProperties.FLAG_DELIVERY_MODE \
+    | pika.spec.BasicProperties.FLAG_MESSAGE_ID
+_PERSISTENT = struct.pack("B", 2)
+
+
+def header_frame(channel: int, p: Publication) -> bytes:
+    """The content header frame `pika.frame.Header(channel, len(body), BasicProperties(message_id=..., headers=...,
+    delivery_mode=2)).marshal()` gives, without building BasicProperties or checking the fields it does not use:
+    a third of a publish's encoding time. Values are encoded by pika's own table and string encoders."""
+    pieces = [struct.pack(">HxxQH", pika.spec.BasicProperties.INDEX, len(p.body), _PROPERTY_FLAGS)]
+    _encode_table(pieces, p.headers)
+    pieces.append(_PERSISTENT)
+    pika.data.encode_short_string(pieces, p.message_id)
+    payload = b"".join(pieces)
+    return struct.pack(">BHI", pika.spec.FRAME_HEADER, channel, len(payload)) + payload + _FRAME_END
+
+
+_FRAME_END = bytes((pika.spec.FRAME_END,))
+
+
+def _encode_table(pieces: list[bytes], table: dict[str, Any]) -> None:
+    """pika.data.encode_table, with the common case (text values, short keys) encoded in one pass."""
+    parts = []
+    for key, value in table.items():
+        name = key.encode()
+        if type(value) is not str or len(name) > 255:  # anything else: pika's encoder (and its errors)
+            pika.data.encode_table(pieces, table)
+            return
+        text = value.encode()
+        parts.append(b"%c%bS%b%b" % (len(name), name, len(text).to_bytes(4, "big"), text))
+    encoded = b"".join(parts)
+    pieces.append(len(encoded).to_bytes(4, "big"))
+    pieces.append(encoded)
 
 
 class PublishNacked(UnavailableError):
@@ -823,6 +871,7 @@ class ConfirmingPublisher:
         self._pending: deque[tuple[_Batch, Publication]] = deque()
         self._returned: dict[str, Exception] = {}
         self._renewing = False  # nacked: publish nothing more on this channel, replace it when settled
+        self._method_frames: dict[tuple[int, str, str], bytes] = {}
         self._until = lambda: True
         self._last_io = time.monotonic()
         self._connection = pika.SelectConnection(
@@ -922,11 +971,38 @@ class ConfirmingPublisher:
         )
 
     def _fill(self) -> None:
+        frames: list[bytes] = []
         while self._ready and not self._renewing and self._pending and len(self._outstanding) < self.window:
+            if not frames and not self._channel.is_open:
+                raise ChannelWrongStateError("the publishing channel is closed")
             batch, p = self._pending.popleft()
             self._tag += 1
             self._outstanding[self._tag] = (batch, p.message_id)
-            self._channel.basic_publish(p.exchange, p.routing_key, p.body, p.properties, mandatory=True)
+            self._marshal(p, frames)
+        if frames:
+            self._write(frames)
+
+    # What channel.basic_publish does per message, with the frames of the whole window written at once:
+    # pika writes each frame to the socket on its own (three sends per message), which costs more than
+    # encoding it. The Basic.Publish frame of an exchange and routing key is encoded once and reused.
+    def _marshal(self, p: Publication, out: list[bytes]) -> None:
+        number = self._channel.channel_number
+        method = self._method_frames.get((number, p.exchange, p.routing_key))
+        if method is None:
+            if len(self._method_frames) > 10_000:
+                self._method_frames.clear()
+            method = pika.frame.Method(number, pika.spec.Basic.Publish(
+                exchange=p.exchange, routing_key=p.routing_key, mandatory=True)).marshal()
+            self._method_frames[(number, p.exchange, p.routing_key)] = method
+        out.append(method)
+        body = p.body
+        out.append(header_frame(number, p))
+        chunk = self._connection._body_max_length
+        for start in range(0, len(body), chunk):
+            out.append(pika.frame.Body(number, body[start:start + chunk]).marshal())
+
+    def _write(self, frames: list[bytes]) -> None:
+        self._connection._output_marshaled_frames([b"".join(frames)])
 
     def start(self, publications: Sequence[Publication]) -> _Batch:
         """Queue a batch for publishing and push out what the window allows; returns at once."""

@@ -56,6 +56,31 @@ def test_each_due_message_is_delivered_once_and_leaves_the_store():
     assert store.count_scheduled() == {}
 
 
+class Sizes(InMemoryTransport):
+    """Records the size of each batch sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def send(self, messages, connection=None):
+        self.sizes.append(len(messages))
+        return super().send(messages, connection)
+
+
+def test_batches_start_small_after_a_wake_and_grow_to_the_batch_size():
+    transport = Sizes()
+    store = setup(transport, 700)
+    Pump(store, transport, PumpConfig(batch_size=200, first_batch_size=10)).run(stop_when_idle=True)
+    assert transport.sizes == [10, 20, 40, 80, 160, 200, 190]  # the head of a burst goes out at once
+    # A burst due while the pump sleeps: it wakes at the due time and starts small again.
+    transport.sizes.clear()
+    store.store([DelayedMessage("orders", b"x", utcnow() + timedelta(seconds=0.3), message_id=f"b-{i}")
+                 for i in range(100)])
+    result = Pump(store, transport, PumpConfig(batch_size=200, first_batch_size=10)).run(max_messages=100)
+    assert result.stats.dispatched == 100 and transport.sizes == [10, 20, 40, 30]
+
+
 def test_failures_are_retried_then_delivered_and_exhausted_ones_dead_lettered():
     transport = Flaky(times=2)
     store = setup(transport, 10)
