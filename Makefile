@@ -43,6 +43,8 @@ bench: $(STAMP) $(JDBC_JAR)
 	$(BIN)/pip install --quiet -c constraints.txt matplotlib
 	$(BIN)/python bench/bench_store.py --plot docs/bench_store.png
 	$(BIN)/python bench/bench_rabbitmq.py
+	$(BIN)/python bench/bench_throughput.py --plot docs/bench_throughput.png
+	$(BIN)/python bench/profile_pump.py --plot docs/profile_pump.png
 	$(BIN)/python bench/bench_sqs.py
 	$(BIN)/python bench/bench_spark.py
 	$(BIN)/python bench/bench_deployment.py
