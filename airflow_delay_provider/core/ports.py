@@ -244,5 +244,17 @@ class Transport(ABC):
         """True when sends can run inside the store's transaction, making dispatch exactly once."""
         return False
 
+    def moves_from(self, store: DelayedMessageStore) -> bool:
+        """True when `move_due` can move the store's due messages into this transport's queues itself, inside
+        the store's database (no message passes through the pump)."""
+        return False
+
+    def move_due(self, store: DelayedMessageStore, now: datetime, limit: int, due_before: datetime | None = None,
+                 exclude: Collection[str] = ()) -> list[tuple[str, datetime]]:
+        """Move up to `limit` of the store's messages due at `now` (not those of `exclude`), to destinations
+        this transport has, in one transaction: exactly once. Returns (destination, due time) of each moved
+        message; messages to other destinations stay for the pump's claims (which dead-letter them)."""
+        raise NotImplementedError(f"transport {self.name!r} cannot move messages inside the store")
+
     def close(self) -> None:  # noqa: B027 - optional: a transport without connections has nothing to release
         """Release connections."""

@@ -154,6 +154,8 @@ class Pump:
         self.recovery_breaker = RateBreaker("handling failed dispatches", c.maximum_recovery_failures_per_second)
         # Two claims open at once need a store that allows it and a transport that can wait later.
         self.pipelined = transport.pipelined and store.concurrent_claims and not self.exactly_once
+        # Set by run(): the transport moves due messages inside the store's database itself (see _move).
+        self._moves = False
         self._inflight: _InFlight | None = None
 
     def from_host_time(self, moment: datetime) -> datetime:
@@ -370,6 +372,8 @@ class Pump:
         """
         stats = PumpStats()
         self._load_stored_policies()
+        self._moves = (self.exactly_once and self.transport.moves_from(self.store)
+                       and self.policy.max_receives_per_second is None)
         try:
             return self._run(stats, deadline, max_messages, due_before, max_wait, stop_when_idle)
         finally:
@@ -381,6 +385,15 @@ class Pump:
     def _step(self, limit: int, due_before: datetime | None) -> PumpStats | None:
         """One batch; when pipelining, claim and start the next batch before settling the previous one,
         so the broker confirms one batch while the store hands out the next."""
+        if self._moves:
+            moved = self._move(limit, due_before)
+            if moved is None or moved.dispatched >= limit:
+                return moved
+            # What the move left (other destinations, throttled ones) goes the usual way, claimed and settled.
+            rest = self.dispatch_batch(limit - moved.dispatched, due_before)
+            if rest is not None:
+                moved.merge(rest)
+            return moved
         if not self.pipelined:
             return self.dispatch_batch(limit, due_before)
         upcoming = self._begin(limit, due_before)
@@ -388,6 +401,30 @@ class Pump:
         if previous is None:
             return None if upcoming is _FAILED else PumpStats()
         return self._finish(previous)
+
+    def _move(self, limit: int, due_before: datetime | None) -> PumpStats | None:
+        """The exactly-once path when the destination queues are tables of the store's own database: the
+        transport moves the due rows in one statement, so none passes through here (nothing can fail per
+        message but a missing queue, whose rows it leaves for a claim to dead-letter). Throttled
+        destinations are left to claims too. None: the store failed."""
+        throttled = {d for d, p in {**self._stored_policies, **self.policies}.items()
+                     if p.max_receives_per_second is not None}
+        try:
+            moved = self.transport.move_due(self.store, self._clock(), limit, due_before, throttled)
+        except CriticalError:
+            raise
+        except Exception as exc:
+            log.warning("could not move a batch, nothing was taken: %s", exc)
+            self.fetch_breaker.failure(exc)
+            return None
+        self.fetch_breaker.success()
+        stats = PumpStats(batches=1 if moved else 0)
+        sent_at = self._clock()
+        for destination, due_at in moved:
+            stats.dispatched += 1
+            stats.count(destination, "dispatched")
+            stats.lateness.add((sent_at - due_at).total_seconds())
+        return stats
 
     def _run(
         self,

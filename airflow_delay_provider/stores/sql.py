@@ -341,10 +341,9 @@ class SqlDelayedMessageStore(
             self._expire_ids(conn, now)
             self._remember(conn, message_ids, now)
 
-    @contextmanager
-    def claim_due(
-        self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = ()
-    ) -> Iterator[Claim]:
+    def due_ids(self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = ()):
+        """The query of the ids a claim takes: due, not leased, paused or an event destination; oldest first;
+        rows another claim holds are skipped, never waited for or handed out twice."""
         t = self.table
         due = select(t.c.id).where(t.c.due_at_us <= to_us(now), self._unleased(to_us(now)), self._not_paused(),
                                    self._dispatchable(), *self._scope)
@@ -352,13 +351,21 @@ class SqlDelayedMessageStore(
             due = due.where(t.c.due_at_us < to_us(due_before))
         if exclude:
             due = due.where(t.c.destination.not_in(list(exclude)))
-        # Oldest first; rows another claim holds are skipped, never waited for or handed out twice.
-        due = due.order_by(t.c.due_at_us, t.c.id).limit(limit).with_for_update(skip_locked=True)
-        ids = due.scalar_subquery()
+        return due.order_by(t.c.due_at_us, t.c.id).limit(limit).with_for_update(skip_locked=True)
+
+    def claimed(self, ids):
+        """The condition on the table's rows whose ids the subquery `ids` gives."""
         # `id = ANY(ARRAY(...))` looks each claimed row up by its key; with `IN (...)` PostgreSQL's planner
         # hash-joins the subquery against a scan of the whole table (measured: 10-30% slower claims).
-        claimed = t.c.id == any_(func.array(ids)) if self.is_postgres else t.c.id.in_(ids)
-        claim_rows = delete(t).where(claimed).returning(*t.c)
+        subquery = ids.scalar_subquery()
+        return self.table.c.id == any_(func.array(subquery)) if self.is_postgres else self.table.c.id.in_(subquery)
+
+    @contextmanager
+    def claim_due(
+        self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = ()
+    ) -> Iterator[Claim]:
+        t = self.table
+        claim_rows = delete(t).where(self.claimed(self.due_ids(now, limit, due_before, exclude))).returning(*t.c)
         with self._errors("claim due messages"), self.engine.begin() as conn:
             claim = _SqlClaim(conn, t, conn.execute(claim_rows).all())
             yield claim

@@ -9,8 +9,8 @@ the pump inserts here inside its claim transaction, so dispatch is exactly once.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
-from datetime import timedelta
+from collections.abc import Collection, Iterable, Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
@@ -28,6 +28,7 @@ from sqlalchemy import (
     func,
     insert,
     inspect,
+    literal,
     select,
     update,
 )
@@ -121,6 +122,29 @@ class SqlTableTransport(SqlDatabase, Transport):
 
     def joins(self, store: DelayedMessageStore) -> bool:
         return isinstance(store, (SqlDelayedMessageStore, LeasedRows)) and store.engine is self.engine
+
+    def moves_from(self, store: DelayedMessageStore) -> bool:
+        return isinstance(store, SqlDelayedMessageStore) and store.engine is self.engine and self.is_postgres
+
+    def move_due(self, store: DelayedMessageStore, now: datetime, limit: int, due_before: datetime | None = None,
+                 exclude: Collection[str] = ()) -> list[tuple[str, datetime]]:
+        """One statement deletes the due rows of provisioned queues from the store and inserts them into the
+        queue table (`WITH claimed AS (DELETE ... RETURNING ...) INSERT ... SELECT FROM claimed`): the claim and
+        the send of the pump's exactly-once path, without the rows coming to Python and going back."""
+        assert isinstance(store, SqlDelayedMessageStore)
+        t, q = store.table, self.messages
+        due = store.due_ids(now, limit, due_before, exclude).where(t.c.destination.in_(select(self.queues.c.name)))
+        claimed = (delete(t).where(store.claimed(due))
+                   .returning(t.c.id, t.c.destination, t.c.message_id, t.c.body, t.c.headers, t.c.due_at_us)
+                   .cte("claimed"))
+        # Enqueued at the claim's moment on the store's clock: never before a moved message's due time.
+        enqueued = literal(to_us(now), BigInteger)
+        rows = select(claimed.c.destination, claimed.c.message_id, claimed.c.body, claimed.c.headers,
+                      claimed.c.due_at_us, enqueued, enqueued).order_by(claimed.c.due_at_us, claimed.c.id)
+        # Queue order (seq) is due order, as when the pump inserts a claimed batch itself.
+        moved = insert(q).from_select(_COPY_COLUMNS, rows).returning(q.c.queue, q.c.due_at_us).add_cte(claimed)
+        with store._errors("move due messages into their queues"), store.engine.begin() as conn:
+            return [(queue, from_us(due_us)) for queue, due_us in conn.execute(moved)]
 
     def send(self, messages: Sequence[DelayedMessage], connection: Any = None) -> dict[str, Exception]:
         if not messages:

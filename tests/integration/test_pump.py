@@ -36,6 +36,9 @@ class FlakyTransport(SqlTableTransport):
         self.down = down
         self.attempts = Counter()
 
+    def moves_from(self, store) -> bool:
+        return False  # its failures are in send(): the pump must call it, not move rows inside the database
+
     def send(self, batch, connection=None):
         if self.down:
             raise UnavailableError("broker unreachable")
@@ -284,3 +287,42 @@ def test_due_times_are_kept_on_the_database_clock_so_skewed_hosts_never_deliver_
     assert result.stats.dispatched == 1
     [got] = drain(transport, "orders")
     assert got.enqueued_at >= got.due_at
+
+
+def test_queues_in_the_store_database_are_filled_by_one_statement_exactly_once_in_due_order(pg):
+    """PostgreSQL, queue tables beside the store: the transport moves due rows itself (move_due); rows it must not
+    move (no such queue, a throttled destination, a paused one) are left to the pump's claims or stay stored."""
+    from airflow_delay_provider.core.retry_policy import DeliveryPolicy
+
+    url, schema, table = pg
+    store = make_store(url, schema, table)
+    transport = make_transport(url, schema, table, "orders", "slow", "held", "error")
+    assert transport.moves_from(store)
+    now = utcnow()
+    # Stored newest first: the queue must still get them in due order.
+    store.store([DelayedMessage("orders", f"o{i}".encode(), now - timedelta(seconds=i), {"n": str(i)}, f"o-{i}")
+                 for i in range(300)])
+    store.store([DelayedMessage("missing", b"m", now, message_id="lost-1"),
+                 DelayedMessage("held", b"h", now, message_id="held-1")]
+                + [DelayedMessage("slow", b"s", now, message_id=f"s-{i}") for i in range(3)])
+    store.set_paused(["held"], True)
+    moves = []
+    move_due = transport.move_due
+
+    def recording(store, now, limit, due_before=None, exclude=()):
+        moved = move_due(store, now, limit, due_before, exclude)
+        moves.append(({d for d, _ in moved}, set(exclude)))
+        return moved
+
+    transport.move_due = recording
+    pump = Pump(store, transport, PumpConfig(batch_size=100),
+                policies={"slow": DeliveryPolicy(max_receives_per_second=1)})
+    result = pump.run(stop_when_idle=True, deadline=utcnow() + timedelta(seconds=20))
+    assert moves and all(exclude == {"slow"} and moved <= {"orders"} for moved, exclude in moves)
+    got = drain(transport, "orders")
+    assert [m.message_id for m in got] == [f"o-{i}" for i in reversed(range(300))]  # once each, due order
+    assert got[0].headers == {"n": "299"} and got[0].body == b"o299" and got[0].enqueued_at >= got[0].due_at
+    assert [m.message_id for m in drain(transport, "error")] == ["lost-1"]  # claimed, dead-lettered
+    assert len(drain(transport, "slow")) == 1  # throttled: claimed at its rate (1/s), never moved in bulk
+    assert store.count_scheduled() == {"held": 1, "slow": 2}  # paused: left stored; the rest waits for tokens
+    assert result.stats.dispatched == 301 and result.stats.dead_lettered == 1
