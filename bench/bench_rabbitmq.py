@@ -22,6 +22,9 @@ import pika
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from machine import describe, machine  # noqa: E402
 
 from airflow_delay_provider.core.delays import utcnow  # noqa: E402
 from airflow_delay_provider.core.message import DelayedMessage  # noqa: E402
@@ -141,11 +144,14 @@ def main() -> None:
     schema = f"adp_bench_{uuid.uuid4().hex[:8]}"
     store = SqlDelayedMessageStore(args.pg_url, schema=schema)
     transport = RabbitMQTransport(params)
-    r: dict[str, float] = {}
+    r: dict = {"machine": machine(args.pg_url, rabbitmq=True)}
     try:
         store.create_schema()
         for queue in ("raw", "naive", "orders", "timed", "error"):
             transport.provision(queue)
+        listed = subprocess.run(["rabbitmqctl", "-q", "list_queues", "-p", vhost, "name", "type"], check=True,
+                                capture_output=True, text=True, timeout=60).stdout.split()
+        r["queue_type"] = dict(zip(listed[::2], listed[1::2], strict=False)).get("raw", "?")
         n = args.messages
         log(f"pika raw, windowed confirms: {n} messages")
         r["raw_windowed"] = raw_windowed(params, "raw", n)
@@ -186,8 +192,8 @@ def main() -> None:
             conn.exec_driver_sql(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
         rabbitmqctl("delete_vhost", vhost)
 
-    print(f"\nRabbitMQ 3.10 on loopback, {args.messages:,} messages of {len(BODY)} B, persistent, quorum queues; "
-          f"{os.cpu_count()} cores\n")
+    print(f"\n{describe(r['machine'])}\n{args.messages:,} messages of {len(BODY)} B, persistent, to queues "
+          f"provisioned by RabbitMQTransport (type: {r['queue_type']}), one run\n")
     print("| measure | msg/s | vs raw windowed confirms |")
     print("|---|---:|---:|")
     print(f"| pika raw, 1,000 confirms in flight (the broker's limit) | {r['raw_windowed']:,.0f} | 100% |")

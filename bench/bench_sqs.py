@@ -19,6 +19,9 @@ import boto3
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from machine import describe, machine  # noqa: E402
 
 from airflow_delay_provider.core.delays import utcnow  # noqa: E402
 from airflow_delay_provider.core.message import DelayedMessage  # noqa: E402
@@ -103,7 +106,7 @@ def main() -> None:
     finally:
         moto.stop()
 
-    print(f"\nmoto server on loopback, {n} messages relayed once (Q = {q} s)\n")
+    print(f"\n{describe(machine())}\nmoto's server on loopback, {n} messages relayed once (Q = {q} s)\n")
     print("| relay | messages/s | SQS requests per message and cycle |")
     print("|---|---:|---:|")
     print(f"| **ours: receive 10, batched send, batched delete** | {r['ours_rate']:,.0f} | {r['ours_requests']:.2f} |")

@@ -20,6 +20,9 @@ import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from machine import describe, machine  # noqa: E402
 
 from airflow_delay_provider.core.delays import utcnow  # noqa: E402
 from airflow_delay_provider.core.message import DelayedMessage  # noqa: E402
@@ -167,7 +170,7 @@ def main() -> None:
     transport = SqlTableTransport(args.url, schema=schema, table_prefix="delayed_messages_")
     transport.provision("orders")
     conn = psycopg.connect(libpq(args.url))
-    results: dict[str, float] = {}
+    results: dict = {"machine": machine(args.url)}
 
     def truncate() -> None:
         conn.execute(f"TRUNCATE {table}, {qt}")
@@ -214,14 +217,14 @@ def main() -> None:
     report(results, args)
 
 
-def report(r: dict[str, float], args) -> None:
+def report(r: dict, args) -> None:
     rows = [
         ("store (msg/s)", r["store"], r["reference_store"], r["raw_insert"], "COPY, 1000 rows/txn"),
         ("dispatch store -> SQL queue (msg/s)", r["pump"], r["reference_pump"], r["raw_claim"],
          "bare claim, 1000 rows/txn"),
     ]
-    print(f"\nPostgreSQL, {args.messages:,} messages of {len(BODY)} B (reference loop: {args.reference_messages:,}); "
-          f"{os.cpu_count()} cores\n")
+    print(f"\n{describe(r['machine'])}\n{args.messages:,} messages of {len(BODY)} B (reference loop: "
+          f"{args.reference_messages:,}), one run\n")
     print("| measure | ours | reference (one row per transaction) | ours / reference | raw limit of the database |")
     print("|---|---:|---:|---:|---:|")
     for name, ours, ref, raw, how in rows:
