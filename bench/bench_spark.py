@@ -1,8 +1,10 @@
 """Benchmark: the Spark bulk sweep vs the single-process pump on the same 1,000,000 due messages.
 
 One run, PostgreSQL store, two destinations: the SQL-table transport and RabbitMQ. For each: the
-pump in its own process, the sweep on local[1] and local[2] (SQL) or local[2] (RabbitMQ), and the
-raw limit (a bare batched claim for the database, pika with windowed confirms for the broker).
+pump in its own process, the sweep with each reader (direct: partitions lease and read their rows
+themselves; jdbc: the driver leases the window and Spark reads it) on local[1] and local[2] (SQL) or
+local[2] (RabbitMQ), and the raw limit (a bare batched claim for the database, pika with windowed
+confirms for the broker).
 Wall time includes Spark's start-up; peak memory is sampled over the spark-submit process tree.
 `make bench` runs it with 1,000,000 messages; --messages makes it smaller.
 """
@@ -37,6 +39,8 @@ from airflow_delay_provider.transports.registry import from_spec  # noqa: E402
 
 SPARK_SUBMIT = Path(sys.executable).with_name("spark-submit")
 APP = Path(sweep_app.__file__).with_name("sweep_app.py")
+#: The readers compared: the direct one, whose rows never cross the JVM, and JDBC, which reads them through Spark.
+READERS = ("direct", "jdbc")
 
 
 def fill(url: str, qualified: str, n: int) -> None:
@@ -98,12 +102,13 @@ class TreeMemory(threading.Thread):
                 self.peak[key] = max(self.peak[key], value)
 
 
-def run_sweep(url: str, schema: str, table: str, transport: dict, master: str) -> dict:
+def run_sweep(url: str, schema: str, table: str, transport: dict, master: str, reader: str) -> dict:
     env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
                **{sweep_app.SECRET_ENV: sweep_app.encode_secret({"url": url, "table": table, "schema": schema},
                                                                 transport)})
     command = [str(SPARK_SUBMIT), "--master", master, "--jars", sweep_app.DEFAULT_JDBC_JAR, "--driver-memory", "2g",
-               "--conf", "spark.ui.enabled=false", str(APP), "--due-before", "9999-01-01T00:00:00+00:00"]
+               "--conf", "spark.ui.enabled=false", str(APP), "--due-before", "9999-01-01T00:00:00+00:00",
+               "--reader", reader]
     started = time.perf_counter()
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     memory = TreeMemory(proc.pid)
@@ -158,13 +163,14 @@ def main() -> None:
             claimed = raw_claim(conn, qualified)
             results["sql: raw limit (bare batched claim, 1 process)"] = {
                 "dispatched": claimed, "seconds": time.perf_counter() - started}
-        runs = [
-            ("sql", "pump (1 process)", lambda: run_pump(url, schema, table, sql)),
-            ("sql", "sweep local[1]", lambda: run_sweep(url, schema, table, sql, "local[1]")),
-            ("sql", "sweep local[2]", lambda: run_sweep(url, schema, table, sql, "local[2]")),
-            ("rabbitmq", "pump (1 process)", lambda: run_pump(url, schema, table, rabbit)),
-            ("rabbitmq", "sweep local[2]", lambda: run_sweep(url, schema, table, rabbit, "local[2]")),
-        ]
+        runs = [("sql", "pump (1 process)", lambda: run_pump(url, schema, table, sql))]
+        runs += [("sql", f"sweep {master}, {reader} reader",
+                  lambda master=master, reader=reader: run_sweep(url, schema, table, sql, master, reader))
+                 for master in ("local[1]", "local[2]") for reader in READERS]
+        runs.append(("rabbitmq", "pump (1 process)", lambda: run_pump(url, schema, table, rabbit)))
+        runs += [("rabbitmq", f"sweep local[2], {reader} reader",
+                  lambda reader=reader: run_sweep(url, schema, table, rabbit, "local[2]", reader))
+                 for reader in READERS]
         for destination, name, run in runs:
             fill(url, qualified, n)
             log(f"{n} due messages stored; {destination}: {name}")

@@ -48,9 +48,9 @@ MAX_HELD_BACKOFF_SECONDS = 1.0
 @dataclass
 class PumpConfig:
     batch_size: int = 1000
-    #: The first claim after the pump wakes (or starts) takes this many messages, and each next one twice as
-    #: many up to batch_size: the head of a burst is delivered within milliseconds of its due time instead
-    #: of after a whole batch has been claimed, sent and committed; a backlog still moves in full batches.
+    #: The first claim after the pump wakes from waiting for a due time takes this many messages, and each
+    #: next one twice as many up to batch_size: the head of a burst is delivered within milliseconds of its
+    #: due time instead of after a whole batch has been claimed, sent and committed.
     first_batch_size: int = 16
     number_of_retries: int = 0
     error_queue: str = "error"
@@ -439,7 +439,8 @@ class Pump:
         last_report = started
         held_backoff = MIN_HELD_BACKOFF_SECONDS
         first = min(self.config.first_batch_size, self.config.batch_size)
-        ramp = first
+        # A pump starts on a backlog in full batches; after sleeping, a burst falls due and its head goes first.
+        ramp = self.config.batch_size
         while True:
             now = self._clock()
             in_flight = len(self._inflight.messages) if self._inflight else 0

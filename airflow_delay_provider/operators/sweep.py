@@ -31,13 +31,13 @@ from airflow_delay_provider.spark.setup import (
 __all__ = ["APPLICATION", "READERS", "BulkSweepOperator", "SparkSetupError"]  # SparkSetupError: its old home
 
 APPLICATION = str(Path(sweep_app.__file__).with_name("sweep_app.py"))
-READERS = ("auto", "jdbc", "python")
+READERS = sweep_app.READERS
 
 
 class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
     """Dispatch the due messages of a window on Spark: every message due in [due_from, due_before)
-    (and already due) is claimed under a lease, read in parallel partitions and sent through the
-    transport with the delivery policy; the task returns the sweep's summary (counts per destination
+    (and already due) is claimed under a lease and sent by parallel partitions through the transport
+    with the delivery policy; the task returns the sweep's summary (counts per destination
     and outcome, rows/s).
 
     Safe to re-run for the same window (catchup, backfill): delivered messages are gone from the
@@ -67,9 +67,11 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
         go to the next sweep or a pump after this long.
     :param max_duration: stop after this long (seconds or a timedelta; None: no limit), release the
         rows not yet sent and fail the task, so a retry sweeps the rest of the window.
-    :param reader: how Spark reads the claimed rows: `"jdbc"` reads a PostgreSQL store through
-        `jdbc_jar`, `"python"` through PySpark's Python data source over SQLAlchemy; `"auto"` (default)
-        picks JDBC on PostgreSQL.
+    :param reader: how the partitions get their rows: `"direct"` (what `"auto"`, the default, picks)
+        has each partition lease its share of the window and read it from the store with its own
+        connection, so no message passes through Spark's JVM; `"jdbc"` and `"python"` lease the whole
+        window first and have Spark read it, through `jdbc_jar` (PostgreSQL only) or PySpark's Python
+        data source over SQLAlchemy.
     :param jdbc_jar: the PostgreSQL JDBC driver jar for `reader="jdbc"` (default
         /usr/share/java/postgresql.jar, from Debian's libpostgresql-jdbc-java).
     :param master: the Spark master to run on when the connection `conn_id` does not exist (default
@@ -136,7 +138,7 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
             raise InvalidInputError("due_before is required: the end of the window to sweep")
         due_from = parse_moment(self.due_from, "due_from")
         store = self.hook.get_store()
-        reader = self.reader if self.reader != "auto" else ("jdbc" if store.is_postgres else "python")
+        reader = sweep_app.resolve_reader(self.reader, store)
         bin_dir = check_machine(uses_jdbc=reader == "jdbc", jdbc_jar=self.jdbc_jar)
         local = ensure_master(self._conn_id, self.master)
 

@@ -27,7 +27,8 @@ class SparkSetupError(DelayProviderError):
 
 
 def check_machine(uses_jdbc: bool, jdbc_jar: str = DEFAULT_JDBC_JAR) -> str:
-    """The directory holding spark-submit; fails with how to install what is missing."""
+    """The directory holding spark-submit; fails with how to install what is missing. The JDBC jar is
+    needed only by `reader="jdbc"` (`uses_jdbc`): the direct and Python readers read through SQLAlchemy."""
     bin_dir = os.path.dirname(sys.executable)
     # PySpark installed in this venv puts spark-submit beside the interpreter, not necessarily on PATH.
     found = shutil.which("spark-submit") or shutil.which("spark-submit", path=bin_dir)
@@ -46,7 +47,7 @@ def check_machine(uses_jdbc: bool, jdbc_jar: str = DEFAULT_JDBC_JAR) -> str:
         raise SparkSetupError(
             f"the PostgreSQL JDBC driver jar {jdbc_jar} does not exist: apt-get install "
             "libpostgresql-jdbc-java (it installs /usr/share/java/postgresql.jar), pass jdbc_jar=<path>, "
-            "or use reader='python'"
+            "or use reader='direct' (the default), which needs no jar"
         )
     return os.path.dirname(found)
 

@@ -1,15 +1,22 @@
 """The bulk sweep: a PySpark application that dispatches the due messages of a window in parallel.
 
-1. The driver leases the window's due rows to a claim id (`SqlDelayedMessageStore.start_sweep`) and
-   renews the lease while it runs; the pump and other sweeps leave leased rows alone, and a crashed
+With the direct reader (the default):
+
+1. The driver opens the sweep's lease row (`SqlDelayedMessageStore.open_sweep`), plans the id range of
+   the window's rows (`window_range`), cuts it into one range per partition, and renews the lease
+   while rows are being settled; the pump and other sweeps leave leased rows alone, and a crashed
    sweep's rows are taken over once its lease expires.
-2. Spark reads the claimed rows in partitions of the id range: JDBC on PostgreSQL (the driver jar
-   from Debian's libpostgresql-jdbc-java), or the Python data source below over SQLAlchemy (SQLite,
-   or PostgreSQL without the jar).
-3. Each partition runs a Pump over its rows (`LeasedRows`): one transport connection, batches sent
-   and settled under row locks, the delivery policy for failures, the error queue when exhausted.
-4. The driver sums the partitions' counts, releases what is left of the claim and records the summary
+2. Each partition, in a Python worker with its own store and transport connections, leases its id
+   range (`lease_range`), reads its rows page by page and runs a Pump over them (`LeasedRows`): batches
+   sent and settled under row locks, the delivery policy for failures, the error queue when exhausted.
+   Only its counts (a line of JSON) go back through Spark; no message crosses the JVM.
+3. The driver sums the partitions' counts, releases what is left of the claim and records the summary
    in the store's sweeps table, where the Airflow operator reads it.
+
+The JDBC and Python-data-source readers instead lease the whole window in the driver
+(`start_sweep`) and have Spark read the claimed rows into a DataFrame, whose partitions run the same
+Pump through mapInArrow: JDBC on PostgreSQL (the driver jar from Debian's libpostgresql-jdbc-java),
+the Python data source below over SQLAlchemy.
 
 Secrets (the store's URL, broker credentials) come in the environment variable named by SECRET_ENV
 (base64 JSON), never in arguments, which spark-submit and Airflow log.
@@ -52,6 +59,12 @@ SUMMARY_MARKER = "DELAY_SWEEP_SUMMARY "
 SCHEMA = "id long, message_id string, destination string, body binary, headers string, due_at_us long, failures int"
 DATA_SOURCE = "airflow_delay_store"
 DEFAULT_JDBC_JAR = "/usr/share/java/postgresql.jar"
+#: How partitions get their rows: "direct" leases and reads them in each partition's own process;
+#: "jdbc" and "python" read the rows the driver leased through Spark. "auto" is "direct".
+READERS = ("auto", "direct", "jdbc", "python")
+#: Rows a direct partition reads per query: each page is a short transaction, never one held open while
+#: a throttled destination paces the sends.
+PAGE_ROWS = 10_000
 
 
 def encode_secret(store: dict, transport: dict) -> str:
@@ -138,9 +151,29 @@ def read_claim(spark, store: SqlDelayedMessageStore, claim_id: str, ranges: list
 
 
 # -- dispatching a partition (runs in the executors) -------------------------------------------
+def pump_rows(store: SqlDelayedMessageStore, transport, claim_id: str, rows: Iterator[tuple], settings: dict) -> dict:
+    """A Pump over one partition's claimed rows (SWEEP_COLUMNS tuples) until they are settled or the sweep's
+    deadline passes; returns its counts."""
+    leased = store.leased_rows(claim_id, rows)
+    policies = DeliveryPolicy.parse_each(settings["destination_policies"])
+    pump = Pump(
+        leased, transport, PumpConfig(**settings["pump"]),
+        policy=None if settings["delivery_policy"] is None else DeliveryPolicy.parse(settings["delivery_policy"]),
+        policies=policies, throttle_share=1.0 / settings["partitions"],
+    )
+    stats = PumpStats()
+    # Past the sweep's maximum duration a partition stops; the driver releases what is left.
+    deadline = None if settings["deadline_us"] is None else from_us(settings["deadline_us"])
+    while leased.remaining and (deadline is None or store.clock() < deadline):
+        stats.merge(pump.run(deadline=deadline, stop_when_idle=True).stats)
+        if leased.remaining:
+            time.sleep(0.02)  # the rest waits for a throttled destination's tokens
+    return {**stats.to_dict(), "skipped": leased.skipped}
+
+
 def dispatch_partitions(secret: dict, claim_id: str, settings: dict) -> Callable[[Iterator[Any]], Iterator[Any]]:
-    """The function mapInArrow runs once per partition: a Pump over the partition's rows, yielding
-    one record with its counts as JSON."""
+    """The function mapInArrow runs once per partition of the rows Spark read (readers "jdbc" and
+    "python"): a Pump over them, yielding one record with its counts as JSON."""
 
     def run(batches: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
@@ -150,25 +183,47 @@ def dispatch_partitions(secret: dict, claim_id: str, settings: dict) -> Callable
         transport = from_spec(secret["transport"])
         rows = (row for batch in batches
                 for row in zip(*(batch.column(c).to_pylist() for c in SWEEP_COLUMNS), strict=False))
-        leased = store.leased_rows(claim_id, rows)
-        policies = DeliveryPolicy.parse_each(settings["destination_policies"])
-        pump = Pump(
-            leased, transport, PumpConfig(**settings["pump"]),
-            policy=None if settings["delivery_policy"] is None else DeliveryPolicy.parse(settings["delivery_policy"]),
-            policies=policies, throttle_share=1.0 / settings["partitions"],
-        )
-        stats = PumpStats()
-        # Past the sweep's maximum duration a partition stops; the driver releases what is left.
-        deadline = None if settings["deadline_us"] is None else from_us(settings["deadline_us"])
         try:
-            while leased.remaining and (deadline is None or store.clock() < deadline):
-                stats.merge(pump.run(deadline=deadline, stop_when_idle=True).stats)
-                if leased.remaining:
-                    time.sleep(0.02)  # the rest waits for a throttled destination's tokens
+            counts = pump_rows(store, transport, claim_id, rows, settings)
         finally:
             transport.close()
             store.close()
-        yield pa.RecordBatch.from_pydict({"stats": [json.dumps({**stats.to_dict(), "skipped": leased.skipped})]})
+        yield pa.RecordBatch.from_pydict({"stats": [json.dumps(counts)]})
+
+    return run
+
+
+def claimed_pages(store: SqlDelayedMessageStore, claim_id: str, low: int, high: int) -> Iterator[tuple]:
+    """The rows a sweep holds in [low, high], in id order, read PAGE_ROWS rows per query."""
+    while low <= high:
+        page = list(store.read_claimed(claim_id, low, high, limit=PAGE_ROWS))
+        yield from page
+        if len(page) < PAGE_ROWS:
+            return
+        low = page[-1][0] + 1
+
+
+def sweep_ranges(secret: dict, claim_id: str, settings: dict) -> Callable[[Iterator[tuple[int, int]]], Iterator[str]]:
+    """The function mapPartitions runs once per partition of id ranges (reader "direct"): lease the ranges,
+    then a Pump over their rows, read here; yields the counts as JSON, with what was leased and taken over.
+
+    A partition leases its whole range before sending, even past the deadline, so that the window is the
+    sweep's as with the other readers: whatever is not sent is released by the driver at the end."""
+
+    def run(ranges: Iterator[tuple[int, int]]) -> Iterator[str]:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        spans = list(ranges)
+        store = store_from_spec(secret["store"])
+        transport = from_spec(secret["transport"])
+        try:
+            leases = [store.lease_range(claim_id, low, high) for low, high in spans]
+            rows = (row for low, high in spans for row in claimed_pages(store, claim_id, low, high))
+            counts = pump_rows(store, transport, claim_id, rows, settings)
+        finally:
+            transport.close()
+            store.close()
+        yield json.dumps({**counts, "claimed": sum(lease["claimed"] for lease in leases),
+                          "taken_over": sum(lease["taken_over"] for lease in leases)})
 
     return run
 
@@ -181,6 +236,8 @@ class LeaseKeeper(threading.Thread):
 
     def __init__(self, store: SqlDelayedMessageStore, claim_id: str, lease_seconds: float, total: int,
                  interval: float) -> None:
+        """`total`: the rows the sweep expects to settle, for the progress log (claimed, or planned when
+        the partitions lease)."""
         super().__init__(name="lease-keeper", daemon=True)
         self.store, self.claim_id, self.lease_seconds, self.total = store, claim_id, lease_seconds, total
         self.interval = min(interval, lease_seconds / 3)
@@ -188,25 +245,26 @@ class LeaseKeeper(threading.Thread):
         self.started_at = time.monotonic()
 
     def run(self) -> None:
-        left_before = self.total
+        settled_before = 0
         while not self.stopped.wait(self.interval):
             try:
-                left = self.store.claimed_range(self.claim_id)[2]
-                if left < left_before:
+                # Settled = leased so far - still held: partitions leasing more rows is no progress.
+                leased, held = self.store.sweep_progress(self.claim_id)
+                if leased - held > settled_before:
                     self.store.renew_lease(self.claim_id, self.lease_seconds)
-                    left_before = left
+                    settled_before = leased - held
                 else:
                     log.warning("sweep %s: nothing settled in the last %.0f s; the lease is not renewed",
                                 self.claim_id, self.interval)
             except Exception as exc:  # the next round tries again; the lease outlasts a few misses
                 log.warning("could not renew the lease of sweep %s: %s", self.claim_id, exc)
                 continue
-            done = self.total - left
+            left = max(self.total - settled_before, 0)
             elapsed = time.monotonic() - self.started_at
-            rate = done / elapsed if elapsed > 0 else 0.0
+            rate = settled_before / elapsed if elapsed > 0 else 0.0
             eta = f"{left / rate:.0f} s" if rate > 0 else "unknown"
             log.info("sweep %s: %d of %d settled (%.0f rows/s), %d left, ETA %s",
-                     self.claim_id, done, self.total, rate, left, eta)
+                     self.claim_id, settled_before, self.total, rate, left, eta)
 
     def stop(self) -> None:
         self.stopped.set()
@@ -224,7 +282,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-seconds", type=float, default=0.0,
                         help="stop after this long and release the rows left (0: no limit)")
     parser.add_argument("--partitions", type=int, default=0, help="0: twice Spark's default parallelism")
-    parser.add_argument("--reader", choices=("auto", "jdbc", "python"), default="auto")
+    parser.add_argument("--reader", choices=READERS, default="auto")
     parser.add_argument("--batch-size", type=int, default=1000)
     parser.add_argument("--number-of-retries", type=int, default=0)
     parser.add_argument("--error-queue", default="error")
@@ -266,38 +324,49 @@ def sweep(spark, secret: dict, args: argparse.Namespace) -> dict:
     DeliveryPolicy.parse_each(settings["destination_policies"])
 
     store = store_from_spec(secret["store"])
+    reader = resolve_reader(args.reader, store)
     store.create_schema()
     started = time.monotonic()
     if args.max_seconds:
         settings["deadline_us"] = to_us(store.clock()) + int(args.max_seconds * 1e6)
-    claim = store.start_sweep(claim_id, due_before, due_from, lease_seconds=args.lease_seconds)
-    low, high, total = store.claimed_range(claim_id)
-    log.info("sweep %s: window [%s, %s), %d messages claimed (%d taken over from expired leases) in %.1f s",
-             claim_id, due_from.isoformat() if due_from else "-", due_before.isoformat(), total,
-             claim["taken_over"], time.monotonic() - started)
-    summary: dict = {"claim_id": claim_id, "claimed": total, "taken_over": claim["taken_over"]}
+    if reader == "direct":
+        # The partitions lease their own ranges and add to the counts as they do.
+        store.open_sweep(claim_id, due_before, due_from, lease_seconds=args.lease_seconds)
+        claim = {"claimed": 0, "taken_over": 0}
+        low, high, total = store.window_range(claim_id)
+        what = "to lease in the partitions"
+    else:
+        claim = store.start_sweep(claim_id, due_before, due_from, lease_seconds=args.lease_seconds)
+        low, high, total = store.claimed_range(claim_id)
+        what = f"claimed ({claim['taken_over']} taken over from expired leases)"
+    log.info("sweep %s: window [%s, %s), %d messages %s in %.1f s", claim_id,
+             due_from.isoformat() if due_from else "-", due_before.isoformat(), total, what,
+             time.monotonic() - started)
+    summary: dict = {"claim_id": claim_id, **claim}
     stats = PumpStats()
     skipped = 0
     status = "failed"
     keeper = None
     try:
         if total:
-            reader = args.reader
-            if reader == "auto":
-                reader = "jdbc" if store.is_postgres else "python"
-            if reader == "jdbc" and not store.is_postgres:
-                raise InvalidInputError("reader 'jdbc' needs a PostgreSQL store; use 'python' for SQLite")
             partitions = args.partitions or 2 * spark.sparkContext.defaultParallelism
             ranges = split_range(low, high, partitions)
             settings["partitions"] = len(ranges)
             summary.update(reader=reader, partitions=len(ranges))
             keeper = LeaseKeeper(store, claim_id, args.lease_seconds, total, args.progress_seconds)
             keeper.start()
-            frame = read_claim(spark, store, claim_id, ranges, reader)
-            results = frame.mapInArrow(dispatch_partitions(secret, claim_id, settings), "stats string").collect()
-            for row in results:
-                part = json.loads(row["stats"])
+            if reader == "direct":
+                results = (spark.sparkContext.parallelize(ranges, len(ranges))
+                           .mapPartitions(sweep_ranges(secret, claim_id, settings)).collect())
+            else:
+                frame = read_claim(spark, store, claim_id, ranges, reader)
+                results = [row["stats"] for row in
+                           frame.mapInArrow(dispatch_partitions(secret, claim_id, settings), "stats string").collect()]
+            for result in results:
+                part = json.loads(result)
                 skipped += part.get("skipped", 0)
+                summary["claimed"] += part.get("claimed", 0)
+                summary["taken_over"] += part.get("taken_over", 0)
                 stats.merge(PumpStats.from_dict(part))
         # Rows a partition stopped before (the maximum duration) are released below.
         status = "done" if not store.claimed_range(claim_id)[2] else "timed_out"
@@ -313,6 +382,15 @@ def sweep(spark, secret: dict, args: argparse.Namespace) -> dict:
         store.close()
     log.info("sweep %s %s: %s", claim_id, status, json.dumps(summary))
     return summary
+
+
+def resolve_reader(reader: str, store: SqlDelayedMessageStore) -> str:
+    """The reader a sweep of `store` uses: "auto" is "direct"; "jdbc" needs PostgreSQL."""
+    if reader not in READERS:
+        raise InvalidInputError(f"reader {reader!r} is not supported; choose one of {list(READERS)}")
+    if reader == "jdbc" and not store.is_postgres:
+        raise InvalidInputError("reader 'jdbc' needs a PostgreSQL store; use 'direct' or 'python' for SQLite")
+    return "direct" if reader == "auto" else reader
 
 
 def main(argv: list[str] | None = None) -> int:

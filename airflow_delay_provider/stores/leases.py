@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from sqlalchemy import bindparam, delete, func, insert, select, update
+from sqlalchemy import bindparam, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
 
 from airflow_delay_provider.core.errors import InvalidInputError
@@ -40,11 +40,26 @@ class SweepLeases:
         claim id. Rows of expired leases (a crashed sweep's) are taken over; rows a pump holds at
         that moment are skipped (it is dispatching them). Returns how many rows were claimed.
         """
+        now_us = self.open_sweep(claim_id, due_before, due_from, lease_seconds)
+        t, s = self.table, self.sweeps
+        window = self._sweep_window(now_us, to_us(due_before), None if due_from is None else to_us(due_from))
+        expired = select(s.c.claim_id).where(s.c.lease_until_us < now_us)
+        taken_over = self._lease(claim_id, [*window, t.c.claim_id.in_(expired)], chunk)
+        claimed = taken_over + self._lease(claim_id, [*window, t.c.claim_id.is_(None)], chunk)
+        with self._errors("record a sweep"), self.engine.begin() as conn:
+            conn.execute(update(s).where(s.c.claim_id == claim_id).values(claimed=claimed, taken_over=taken_over))
+        return {"claimed": claimed, "taken_over": taken_over}
+
+    def open_sweep(
+        self, claim_id: str, due_before: datetime, due_from: datetime | None = None, lease_seconds: float = 600.0,
+    ) -> int:
+        """Commit a sweep's lease row (status `running`) without leasing any message yet; returns its start
+        on the database clock (microseconds): its window holds the messages already due then."""
         check_claim_id(claim_id)
         now_us = to_us(self.clock())
         if lease_seconds <= 0:
             raise InvalidInputError(f"lease_seconds must be > 0, got {lease_seconds!r}")
-        t, s = self.table, self.sweeps
+        s = self.sweeps
         with self._errors("start a sweep"), self.engine.begin() as conn:
             if conn.execute(select(s.c.claim_id).where(s.c.claim_id == claim_id)).first():
                 raise InvalidInputError(f"claim id {claim_id!r} was used by an earlier sweep; use a new one")
@@ -53,18 +68,16 @@ class SweepLeases:
                 due_from_us=None if due_from is None else to_us(due_from), due_before_us=to_us(due_before),
                 status="running", started_at_us=now_us,
             ))
+        return now_us
+
+    def _sweep_window(self, now_us: int, due_before_us: int, due_from_us: int | None) -> list:
+        t = self.table
         # A paused destination's rows stay stored: the sweep leaves them, as the pump does.
         # Event destinations are handed to Airflow by their asset watchers, not swept.
-        window = [t.c.due_at_us <= now_us, t.c.due_at_us < to_us(due_before), self._not_paused(),
-                  self._dispatchable()]
-        if due_from is not None:
-            window.append(t.c.due_at_us >= to_us(due_from))
-        expired = select(s.c.claim_id).where(s.c.lease_until_us < now_us)
-        taken_over = self._lease(claim_id, [*window, t.c.claim_id.in_(expired)], chunk)
-        claimed = taken_over + self._lease(claim_id, [*window, t.c.claim_id.is_(None)], chunk)
-        with self._errors("record a sweep"), self.engine.begin() as conn:
-            conn.execute(update(s).where(s.c.claim_id == claim_id).values(claimed=claimed, taken_over=taken_over))
-        return {"claimed": claimed, "taken_over": taken_over}
+        window = [t.c.due_at_us <= now_us, t.c.due_at_us < due_before_us, self._not_paused(), self._dispatchable()]
+        if due_from_us is not None:
+            window.append(t.c.due_at_us >= due_from_us)
+        return window
 
     def _lease(self, claim_id: str, conditions: list, chunk: int) -> int:
         t = self.table
@@ -94,14 +107,82 @@ class SweepLeases:
             low, high, n = conn.execute(query).one()
         return (0, -1, 0) if not n else (low, high, n)
 
-    def read_claimed(self, claim_id: str, low: int, high: int, chunk: int = 10_000) -> Iterator[tuple]:
-        """The rows a sweep holds with low <= id <= high, in id order, as SWEEP_COLUMNS tuples."""
+    def read_claimed(
+        self, claim_id: str, low: int, high: int, chunk: int = 10_000, limit: int | None = None,
+    ) -> Iterator[tuple]:
+        """The rows a sweep holds with low <= id <= high, in id order, as SWEEP_COLUMNS tuples; the first
+        `limit` of them when given."""
         t = self.table
         query = (select(*(t.c[c] for c in SWEEP_COLUMNS))
-                 .where(t.c.claim_id == claim_id, t.c.id >= low, t.c.id <= high).order_by(t.c.id))
+                 .where(t.c.claim_id == claim_id, t.c.id >= low, t.c.id <= high).order_by(t.c.id).limit(limit))
         with self._errors("read swept messages"), self.engine.connect() as conn:
             for row in conn.execution_options(yield_per=chunk).execute(query):
                 yield tuple(row)
+
+    def _open_window(self, conn: Connection, claim_id: str) -> list | None:
+        """The conditions of the rows a running sweep may lease: due in its window, and free or held under
+        another sweep's expired lease; None when the sweep is not running (finished, killed or unknown)."""
+        t, s = self.table, self.sweeps
+        row = conn.execute(select(s).where(s.c.claim_id == check_claim_id(claim_id))).first()
+        if row is None or row.status != "running":
+            return None
+        expired = select(s.c.claim_id).where(s.c.lease_until_us < to_us(self.clock()), s.c.claim_id != claim_id)
+        return [*self._sweep_window(row.started_at_us, row.due_before_us, row.due_from_us),
+                or_(t.c.claim_id.is_(None), t.c.claim_id.in_(expired))]
+
+    def window_range(self, claim_id: str) -> tuple[int, int, int]:
+        """(lowest id, highest id, count) of the rows an opened sweep may lease (`lease_range`): due in its
+        window, free or under an expired lease; (0, -1, 0) when none or the sweep is not running."""
+        t = self.table
+        with self._errors("plan a sweep"), self.engine.connect() as conn:
+            leasable = self._open_window(conn, claim_id)
+            if leasable is None:
+                return 0, -1, 0
+            low, high, n = conn.execute(select(func.min(t.c.id), func.max(t.c.id), func.count())
+                                        .where(*leasable)).one()
+        return (0, -1, 0) if not n else (low, high, n)
+
+    def lease_range(self, claim_id: str, low: int, high: int, step: int = 10_000) -> dict:
+        """Lease to an opened sweep the rows of its window with low <= id <= high (expired leases' rows are
+        taken over, rows a pump holds are skipped), the next `step` of them per transaction, so that sparse
+        ids cost no empty steps. Each transaction adds its rows to the sweep's claimed and taken-over
+        counts, and commits only while the sweep runs: once it is finished or killed, nothing more is
+        leased. Returns {"claimed": n, "taken_over": m}."""
+        t, s = self.table, self.sweeps
+        claimed = taken_over = 0
+        with self._errors("claim messages for a sweep"), self.engine.connect() as conn:
+            while low <= high:
+                with conn.begin() as tx:
+                    leasable = self._open_window(conn, claim_id)
+                    if leasable is None:
+                        tx.rollback()
+                        break
+                    rows = conn.execute(select(t.c.id, t.c.claim_id).where(*leasable, t.c.id >= low, t.c.id <= high)
+                                        .order_by(t.c.id).limit(step).with_for_update(skip_locked=True)).all()
+                    if not rows:
+                        tx.rollback()
+                        break
+                    took = sum(row.claim_id is not None for row in rows)
+                    conn.execute(update(t).where(t.c.id.in_([row.id for row in rows])).values(claim_id=claim_id))
+                    running = conn.execute(update(s).where(s.c.claim_id == claim_id, s.c.status == "running")
+                                           .values(claimed=s.c.claimed + len(rows),
+                                                   taken_over=s.c.taken_over + took))
+                    if running.rowcount != 1:  # finished meanwhile: its rows were released, these stay free
+                        tx.rollback()
+                        break
+                claimed += len(rows)
+                taken_over += took
+                low = rows[-1].id + 1
+        return {"claimed": claimed, "taken_over": taken_over}
+
+    def sweep_progress(self, claim_id: str) -> tuple[int, int]:
+        """(rows leased so far, rows still held) of a sweep, read in one statement so that a lease committing
+        between two reads cannot pass for progress; settled = leased - held."""
+        t, s = self.table, self.sweeps
+        held = select(func.count()).where(t.c.claim_id == claim_id).scalar_subquery()
+        with self._errors("read a sweep's progress"), self.engine.connect() as conn:
+            row = conn.execute(select(s.c.claimed, held).where(s.c.claim_id == claim_id)).first()
+        return (0, 0) if row is None else (row[0], row[1])
 
     def leased_rows(self, claim_id: str, rows: Iterable[tuple]) -> LeasedRows:
         return LeasedRows(self, claim_id, rows)

@@ -62,7 +62,10 @@ def specs(url, schema, table, transport: dict) -> tuple[dict, dict]:
     return {"url": url, "table": table, "schema": schema}, transport
 
 
-def test_sweep_delivers_20000_exactly_once_to_sql_dead_letters_and_a_rerun_dispatches_nothing(spark_ready, pg):
+# "auto" is the direct reader: partitions lease and read their rows themselves; JDBC reads them through Spark.
+@pytest.mark.parametrize(("reader", "used"), [("auto", "direct"), ("jdbc", "jdbc")])
+def test_sweep_delivers_20000_exactly_once_to_sql_dead_letters_and_a_rerun_dispatches_nothing(spark_ready, pg,
+                                                                                              reader, used):
     url, schema, table = pg
     store = make_store(*pg)
     transport = make_transport(*pg, "orders", "refunds", "error")  # "gone" has no queue: destination not found
@@ -74,9 +77,9 @@ def test_sweep_delivers_20000_exactly_once_to_sql_dead_letters_and_a_rerun_dispa
     sql = {"kind": "sql", "url": url, "schema": schema, "table_prefix": f"{table}_"}
 
     code, summary, output = submit(*specs(*pg, sql), "--due-before", window_end, "--partitions", "3",
-                                   "--delivery-policy", "http")
+                                   "--delivery-policy", "http", "--reader", reader)
     assert code == 0, output[-3000:]
-    assert summary["reader"] == "jdbc" and summary["partitions"] == 3 and summary["status"] == "done"
+    assert summary["reader"] == used and summary["partitions"] == 3 and summary["status"] == "done"
     assert summary["destinations"] == {"orders": {"dispatched": 12_000}, "refunds": {"dispatched": 8_000},
                                        "gone": {"failed": 5, "dead_lettered": 5}}
     ids = Counter(m.message_id for q in ("orders", "refunds") for m in drain(transport, q))
@@ -87,8 +90,9 @@ def test_sweep_delivers_20000_exactly_once_to_sql_dead_letters_and_a_rerun_dispa
     assert store.count_scheduled() == {"orders": 1}  # due in an hour: not swept early
     record = store.sweep_record(summary["claim_id"])
     assert record["status"] == "done" and record["claimed"] == 20_005 and record["summary"]["released"] == 0
+    assert summary["claimed"] == 20_005 and summary["taken_over"] == 0
 
-    code, again, output = submit(*specs(*pg, sql), "--due-before", window_end)
+    code, again, output = submit(*specs(*pg, sql), "--due-before", window_end, "--reader", reader)
     assert code == 0, output[-3000:]
     assert (again["claimed"], again["dispatched"]) == (0, 0)
     assert transport.depth("orders")["visible"] == 0 and store.get("later") is not None
@@ -137,8 +141,9 @@ def test_killed_sweep_is_taken_over_after_its_lease_and_nothing_is_lost(spark_re
     store, transport, sql = backlog(pg, n)
     window_end = (utcnow() + timedelta(minutes=1)).isoformat()
     slow = json.dumps({"throttlePolicy": {"maxReceivesPerSecond": 2000}})  # ~10 s: time to kill it mid-run
+    # The direct reader, with both partitions running at once: each leased its whole range before sending.
     proc = submit(*specs(*pg, sql), "--due-before", window_end, "--lease-seconds", "5", "--claim-id", "first",
-                  "--delivery-policy", slow, wait=False)
+                  "--delivery-policy", slow, "--partitions", "2", wait=False)
     deadline = time.monotonic() + 120
     while transport.depth("orders")["visible"] < 2000 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -161,29 +166,32 @@ def test_killed_sweep_is_taken_over_after_its_lease_and_nothing_is_lost(spark_re
     assert store.count_scheduled() == {}
 
 
-def test_operator_sweeps_the_embedded_sqlite_store_and_returns_the_summary(spark_ready, run_dag):
+@pytest.mark.parametrize(("reader", "used"), [("auto", "direct"), ("python", "python")])
+def test_operator_sweeps_the_embedded_sqlite_store_and_returns_the_summary(spark_ready, run_dag, reader, used):
     from airflow.sdk import DAG
 
     from airflow_delay_provider.hooks.delay_store import DelayStoreHook
     from airflow_delay_provider.operators.sweep import BulkSweepOperator
 
-    hook = DelayStoreHook(table="sweep_sqlite")  # the default connection: this run's SQLite store
+    table = f"sweep_sqlite_{reader}"
+    hook = DelayStoreHook(table=table)  # the default connection: this run's SQLite store
     store = hook.get_store()
     store.create_schema()
     transport = hook.get_transport()
-    for queue in ("sweep.q", "error"):
-        transport.provision(queue)
-    store.store(due_messages(500, "sweep.q", prefix="op"))
-    with DAG("test_bulk_sweep_sqlite", schedule=None, catchup=False) as dag:
+    queue = f"sweep.{reader}"
+    for name in (queue, "error"):
+        transport.provision(name)
+    store.store(due_messages(500, queue, prefix="op"))
+    with DAG(f"test_bulk_sweep_sqlite_{reader}", schedule=None, catchup=False) as dag:
         BulkSweepOperator(task_id="sweep", due_before=(utcnow() + timedelta(minutes=1)).isoformat(),
-                          table="sweep_sqlite", partitions=2, conf={"spark.ui.enabled": "false"})
+                          table=table, partitions=2, reader=reader, conf={"spark.ui.enabled": "false"})
     state, states, values = run_dag(dag)
     assert state == "success", states
     summary = values["sweep"]
-    assert summary["reader"] == "python" and summary["status"] == "done"
-    assert summary["destinations"] == {"sweep.q": {"dispatched": 500}}
-    assert sorted(m.message_id for m in drain(transport, "sweep.q")) == sorted(f"op-{i}" for i in range(500))
-    assert "sweep.q" not in store.count_scheduled()
+    assert summary["reader"] == used and summary["status"] == "done"
+    assert summary["destinations"] == {queue: {"dispatched": 500}}
+    assert sorted(m.message_id for m in drain(transport, queue)) == sorted(f"op-{i}" for i in range(500))
+    assert queue not in store.count_scheduled()
 
 
 def test_operator_says_how_to_install_what_is_missing(monkeypatch, tmp_path):

@@ -72,8 +72,8 @@ def test_batches_start_small_after_a_wake_and_grow_to_the_batch_size():
     transport = Sizes()
     store = setup(transport, 700)
     Pump(store, transport, PumpConfig(batch_size=200, first_batch_size=10)).run(stop_when_idle=True)
-    assert transport.sizes == [10, 20, 40, 80, 160, 200, 190]  # the head of a burst goes out at once
-    # A burst due while the pump sleeps: it wakes at the due time and starts small again.
+    assert transport.sizes == [200, 200, 200, 100]  # a backlog at the start: full batches
+    # A burst due while the pump sleeps: it wakes at the due time, and the head of the burst goes out first.
     transport.sizes.clear()
     store.store([DelayedMessage("orders", b"x", utcnow() + timedelta(seconds=0.3), message_id=f"b-{i}")
                  for i in range(100)])

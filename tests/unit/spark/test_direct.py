@@ -1,0 +1,88 @@
+"""The direct reader's partitions, run in this process (no Spark): each leases its id range of the window,
+reads it from the store itself and sends it, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from datetime import timedelta
+
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.spark import sweep as sweep_app
+from tests.helpers import drain, make_store, make_transport
+
+
+def due(n: int, destination: str = "orders", prefix: str = "m") -> list[DelayedMessage]:
+    at = utcnow() - timedelta(seconds=5)
+    return [DelayedMessage(destination, f"body-{i}".encode(), at, {"n": str(i)}, f"{prefix}-{i}") for i in range(n)]
+
+
+def run_partitions(db, claim_id: str, parts: int) -> list[dict]:
+    """Open a sweep of everything due, plan it and run each partition on its range, as Spark would."""
+    url, schema, table = db
+    store = make_store(*db)
+    store.open_sweep(claim_id, utcnow() + timedelta(minutes=1), lease_seconds=60)
+    low, high, _ = store.window_range(claim_id)
+    ranges = sweep_app.split_range(low, high, parts)
+    secret = {"store": {"url": url, "table": table, "schema": schema},
+              "transport": {"kind": "sql", "url": url, "schema": schema, "table_prefix": f"{table}_"}}
+    settings = {"pump": {"batch_size": 100, "number_of_retries": 0, "error_queue": "error"},
+                "delivery_policy": None, "destination_policies": {}, "deadline_us": None, "partitions": len(ranges)}
+    run = sweep_app.sweep_ranges(secret, claim_id, settings)
+    return [json.loads(line) for span in ranges for line in run(iter([span]))]
+
+
+def test_each_partition_leases_reads_and_sends_its_range_once(db, monkeypatch):
+    monkeypatch.setattr(sweep_app, "PAGE_ROWS", 70)  # several pages per partition
+    store = make_store(*db)
+    transport = make_transport(*db, "orders", "refunds", "error")
+    store.store(due(600) + due(400, "refunds", "r") + due(3, "gone", "g"))
+    store.store([DelayedMessage("orders", b"later", utcnow() + timedelta(hours=1), message_id="later")])
+    assert store.window_range("none") == (0, -1, 0)  # no such sweep: nothing to plan
+
+    parts = run_partitions(db, "direct-1", 3)
+    assert sum(p["claimed"] for p in parts) == 1003 and sum(p["dispatched"] for p in parts) == 1000
+    assert sum(p["dead_lettered"] for p in parts) == 3 and not any(p["skipped"] for p in parts)
+    ids = Counter(m.message_id for q in ("orders", "refunds") for m in drain(transport, q))
+    assert len(ids) == 1000 and set(ids.values()) == {1}
+    assert sorted(m.message_id for m in drain(transport, "error")) == ["g-0", "g-1", "g-2"]
+    assert store.sweep_record("direct-1")["claimed"] == 1003
+    assert store.sweep_progress("direct-1") == (1003, 0)
+    assert store.count_scheduled() == {"orders": 1}  # due in an hour: not leased
+
+    again = run_partitions(db, "direct-2", 3)
+    assert again == []  # a re-run of the window plans nothing
+
+
+def test_partitions_take_over_an_expired_lease_and_lease_nothing_for_a_finished_sweep(db):
+    store = make_store(*db)
+    transport = make_transport(*db, "orders", "error")
+    store.store(due(300))
+    store.start_sweep("crashed", utcnow() + timedelta(minutes=1), lease_seconds=0.001)  # expires at once
+    store.store(due(100, prefix="n"))
+
+    store.open_sweep("finished", utcnow() + timedelta(minutes=1))
+    store.finish_sweep("finished", "killed", {})
+    assert store.lease_range("finished", 0, 10**9) == {"claimed": 0, "taken_over": 0}
+
+    parts = run_partitions(db, "rescue", 2)
+    assert sum(p["taken_over"] for p in parts) == 300 and sum(p["claimed"] for p in parts) == 400
+    record = store.sweep_record("rescue")
+    assert (record["claimed"], record["taken_over"]) == (400, 300)
+    assert len({m.message_id for m in drain(transport, "orders")}) == 400
+
+
+def test_sparse_ids_are_leased_and_read_by_rows_not_by_id_steps(db, monkeypatch):
+    monkeypatch.setattr(sweep_app, "PAGE_ROWS", 4)
+    store = make_store(*db)
+    later = utcnow() + timedelta(hours=1)
+    for i in range(40):  # every other id is due later: the window's ids are sparse
+        store.store(due(1, prefix=f"d{i}") + [DelayedMessage("orders", b"x", later, message_id=f"later-{i}")])
+    store.open_sweep("sparse", utcnow() + timedelta(minutes=1))
+    low, high, n = store.window_range("sparse")
+    assert n == 40 and high - low == 78
+    assert store.lease_range("sparse", low, high, step=7) == {"claimed": 40, "taken_over": 0}
+    rows = list(sweep_app.claimed_pages(store, "sparse", low, high))
+    assert [row[1] for row in rows] == [f"d{i}-0" for i in range(40)]
+    assert store.sweep_progress("sparse") == (40, 40)
