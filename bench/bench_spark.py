@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_rabbitmq import rabbitmqctl, raw_windowed  # noqa: E402
 from bench_store import libpq, log, peak_rss_mb, raw_claim, raw_copy, raw_rows  # noqa: E402
+from machine import describe, machine  # noqa: E402
 
 from airflow_delay_provider.core.pump import Pump, PumpConfig  # noqa: E402
 from airflow_delay_provider.spark import sweep as sweep_app  # noqa: E402
@@ -137,6 +138,7 @@ def main() -> None:
         pump_child(*args.pump_child)
         return
     n, url = args.messages, args.url
+    header = describe(machine(url, rabbitmq=True))
     schema, table, vhost = f"bench_spark_{uuid.uuid4().hex[:8]}", "dm", f"bench_spark_{uuid.uuid4().hex[:8]}"
     store = SqlDelayedMessageStore(url, table=table, schema=schema)
     store.create_schema()
@@ -191,14 +193,15 @@ def main() -> None:
         rabbitmqctl("delete_vhost", vhost)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"messages": n, "results": results}, indent=2))
-    report(n, results)
+    report(n, results, header)
 
 
-def report(n: int, results: dict[str, dict]) -> None:
+def report(n: int, results: dict[str, dict], header: str) -> None:
     def mb(r: dict, key: str) -> str:
         return f"{r[key]:,.0f}" if key in r else "-"
 
-    print(f"\nBulk sweep of {n:,} due messages, PostgreSQL store, {os.cpu_count()} cores (one run)\n")
+    print(f"\n{header}\nBulk sweep of {n:,} due messages, PostgreSQL store, one run; wall time includes Spark's "
+          "start-up\n")
     print("| destination: runner | wall s | msg/s | JVM MB | Python driver MB | Python workers MB |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, r in results.items():
