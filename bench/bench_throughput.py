@@ -515,7 +515,8 @@ def report(r: dict, args) -> None:
     enqueued = [x["first_enqueued_ms"] for x in runs if "first_enqueued_ms" in x]
     if enqueued:
         print(f"\nSQL-table queue: the pump inserted the first row {statistics.median(enqueued):.1f} ms after the due "
-              "time (p50 of the runs, from the row's enqueued_at); the rest is the commit and the poll.")
+              "time (p50 of the runs, from the row's enqueued_at, on the database's clock); the rest is the commit "
+              "and the consumer's poll.")
 
 
 def plot(r: dict, path: Path) -> None:

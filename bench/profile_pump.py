@@ -91,6 +91,10 @@ STAGES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "airflow_delay_provider/stores/sql.py:claim_due>sqlalchemy/engine/base.py:execute",
         "airflow_delay_provider/stores/sql.py:claim_due>sqlalchemy/engine/result.py:all",
     )),
+    ("move", "the SQL path's claim and queue insert in one statement (SqlTableTransport.move_due), rows never "
+             "in Python", (
+        "airflow_delay_provider/transports/sql.py:move_due",
+    )),
     ("settle/commit", "Pump._settle, claim removal and restore, the transaction commit", (
         "airflow_delay_provider/core/pump.py:_settle",
         "airflow_delay_provider/stores/sql.py:restore_unsettled",

@@ -24,6 +24,7 @@ from sqlalchemy import (
     Table,
     Text,
     case,
+    cast,
     delete,
     func,
     insert,
@@ -137,8 +138,10 @@ class SqlTableTransport(SqlDatabase, Transport):
         claimed = (delete(t).where(store.claimed(due))
                    .returning(t.c.id, t.c.destination, t.c.message_id, t.c.body, t.c.headers, t.c.due_at_us)
                    .cte("claimed"))
-        # Enqueued at the claim's moment on the store's clock: never before a moved message's due time.
-        enqueued = literal(to_us(now), BigInteger)
+        # Enqueued when inserted, on the database's clock, and never before the claim's moment (so never before
+        # a moved message's due time, whatever the offset between this host's clock and the database's).
+        inserted_us = cast(func.extract("epoch", func.clock_timestamp()) * 1_000_000, BigInteger)
+        enqueued = func.greatest(literal(to_us(now), BigInteger), inserted_us)
         rows = select(claimed.c.destination, claimed.c.message_id, claimed.c.body, claimed.c.headers,
                       claimed.c.due_at_us, enqueued, enqueued).order_by(claimed.c.due_at_us, claimed.c.id)
         # Queue order (seq) is due order, as when the pump inserts a claimed batch itself.
