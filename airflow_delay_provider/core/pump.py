@@ -418,13 +418,7 @@ class Pump:
             self.fetch_breaker.failure(exc)
             return None
         self.fetch_breaker.success()
-        stats = PumpStats(batches=1 if moved else 0)
-        sent_at = self._clock()
-        for destination, due_at in moved:
-            stats.dispatched += 1
-            stats.count(destination, "dispatched")
-            stats.lateness.add((sent_at - due_at).total_seconds())
-        return stats
+        return moved_stats(moved, self._clock())
 
     def _run(
         self,
@@ -521,6 +515,16 @@ class Pump:
         eta = f", ETA {backlog / rate:.0f} s" if backlog and rate > 0 else ""
         log.info("dispatched %d (%.0f msg/s), retrying %d, dead-lettered %d; %d due now%s",
                  stats.dispatched, rate, stats.retried, stats.dead_lettered, backlog, eta)
+
+
+def moved_stats(moved: list[tuple[str, datetime]], sent_at: datetime) -> PumpStats:
+    """The counts of a batch a transport moved itself ((destination, due time) per message)."""
+    stats = PumpStats(batches=1 if moved else 0)
+    for destination, due_at in moved:
+        stats.dispatched += 1
+        stats.count(destination, "dispatched")
+        stats.lateness.add((sent_at - due_at).total_seconds())
+    return stats
 
 
 #: Later than any due time: claiming "due by then" claims everything stored.

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from airflow_delay_provider.core.errors import InvalidInputError
-from airflow_delay_provider.core.pump import Pump, PumpConfig
+from airflow_delay_provider.core.pump import Pump, PumpConfig, moved_stats
 from airflow_delay_provider.core.requests import parse_moment
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.core.stats import PumpStats
@@ -203,6 +203,33 @@ def claimed_pages(store: SqlDelayedMessageStore, claim_id: str, low: int, high: 
         low = page[-1][0] + 1
 
 
+def move_rows(store: SqlDelayedMessageStore, transport, claim_id: str, spans: list[tuple[int, int]],
+              settings: dict) -> PumpStats:
+    """Where the destinations are SQL-table queues of the store's database, the partition's rows are moved
+    into them by one statement per batch, exactly once, as the pump does (rows never come to Python);
+    throttled destinations and missing queues are left to the Pump over the rest (pump_rows)."""
+    if not transport.moves_from(store):
+        return PumpStats()
+    given = DeliveryPolicy.parse_each(settings["destination_policies"])
+    if settings["delivery_policy"] is not None and DeliveryPolicy.parse(settings["delivery_policy"]) \
+            .max_receives_per_second is not None:
+        return PumpStats()  # every destination is throttled
+    # Stored policies as stored: one with a throttle (or one that is malformed) is left to the Pump.
+    throttled = {d for d, p in store.policies().items()
+                 if not isinstance(p, dict) or (p.get("throttlePolicy") or {}).get("maxReceivesPerSecond") is not None}
+    throttled |= {d for d, p in given.items() if p.max_receives_per_second is not None}
+    batch = settings["pump"]["batch_size"]
+    deadline = None if settings["deadline_us"] is None else from_us(settings["deadline_us"])
+    stats = PumpStats()
+    for low, high in spans:
+        while deadline is None or store.clock() < deadline:
+            moved = transport.move_swept(store, claim_id, low, high, batch, throttled)
+            stats.merge(moved_stats(moved, store.clock()))
+            if len(moved) < batch:
+                break
+    return stats
+
+
 def sweep_ranges(secret: dict, claim_id: str, settings: dict) -> Callable[[Iterator[tuple[int, int]]], Iterator[str]]:
     """The function mapPartitions runs once per partition of id ranges (reader "direct"): lease the ranges,
     then a Pump over their rows, read here; yields the counts as JSON, with what was leased and taken over.
@@ -217,8 +244,12 @@ def sweep_ranges(secret: dict, claim_id: str, settings: dict) -> Callable[[Itera
         transport = from_spec(secret["transport"])
         try:
             leases = [store.lease_range(claim_id, low, high) for low, high in spans]
+            moved = move_rows(store, transport, claim_id, spans, settings)
             rows = (row for low, high in spans for row in claimed_pages(store, claim_id, low, high))
             counts = pump_rows(store, transport, claim_id, rows, settings)
+            if moved.dispatched:
+                moved.merge(PumpStats.from_dict(counts))
+                counts = {**moved.to_dict(), "skipped": counts["skipped"]}
         finally:
             transport.close()
             store.close()

@@ -133,9 +133,23 @@ class SqlTableTransport(SqlDatabase, Transport):
         queue table (`WITH claimed AS (DELETE ... RETURNING ...) INSERT ... SELECT FROM claimed`): the claim and
         the send of the pump's exactly-once path, without the rows coming to Python and going back."""
         assert isinstance(store, SqlDelayedMessageStore)
+        return self._move(store, store.due_ids(now, limit, due_before, exclude), now)
+
+    def move_swept(self, store: SqlDelayedMessageStore, claim_id: str, low: int, high: int, limit: int,
+                   exclude: Collection[str] = ()) -> list[tuple[str, datetime]]:
+        """move_due for a sweep's partition: up to `limit` rows the sweep `claim_id` still holds with
+        low <= id <= high, in id order (rows another sweep took over after this lease expired stay theirs)."""
+        t = store.table
+        ids = select(t.c.id).where(t.c.claim_id == claim_id, t.c.id >= low, t.c.id <= high)
+        if exclude:
+            ids = ids.where(t.c.destination.not_in(list(exclude)))
+        ids = ids.order_by(t.c.id).limit(limit).with_for_update(skip_locked=True)
+        return self._move(store, ids, store.clock())
+
+    def _move(self, store: SqlDelayedMessageStore, ids, now: datetime) -> list[tuple[str, datetime]]:
         t, q = store.table, self.messages
-        due = store.due_ids(now, limit, due_before, exclude).where(t.c.destination.in_(select(self.queues.c.name)))
-        claimed = (delete(t).where(store.claimed(due))
+        ids = ids.where(t.c.destination.in_(select(self.queues.c.name)))  # other destinations: dead-lettered
+        claimed = (delete(t).where(store.claimed(ids))
                    .returning(t.c.id, t.c.destination, t.c.message_id, t.c.body, t.c.headers, t.c.due_at_us)
                    .cte("claimed"))
         # Enqueued when inserted, on the database's clock, and never before the claim's moment (so never before

@@ -86,3 +86,31 @@ def test_sparse_ids_are_leased_and_read_by_rows_not_by_id_steps(db, monkeypatch)
     rows = list(sweep_app.claimed_pages(store, "sparse", low, high))
     assert [row[1] for row in rows] == [f"d{i}-0" for i in range(40)]
     assert store.sweep_progress("sparse") == (40, 40)
+
+
+def test_partitions_move_rows_into_queues_of_the_store_database_in_one_statement(pg, monkeypatch):
+    """PostgreSQL with the queues beside the store: a partition moves its rows by statement (move_swept), not
+    through Python; a throttled destination and a missing queue are left to the Pump over the rest."""
+    from airflow_delay_provider.transports.sql import SqlTableTransport
+
+    calls = []
+    move_swept = SqlTableTransport.move_swept
+
+    def recording(self, store, claim_id, low, high, limit, exclude=()):
+        moved = move_swept(self, store, claim_id, low, high, limit, exclude)
+        calls.append(({d for d, _ in moved}, set(exclude)))
+        return moved
+
+    monkeypatch.setattr(SqlTableTransport, "move_swept", recording)
+    store = make_store(*pg)
+    transport = make_transport(*pg, "orders", "slow", "error")
+    store.set_policies({"slow": {"throttlePolicy": {"maxReceivesPerSecond": 1000}}})
+    store.store(due(500) + due(5, "slow", "s") + due(2, "gone", "g"))
+    parts = run_partitions(pg, "move-1", 2)
+    assert sum(p["dispatched"] for p in parts) == 505 and sum(p["dead_lettered"] for p in parts) == 2
+    moved = set().union(*(m for m, _ in calls))
+    assert moved == {"orders"} and all(exclude == {"slow"} for _, exclude in calls)
+    ids = Counter(m.message_id for m in drain(transport, "orders"))
+    assert len(ids) == 500 and set(ids.values()) == {1}
+    assert len(drain(transport, "slow")) == 5 and len(drain(transport, "error")) == 2
+    assert store.count_scheduled() == {} and store.sweep_progress("move-1") == (507, 0)
