@@ -31,7 +31,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Hashable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
-from functools import cached_property
 from typing import Any
 
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
@@ -40,8 +39,9 @@ from airflow.triggers.shared_stream import AdvanceItem, AdvanceOutcome, SharedSt
 from airflow_delay_provider.core.errors import CriticalError, InvalidInputError
 from airflow_delay_provider.core.message import HEADER_FIRST_FAILED_AT, DelayedMessage, check_destination
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy, PolicyError
-from airflow_delay_provider.hooks.delay_store import DEFAULT_CONN_ID, DelayStoreHook
+from airflow_delay_provider.hooks.delay_store import DEFAULT_CONN_ID, DelayStoreMixin
 from airflow_delay_provider.stores.event_leases import EVENT_PREFIX, is_event_destination
+from airflow_delay_provider.triggers.base import SerializedFields
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def _positive(name: str, value: Any, low: float, high: float) -> float:
     return float(value)
 
 
-class DueMessageEventTrigger(BaseEventTrigger):
+class DueMessageEventTrigger(DelayStoreMixin, SerializedFields, BaseEventTrigger):
     """Fire one event per due message of an event destination of the store (for an AssetWatcher).
 
     :param destination: the destination to watch; must start with `airflow.asset.` (pumps and sweeps leave
@@ -190,7 +190,7 @@ class DueMessageEventTrigger(BaseEventTrigger):
         run_timeout: float = 300.0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(delay_store_conn_id=delay_store_conn_id, table=table, db_schema=db_schema, **kwargs)
         check_destination(destination)
         if not is_event_destination(destination):
             raise InvalidInputError(
@@ -201,9 +201,6 @@ class DueMessageEventTrigger(BaseEventTrigger):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= 1000:
             raise InvalidInputError(f"batch_size must be an int in 1..1000, got {batch_size!r}")
         self.destination = destination
-        self.delay_store_conn_id = delay_store_conn_id
-        self.table = table
-        self.db_schema = db_schema
         self.batch_size = batch_size
         self.lease_seconds = _positive("lease_seconds", lease_seconds, 5, 3600)
         self.min_event_interval = _positive("min_event_interval", min_event_interval, 0, 60)
@@ -223,15 +220,6 @@ class DueMessageEventTrigger(BaseEventTrigger):
             raise InvalidInputError(f"run_dag_id must be a DAG id or None, got {run_dag_id!r}")
         self.run_dag_id = run_dag_id
         self.run_timeout = _positive("run_timeout", run_timeout, 1, 86_400)
-
-    # -- what Airflow stores and compares ---------------------------------------------------------
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        classpath = f"{type(self).__module__}.{type(self).__qualname__}"
-        return classpath, {f: getattr(self, f) for f in self.serialized_fields}
-
-    @cached_property
-    def hook(self) -> DelayStoreHook:
-        return DelayStoreHook(self.delay_store_conn_id, table=self.table, db_schema=self.db_schema)
 
     # -- ack mode -----------------------------------------------------------------------------------
     def shared_stream_key(self) -> Hashable | None:

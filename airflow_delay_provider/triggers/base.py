@@ -62,9 +62,8 @@ async def sleep_until_next_poll(poll_interval: float, deadline: datetime | None)
     return True
 
 
-class DelayTrigger(BaseTrigger):
-    """The base of this provider's triggers: serialised from `serialized_fields`, one final event built by
-    `event()` from a status and fields, `error_event()` for a failure, held by `hold_final_event`."""
+class SerializedFields:
+    """A trigger serialised from `serialized_fields` (for task triggers and asset watchers' event triggers)."""
 
     #: The constructor arguments `serialize()` returns, each also an attribute of the same name. Triggers
     #: serialised by an older version are rebuilt from these kwargs: add fields with defaults only.
@@ -73,6 +72,11 @@ class DelayTrigger(BaseTrigger):
     def serialize(self) -> tuple[str, dict[str, Any]]:
         classpath = f"{type(self).__module__}.{type(self).__qualname__}"
         return classpath, {f: getattr(self, f) for f in self.serialized_fields}
+
+
+class DelayTrigger(SerializedFields, BaseTrigger):
+    """The base of this provider's triggers: serialised from `serialized_fields`, one final event built by
+    `event()` from a status and fields, `error_event()` for a failure, held by `hold_final_event`."""
 
     def event(self, status: str, **fields: Any) -> TriggerEvent:
         """The event with `status` (what the task's execute_complete looks at first) and `fields`."""
