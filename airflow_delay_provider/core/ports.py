@@ -250,10 +250,11 @@ class Transport(ABC):
         return False
 
     def move_due(self, store: DelayedMessageStore, now: datetime, limit: int, due_before: datetime | None = None,
-                 exclude: Collection[str] = ()) -> list[tuple[str, datetime]]:
+                 exclude: Collection[str] = ()) -> list[tuple[str, datetime, int]]:
         """Move up to `limit` of the store's messages due at `now` (not those of `exclude`), to destinations
-        this transport has, in one transaction: exactly once. Returns (destination, due time) of each moved
-        message; messages to other destinations stay for the pump's claims (which dead-letter them)."""
+        this transport has, in one transaction: exactly once. Returns (destination, due time, how many) for
+        the moved messages, grouped by destination and due time; messages to other destinations stay for the
+        pump's claims (which dead-letter them)."""
         raise NotImplementedError(f"transport {self.name!r} cannot move messages inside the store")
 
     def close(self) -> None:  # noqa: B027 - optional: a transport without connections has nothing to release

@@ -156,6 +156,7 @@ class Pump:
         self.pipelined = transport.pipelined and store.concurrent_claims and not self.exactly_once
         # Set by run(): the transport moves due messages inside the store's database itself (see _move).
         self._moves = False
+        self._exclusions: set[str] | None = None
         self._inflight: _InFlight | None = None
 
     def from_host_time(self, moment: datetime) -> datetime:
@@ -178,6 +179,15 @@ class Pump:
                 self._stored_policies[destination] = DeliveryPolicy.from_dict(data)
             except PolicyError as exc:
                 log.error("ignoring the stored delivery policy of %s: %s", destination, exc)
+
+    def move_exclusions(self) -> set[str] | None:
+        """The destinations a transport's move must leave to claims, read with the store's policies: the throttled
+        ones, which go at their rate. None when the default policy is throttled: nothing may be moved."""
+        self._load_stored_policies()
+        if self.policy.max_receives_per_second is not None:
+            return None
+        policies = {**self._stored_policies, **self.policies}
+        return {d for d, p in policies.items() if p.max_receives_per_second is not None}
 
     def _bucket(self, destination: str) -> TokenBucket | SharedBucket | None:
         rate = self.policy_for(destination).max_receives_per_second
@@ -371,9 +381,8 @@ class Pump:
         with the next due time, so a caller can defer instead of holding a worker.
         """
         stats = PumpStats()
-        self._load_stored_policies()
-        self._moves = (self.exactly_once and self.transport.moves_from(self.store)
-                       and self.policy.max_receives_per_second is None)
+        self._exclusions = self.move_exclusions()
+        self._moves = self.exactly_once and self._exclusions is not None and self.transport.moves_from(self.store)
         try:
             return self._run(stats, deadline, max_messages, due_before, max_wait, stop_when_idle)
         finally:
@@ -407,10 +416,8 @@ class Pump:
         transport moves the due rows in one statement, so none passes through here (nothing can fail per
         message but a missing queue, whose rows it leaves for a claim to dead-letter). Throttled
         destinations are left to claims too. None: the store failed."""
-        throttled = {d for d, p in {**self._stored_policies, **self.policies}.items()
-                     if p.max_receives_per_second is not None}
         try:
-            moved = self.transport.move_due(self.store, self._clock(), limit, due_before, throttled)
+            moved = self.transport.move_due(self.store, self._clock(), limit, due_before, self._exclusions or ())
         except CriticalError:
             raise
         except Exception as exc:
@@ -517,13 +524,13 @@ class Pump:
                  stats.dispatched, rate, stats.retried, stats.dead_lettered, backlog, eta)
 
 
-def moved_stats(moved: list[tuple[str, datetime]], sent_at: datetime) -> PumpStats:
-    """The counts of a batch a transport moved itself ((destination, due time) per message)."""
+def moved_stats(moved: list[tuple[str, datetime, int]], sent_at: datetime) -> PumpStats:
+    """The counts of a batch a transport moved itself ((destination, due time, how many) per group)."""
     stats = PumpStats(batches=1 if moved else 0)
-    for destination, due_at in moved:
-        stats.dispatched += 1
-        stats.count(destination, "dispatched")
-        stats.lateness.add((sent_at - due_at).total_seconds())
+    for destination, due_at, n in moved:
+        stats.dispatched += n
+        stats.count(destination, "dispatched", n)
+        stats.lateness.add((sent_at - due_at).total_seconds(), n)
     return stats
 
 

@@ -27,10 +27,11 @@ class LatenessHistogram:
     count: int = 0
     max_seconds: float = 0.0
 
-    def add(self, seconds: float) -> None:
+    def add(self, seconds: float, n: int = 1) -> None:
+        """Record `n` messages `seconds` late."""
         k = _bucket(seconds)
-        self.buckets[k] = self.buckets.get(k, 0) + 1
-        self.count += 1
+        self.buckets[k] = self.buckets.get(k, 0) + n
+        self.count += n
         self.max_seconds = max(self.max_seconds, seconds)
 
     def merge(self, other: LatenessHistogram) -> None:

@@ -6,10 +6,12 @@ With the direct reader (the default):
    the window's rows (`window_range`), cuts it into one range per partition, and renews the lease
    while rows are being settled; the pump and other sweeps leave leased rows alone, and a crashed
    sweep's rows are taken over once its lease expires.
-2. Each partition, in a Python worker with its own store and transport connections, leases its id
-   range (`lease_range`), reads its rows page by page and runs a Pump over them (`LeasedRows`): batches
-   sent and settled under row locks, the delivery policy for failures, the error queue when exhausted.
-   Only its counts (a line of JSON) go back through Spark; no message crosses the JVM.
+2. Each partition, in a Python worker with its own store and transport connections, works on its id
+   range: rows bound for SQL-table queues in the store's own database are leased and moved by one
+   statement per batch (`SqlTableTransport.move_window`); the rest is leased (`lease_range`), read page
+   by page and sent by a Pump (`LeasedRows`): batches sent and settled under row locks, the delivery
+   policy for failures, the error queue when exhausted. Only its counts (a line of JSON) go back
+   through Spark; no message crosses the JVM.
 3. The driver sums the partitions' counts, releases what is left of the claim and records the summary
    in the store's sweeps table, where the Airflow operator reads it.
 
@@ -36,6 +38,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from airflow_delay_provider.core.errors import InvalidInputError
+from airflow_delay_provider.core.ports import DelayedMessageStore
 from airflow_delay_provider.core.pump import Pump, PumpConfig, moved_stats
 from airflow_delay_provider.core.requests import parse_moment
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
@@ -151,16 +154,22 @@ def read_claim(spark, store: SqlDelayedMessageStore, claim_id: str, ranges: list
 
 
 # -- dispatching a partition (runs in the executors) -------------------------------------------
+def partition_pump(store: DelayedMessageStore, transport, settings: dict) -> Pump:
+    """The Pump of one partition over `store` (its leased rows), with the sweep's policies and its share of
+    each throttled destination's rate."""
+    return Pump(
+        store, transport, PumpConfig(**settings["pump"]),
+        policy=None if settings["delivery_policy"] is None else DeliveryPolicy.parse(settings["delivery_policy"]),
+        policies=DeliveryPolicy.parse_each(settings["destination_policies"]),
+        throttle_share=1.0 / settings["partitions"],
+    )
+
+
 def pump_rows(store: SqlDelayedMessageStore, transport, claim_id: str, rows: Iterator[tuple], settings: dict) -> dict:
     """A Pump over one partition's claimed rows (SWEEP_COLUMNS tuples) until they are settled or the sweep's
     deadline passes; returns its counts."""
     leased = store.leased_rows(claim_id, rows)
-    policies = DeliveryPolicy.parse_each(settings["destination_policies"])
-    pump = Pump(
-        leased, transport, PumpConfig(**settings["pump"]),
-        policy=None if settings["delivery_policy"] is None else DeliveryPolicy.parse(settings["delivery_policy"]),
-        policies=policies, throttle_share=1.0 / settings["partitions"],
-    )
+    pump = partition_pump(leased, transport, settings)
     stats = PumpStats()
     # Past the sweep's maximum duration a partition stops; the driver releases what is left.
     deadline = None if settings["deadline_us"] is None else from_us(settings["deadline_us"])
@@ -204,38 +213,42 @@ def claimed_pages(store: SqlDelayedMessageStore, claim_id: str, low: int, high: 
 
 
 def move_rows(store: SqlDelayedMessageStore, transport, claim_id: str, spans: list[tuple[int, int]],
-              settings: dict) -> PumpStats:
-    """Where the destinations are SQL-table queues of the store's database, the partition's rows are moved
-    into them by one statement per batch, exactly once, as the pump does (rows never come to Python);
-    throttled destinations and missing queues are left to the Pump over the rest (pump_rows)."""
+              settings: dict) -> tuple[PumpStats, dict]:
+    """Where the destinations are SQL-table queues of the store's database, the partition's rows are leased and
+    moved into them by one statement per batch, exactly once, as the pump moves them: rows never come to Python
+    and no lease is written row by row. Throttled destinations (the same rule as the pump's), missing queues
+    and rows others held at that moment are left to the lease and the Pump over the rest (pump_rows).
+    Returns the counts and {"claimed": n, "taken_over": m} of the rows moved."""
+    stats, leased = PumpStats(), {"claimed": 0, "taken_over": 0}
     if not transport.moves_from(store):
-        return PumpStats()
-    given = DeliveryPolicy.parse_each(settings["destination_policies"])
-    if settings["delivery_policy"] is not None and DeliveryPolicy.parse(settings["delivery_policy"]) \
-            .max_receives_per_second is not None:
-        return PumpStats()  # every destination is throttled
-    # Stored policies as stored: one with a throttle (or one that is malformed) is left to the Pump.
-    throttled = {d for d, p in store.policies().items()
-                 if not isinstance(p, dict) or (p.get("throttlePolicy") or {}).get("maxReceivesPerSecond") is not None}
-    throttled |= {d for d, p in given.items() if p.max_receives_per_second is not None}
+        return stats, leased
+    excluded = partition_pump(store, transport, settings).move_exclusions()
+    if excluded is None:
+        return stats, leased  # every destination is throttled
     batch = settings["pump"]["batch_size"]
     deadline = None if settings["deadline_us"] is None else from_us(settings["deadline_us"])
-    stats = PumpStats()
     for low, high in spans:
         while deadline is None or store.clock() < deadline:
-            moved = transport.move_swept(store, claim_id, low, high, batch, throttled)
+            got = transport.move_window(store, claim_id, low, high, batch, excluded)
+            if got is None:
+                return stats, leased  # the sweep finished meanwhile
+            moved, taken_over = got
             stats.merge(moved_stats(moved, store.clock()))
-            if len(moved) < batch:
+            n = sum(count for _, _, count in moved)
+            leased["claimed"] += n
+            leased["taken_over"] += taken_over
+            if n < batch:
                 break
-    return stats
+    return stats, leased
 
 
 def sweep_ranges(secret: dict, claim_id: str, settings: dict) -> Callable[[Iterator[tuple[int, int]]], Iterator[str]]:
-    """The function mapPartitions runs once per partition of id ranges (reader "direct"): lease the ranges,
-    then a Pump over their rows, read here; yields the counts as JSON, with what was leased and taken over.
+    """The function mapPartitions runs once per partition of id ranges (reader "direct"): move what can be moved
+    inside the database (move_rows), lease the rest of the ranges, then a Pump over their rows, read here;
+    yields the counts as JSON, with what was leased and taken over.
 
-    A partition leases its whole range before sending, even past the deadline, so that the window is the
-    sweep's as with the other readers: whatever is not sent is released by the driver at the end."""
+    After the moves a partition leases the rest of its ranges before sending, even past the deadline, so that
+    the window is the sweep's as with the other readers: whatever is not sent is released by the driver."""
 
     def run(ranges: Iterator[tuple[int, int]]) -> Iterator[str]:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -243,8 +256,10 @@ def sweep_ranges(secret: dict, claim_id: str, settings: dict) -> Callable[[Itera
         store = store_from_spec(secret["store"])
         transport = from_spec(secret["transport"])
         try:
-            leases = [store.lease_range(claim_id, low, high) for low, high in spans]
-            moved = move_rows(store, transport, claim_id, spans, settings)
+            moved, leases = move_rows(store, transport, claim_id, spans, settings)
+            for low, high in spans:
+                lease = store.lease_range(claim_id, low, high)
+                leases = {k: leases[k] + lease[k] for k in leases}
             rows = (row for low, high in spans for row in claimed_pages(store, claim_id, low, high))
             counts = pump_rows(store, transport, claim_id, rows, settings)
             if moved.dispatched:
@@ -253,8 +268,7 @@ def sweep_ranges(secret: dict, claim_id: str, settings: dict) -> Callable[[Itera
         finally:
             transport.close()
             store.close()
-        yield json.dumps({**counts, "claimed": sum(lease["claimed"] for lease in leases),
-                          "taken_over": sum(lease["taken_over"] for lease in leases)})
+        yield json.dumps({**counts, **leases})
 
     return run
 
@@ -334,7 +348,8 @@ def _policy_arg(value: str | None):
 
 
 def sweep(spark, secret: dict, args: argparse.Namespace) -> dict:
-    """Run one sweep on `spark`; returns the summary (also recorded in the store's sweeps table)."""
+    """Run one sweep on `spark` (a SparkSession, or a SparkContext for the direct reader); returns the summary
+    (also recorded in the store's sweeps table)."""
     claim_id = check_claim_id(args.claim_id or uuid.uuid4().hex)
     due_before = parse_moment(args.due_before, "due_before")
     due_from = parse_moment(args.due_from, "due_from")
@@ -380,14 +395,15 @@ def sweep(spark, secret: dict, args: argparse.Namespace) -> dict:
     keeper = None
     try:
         if total:
-            partitions = args.partitions or 2 * spark.sparkContext.defaultParallelism
+            context = getattr(spark, "sparkContext", spark)
+            partitions = args.partitions or 2 * context.defaultParallelism
             ranges = split_range(low, high, partitions)
             settings["partitions"] = len(ranges)
             summary.update(reader=reader, partitions=len(ranges))
             keeper = LeaseKeeper(store, claim_id, args.lease_seconds, total, args.progress_seconds)
             keeper.start()
             if reader == "direct":
-                results = (spark.sparkContext.parallelize(ranges, len(ranges))
+                results = (context.parallelize(ranges, len(ranges))
                            .mapPartitions(sweep_ranges(secret, claim_id, settings)).collect())
             else:
                 frame = read_claim(spark, store, claim_id, ranges, reader)
@@ -428,9 +444,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     secret = load_secret()
-    from pyspark.sql import SparkSession
+    name = f"airflow-delay-sweep-{args.claim_id or 'adhoc'}"
+    if args.reader in ("auto", "direct"):
+        # The direct reader only runs functions over id ranges: a SparkContext, without a SQL session's start-up
+        # (about 2 s measured on local[2]).
+        from pyspark import SparkConf, SparkContext
 
-    spark = SparkSession.builder.appName(f"airflow-delay-sweep-{args.claim_id or 'adhoc'}").getOrCreate()
+        spark = SparkContext.getOrCreate(SparkConf().setAppName(name))
+    else:
+        from pyspark.sql import SparkSession
+
+        spark = SparkSession.builder.appName(name).getOrCreate()
     try:
         summary = sweep(spark, secret, args)
     finally:

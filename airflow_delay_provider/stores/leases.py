@@ -142,6 +142,27 @@ class SweepLeases:
                                         .where(*leasable)).one()
         return (0, -1, 0) if not n else (low, high, n)
 
+    def leasable_ids(self, claim_id: str, low: int, high: int, limit: int, exclude: Collection[str] = ()):
+        """The query of up to `limit` ids, in id order, of rows a running sweep may lease with low <= id <= high
+        (not those of `exclude`), locked, skipping rows others hold: for a move that leases and settles them in
+        one statement (`SqlTableTransport.move_window`). None when the sweep is not running."""
+        t = self.table
+        with self._errors("plan a sweep's move"), self.engine.connect() as conn:
+            leasable = self._open_window(conn, claim_id)
+        if leasable is None:
+            return None
+        ids = select(t.c.id).where(*leasable, t.c.id >= low, t.c.id <= high)
+        if exclude:
+            ids = ids.where(t.c.destination.not_in(list(exclude)))
+        return ids.order_by(t.c.id).limit(limit).with_for_update(skip_locked=True)
+
+    def count_leased(self, claim_id: str, claimed, taken_over):
+        """The statement adding `claimed` rows, `taken_over` of them from expired leases (SQL expressions), to a
+        running sweep's counts; it returns the sweep's id, or no row when the sweep is no longer running."""
+        s = self.sweeps
+        return (update(s).where(s.c.claim_id == claim_id, s.c.status == "running")
+                .values(claimed=s.c.claimed + claimed, taken_over=s.c.taken_over + taken_over).returning(s.c.claim_id))
+
     def lease_range(self, claim_id: str, low: int, high: int, step: int = 10_000) -> dict:
         """Lease to an opened sweep the rows of its window with low <= id <= high (expired leases' rows are
         taken over, rows a pump holds are skipped), the next `step` of them per transaction, so that sparse

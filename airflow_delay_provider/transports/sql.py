@@ -35,6 +35,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection
+from sqlalchemy.sql.expression import CTE, Select
 
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import DestinationNotFoundError
@@ -128,29 +129,45 @@ class SqlTableTransport(SqlDatabase, Transport):
         return isinstance(store, SqlDelayedMessageStore) and store.engine is self.engine and self.is_postgres
 
     def move_due(self, store: DelayedMessageStore, now: datetime, limit: int, due_before: datetime | None = None,
-                 exclude: Collection[str] = ()) -> list[tuple[str, datetime]]:
+                 exclude: Collection[str] = ()) -> list[tuple[str, datetime, int]]:
         """One statement deletes the due rows of provisioned queues from the store and inserts them into the
         queue table (`WITH claimed AS (DELETE ... RETURNING ...) INSERT ... SELECT FROM claimed`): the claim and
         the send of the pump's exactly-once path, without the rows coming to Python and going back."""
         assert isinstance(store, SqlDelayedMessageStore)
-        return self._move(store, store.due_ids(now, limit, due_before, exclude), now)
+        _, counts = self._moving(store, store.due_ids(now, limit, due_before, exclude), now)
+        with store._errors("move due messages into their queues"), store.engine.begin() as conn:
+            return [(queue, from_us(due_us), n) for queue, due_us, n in conn.execute(counts)]
 
-    def move_swept(self, store: SqlDelayedMessageStore, claim_id: str, low: int, high: int, limit: int,
-                   exclude: Collection[str] = ()) -> list[tuple[str, datetime]]:
-        """move_due for a sweep's partition: up to `limit` rows the sweep `claim_id` still holds with
-        low <= id <= high, in id order (rows another sweep took over after this lease expired stay theirs)."""
-        t = store.table
-        ids = select(t.c.id).where(t.c.claim_id == claim_id, t.c.id >= low, t.c.id <= high)
-        if exclude:
-            ids = ids.where(t.c.destination.not_in(list(exclude)))
-        ids = ids.order_by(t.c.id).limit(limit).with_for_update(skip_locked=True)
-        return self._move(store, ids, store.clock())
+    def move_window(self, store: SqlDelayedMessageStore, claim_id: str, low: int, high: int, limit: int,
+                    exclude: Collection[str] = ()) -> tuple[list[tuple[str, datetime, int]], int] | None:
+        """move_due for a sweep's partition: up to `limit` rows of the running sweep's window with
+        low <= id <= high (free, or under another sweep's expired lease), leased and moved in one statement that
+        adds them to the sweep's claimed and taken-over counts, so no lease is written row by row. Returns the
+        moved groups and how many were taken over; None when the sweep is not running (nothing is moved)."""
+        ids = store.leasable_ids(claim_id, low, high, limit, exclude)
+        if ids is None:
+            return None
+        claimed, counts = self._moving(store, ids, store.clock())
+        total = select(func.count()).select_from(claimed).scalar_subquery()
+        taken = select(func.count()).select_from(claimed).where(claimed.c.claim_id.is_not(None)).scalar_subquery()
+        counted = store.count_leased(claim_id, total, taken).cte("counted")
+        counts = counts.add_columns(select(func.count()).select_from(counted).scalar_subquery(), taken)
+        with store._errors("move a sweep's messages into their queues"), store.engine.connect() as conn, \
+                conn.begin() as tx:
+            rows = conn.execute(counts).all()
+            if rows and rows[0][3] == 0:  # the sweep finished meanwhile: its window is no longer its to move
+                tx.rollback()
+                return None
+        return [(queue, from_us(due_us), n) for queue, due_us, n, _, _ in rows], (rows[0][4] if rows else 0)
 
-    def _move(self, store: SqlDelayedMessageStore, ids, now: datetime) -> list[tuple[str, datetime]]:
+    def _moving(self, store: SqlDelayedMessageStore, ids, now: datetime) -> tuple[CTE, Select]:
+        """The move of the rows `ids` selects (those of provisioned queues): the CTE of the rows deleted from
+        the store, and the statement inserting them into the queue table that returns (queue, due time, count)."""
         t, q = store.table, self.messages
         ids = ids.where(t.c.destination.in_(select(self.queues.c.name)))  # other destinations: dead-lettered
         claimed = (delete(t).where(store.claimed(ids))
-                   .returning(t.c.id, t.c.destination, t.c.message_id, t.c.body, t.c.headers, t.c.due_at_us)
+                   .returning(t.c.id, t.c.destination, t.c.message_id, t.c.body, t.c.headers, t.c.due_at_us,
+                              t.c.claim_id)
                    .cte("claimed"))
         # Enqueued when inserted, on the database's clock, and never before the claim's moment (so never before
         # a moved message's due time, whatever the offset between this host's clock and the database's).
@@ -159,9 +176,10 @@ class SqlTableTransport(SqlDatabase, Transport):
         rows = select(claimed.c.destination, claimed.c.message_id, claimed.c.body, claimed.c.headers,
                       claimed.c.due_at_us, enqueued, enqueued).order_by(claimed.c.due_at_us, claimed.c.id)
         # Queue order (seq) is due order, as when the pump inserts a claimed batch itself.
-        moved = insert(q).from_select(_COPY_COLUMNS, rows).returning(q.c.queue, q.c.due_at_us).add_cte(claimed)
-        with store._errors("move due messages into their queues"), store.engine.begin() as conn:
-            return [(queue, from_us(due_us)) for queue, due_us in conn.execute(moved)]
+        moved = insert(q).from_select(_COPY_COLUMNS, rows).returning(q.c.queue, q.c.due_at_us).cte("moved")
+        # Counted per queue and due time in the database: a burst due at one instant comes back as one row.
+        groups = (moved.c.queue, moved.c.due_at_us)
+        return claimed, select(*groups, func.count()).group_by(*groups)
 
     def send(self, messages: Sequence[DelayedMessage], connection: Any = None) -> dict[str, Exception]:
         if not messages:

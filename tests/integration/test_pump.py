@@ -310,7 +310,7 @@ def test_queues_in_the_store_database_are_filled_by_one_statement_exactly_once_i
 
     def recording(store, now, limit, due_before=None, exclude=()):
         moved = move_due(store, now, limit, due_before, exclude)
-        moves.append(({d for d, _ in moved}, set(exclude)))
+        moves.append(({d for d, *_ in moved}, set(exclude)))
         return moved
 
     transport.move_due = recording

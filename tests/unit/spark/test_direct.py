@@ -4,6 +4,7 @@ reads it from the store itself and sends it, on SQLite and PostgreSQL."""
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from datetime import timedelta
 
@@ -89,19 +90,20 @@ def test_sparse_ids_are_leased_and_read_by_rows_not_by_id_steps(db, monkeypatch)
 
 
 def test_partitions_move_rows_into_queues_of_the_store_database_in_one_statement(pg, monkeypatch):
-    """PostgreSQL with the queues beside the store: a partition moves its rows by statement (move_swept), not
-    through Python; a throttled destination and a missing queue are left to the Pump over the rest."""
+    """PostgreSQL with the queues beside the store: a partition leases and moves its rows by statement
+    (move_window), not through Python; a throttled destination and a missing queue are leased and left to the
+    Pump over the rest."""
     from airflow_delay_provider.transports.sql import SqlTableTransport
 
     calls = []
-    move_swept = SqlTableTransport.move_swept
+    move_window = SqlTableTransport.move_window
 
     def recording(self, store, claim_id, low, high, limit, exclude=()):
-        moved = move_swept(self, store, claim_id, low, high, limit, exclude)
-        calls.append(({d for d, _ in moved}, set(exclude)))
-        return moved
+        got = move_window(self, store, claim_id, low, high, limit, exclude)
+        calls.append(({d for d, *_ in got[0]}, set(exclude)))
+        return got
 
-    monkeypatch.setattr(SqlTableTransport, "move_swept", recording)
+    monkeypatch.setattr(SqlTableTransport, "move_window", recording)
     store = make_store(*pg)
     transport = make_transport(*pg, "orders", "slow", "error")
     store.set_policies({"slow": {"throttlePolicy": {"maxReceivesPerSecond": 1000}}})
@@ -114,3 +116,34 @@ def test_partitions_move_rows_into_queues_of_the_store_database_in_one_statement
     assert len(ids) == 500 and set(ids.values()) == {1}
     assert len(drain(transport, "slow")) == 5 and len(drain(transport, "error")) == 2
     assert store.count_scheduled() == {} and store.sweep_progress("move-1") == (507, 0)
+
+
+def test_a_move_takes_only_the_running_sweeps_window_and_counts_what_it_leased(pg):
+    """move_window leases and moves in one statement: rows of the window only (not a paused destination's, not
+    those due after the sweep opened, not those a live sweep holds), counted in the sweep's record; nothing once
+    the sweep has finished."""
+    store = make_store(*pg)
+    transport = make_transport(*pg, "orders", "held", "error")
+    store.store(due(50) + due(3, "held", "h"))
+    store.start_sweep("live", utcnow() + timedelta(minutes=1), lease_seconds=600)  # holds those 53
+    store.store(due(40, prefix="n") + due(2, "held", "k"))
+    store.set_paused(["held"], True)
+    store.start_sweep("dead", utcnow() + timedelta(minutes=1), lease_seconds=0.001)  # holds the 40: expires
+    store.store(due(10, prefix="f"))
+    soon = utcnow() + timedelta(seconds=0.5)
+    store.store([DelayedMessage("orders", b"late", soon, message_id=f"late-{i}") for i in range(5)])
+    store.open_sweep("mover", utcnow() + timedelta(minutes=1), lease_seconds=60)
+    time.sleep(max(0.0, (soon - utcnow()).total_seconds()) + 0.1)  # due now, but not when the sweep opened
+    moved, taken_over = transport.move_window(store, "mover", 0, 10**9, 1000)
+    assert sum(n for _, _, n in moved) == 50 and taken_over == 40 and {d for d, *_ in moved} == {"orders"}
+    got = {m.message_id for m in drain(transport, "orders")}
+    assert got == {f"n-{i}" for i in range(40)} | {f"f-{i}" for i in range(10)}
+    record = store.sweep_record("mover")
+    assert (record["claimed"], record["taken_over"]) == (50, 40)
+    assert transport.move_window(store, "mover", 0, 10**9, 1000) == ([], 0)  # nothing left for it
+
+    store.finish_sweep("mover", "done", {})
+    store.open_sweep("over", utcnow() + timedelta(minutes=1), lease_seconds=60)
+    store.finish_sweep("over", "killed", {})
+    assert transport.move_window(store, "over", 0, 10**9, 1000) is None
+    assert store.count_scheduled() == {"orders": 55, "held": 5}  # the live sweep's 50, the 5 late ones
