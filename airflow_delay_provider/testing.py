@@ -82,6 +82,7 @@ class InMemoryStore(DelayedMessageStore):
     """
 
     concurrent_claims = True
+    threaded_claims = True  # every claim and settlement takes the lock
 
     def __init__(self, clock: Callable[[], datetime] = utcnow) -> None:
         self._clock = clock

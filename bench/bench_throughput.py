@@ -11,6 +11,9 @@ It measures, in the same run:
 2. the pump -> a RabbitMQ quorum queue provisioned by RabbitMQTransport.provision, no consumer;
 3. the same with a consumer draining the queue in another process (prefetch 1,000, acks in batches);
 4. the pump -> the SQL-table queue in the same database (exactly once);
+   the two ratio targets (raw quorum vs 2., bare claim vs 4.) are measured in --repeat rounds that
+   alternate raw limit and pump, and reported as medians with each round's figure; every fill of the
+   store is followed by ANALYZE (see Bench.fill);
 5. the first delivery after the due time of an N burst, over --runs runs: a pump already running and
    asleep in another process is woken by the store, a consumer process records arrival times
    (time.time() in both processes, the due time as an epoch timestamp), for RabbitMQ and the SQL queue;
@@ -292,10 +295,15 @@ class Bench:
         self.channel.queue_purge(WARMUP)
 
     def fill(self, due_at: datetime | None = None) -> None:
-        """N messages due at one instant (a second ago: due on every clock), stored 1,000 per call."""
+        """N messages due at one instant (a second ago: due on every clock), stored 1,000 per call, then the table
+        analysed, as autovacuum leaves a store table in use: without statistics the planner's choice for a freshly
+        filled table (sequential scan and sort, or the due index) depends on when autovacuum last ran, which made
+        the same claim swing between about 90k and 150k rows/s from run to run."""
         messages = burst(self.n, due_at or utcnow() - timedelta(seconds=1))
         for i in range(0, self.n, BATCH):
             self.store.store(messages[i : i + BATCH])
+        self.conn.execute(f"ANALYZE {self.store.table.fullname}")
+        self.conn.commit()
 
     def pump(self, transport) -> tuple[float, float, float]:
         """Drain the store in this process; returns (rate, started, ended) with wall clock times."""
@@ -324,25 +332,43 @@ class Bench:
             # A first publish to a new queue pays for its start (for a quorum queue, its Raft log): not a limit.
             raw_windowed(self.params, queue, min(self.n, 1000), window=1000)
             self.channel.queue_purge(queue)
+        for queue in ("raw.classic", "raw.endpoint"):  # raw.quorum is measured beside the pump (paired_rounds)
             log(f"raw: pika, {BATCH} confirms in flight -> {queue} ({types[queue]['type']}), {self.n} messages")
             self.r[f"raw_{queue.split('.')[1]}"] = raw_windowed(self.params, queue, self.n, window=1000)
             self.channel.queue_delete(queue)  # frees the broker's memory before the pump runs
-        self.reset()
-        self.fill()
-        log(f"raw: bare batched claim of {self.n} rows")
-        started = time.perf_counter()
-        claimed = raw_claim(self.conn, self.store.table.fullname)
-        self.r["raw_claim"] = claimed / (time.perf_counter() - started)
-        assert claimed == self.n, claimed
 
-    # -- 2, 3, 4. one pump draining
-    def single_pumps(self) -> None:
+    # -- 2, 4. the two ratio targets, raw limit and pump in alternation
+    def paired_rounds(self) -> None:
+        """--repeat rounds of: raw pika -> raw.quorum, the pump -> RabbitMQ (no consumer), the bare claim, the
+        pump -> the SQL-table queue; each figure is the median of its rounds, so that one slow round (a
+        checkpoint, the broker's own housekeeping) does not decide a ratio."""
+        runs: dict[str, list[float]] = {"raw_quorum": [], "pump_rabbitmq": [], "raw_claim": [], "pump_sql": []}
         warm_up(self.store, self.rmq)
-        self.reset()
-        self.fill()
-        log(f"pump -> RabbitMQ {QUEUE} ({self.r['queues'][QUEUE]['type']}), no consumer")
-        self.r["pump_rabbitmq"] = self.pump(self.rmq)[0]
+        for round_ in range(1, self.args.repeat + 1):
+            log(f"round {round_}/{self.args.repeat}: raw pika -> raw.quorum ({self.r['queues']['raw.quorum']['type']}),"
+                f" pump -> RabbitMQ {QUEUE} ({self.r['queues'][QUEUE]['type']}, no consumer), bare claim, "
+                "pump -> SQL-table queue")
+            runs["raw_quorum"].append(raw_windowed(self.params, "raw.quorum", self.n, window=1000))
+            self.channel.queue_purge("raw.quorum")
+            self.reset()
+            self.fill()
+            runs["pump_rabbitmq"].append(self.pump(self.rmq)[0])
+            self.reset()
+            self.fill()
+            started = time.perf_counter()
+            claimed = raw_claim(self.conn, self.store.table.fullname)
+            runs["raw_claim"].append(claimed / (time.perf_counter() - started))
+            assert claimed == self.n, claimed
+            self.reset()
+            self.fill()
+            runs["pump_sql"].append(self.pump(self.sql)[0])
+        self.channel.queue_delete("raw.quorum")
+        for key, values in runs.items():
+            self.r[key] = statistics.median(values)
+            self.r[f"{key}_runs"] = values
 
+    # -- 3. one pump draining with a consumer
+    def consumed_pump(self) -> None:
         self.reset()
         self.fill()
         log(f"pump -> RabbitMQ {QUEUE}, consumer draining it in another process")
@@ -352,11 +378,6 @@ class Bench:
         assert got["distinct"] == self.n, got
         self.r["pump_rabbitmq_consumed"] = rate
         self.r["consumer_rabbitmq"] = self.n / (got["last"] - started)
-
-        self.reset()
-        self.fill()
-        log("pump -> SQL-table queue (same database, exactly once)")
-        self.r["pump_sql"] = self.pump(self.sql)[0]
 
     # -- 5. first delivery after the due time
     def latency(self, kind: str) -> None:
@@ -465,27 +486,30 @@ def report(r: dict, args) -> None:
           + ", ".join(f"`{name}` {q[name]['type']}" for name in ("raw.quorum", "raw.classic", "raw.endpoint", QUEUE))
           + f" (provisioned with {endpoint}); delay levels {'/'.join(levels)}\n")
     rq = r["raw_quorum"]
-    rows = [
-        (f"raw: pika, 1,000 confirms in flight -> `raw.quorum` ({q['raw.quorum']['type']})", rq, "100%"),
-        (f"raw: pika, 1,000 confirms in flight -> `raw.classic` ({q['raw.classic']['type']})", r["raw_classic"],
+    rows = [  # (measure, key of its figure in r, ratio)
+        (f"raw: pika, 1,000 confirms in flight -> `raw.quorum` ({q['raw.quorum']['type']})", "raw_quorum", "100%"),
+        (f"raw: pika, 1,000 confirms in flight -> `raw.classic` ({q['raw.classic']['type']})", "raw_classic",
          f"{r['raw_classic'] / rq:.0%} of raw quorum"),
         (f"raw: pika, 1,000 confirms in flight -> `raw.endpoint` ({q['raw.endpoint']['type']}, the endpoint's "
-         "arguments: delivery limit, dead-lettering at least once)", r["raw_endpoint"],
+         "arguments: delivery limit, dead-lettering at least once)", "raw_endpoint",
          f"{r['raw_endpoint'] / rq:.0%} of raw quorum"),
-        ("raw: bare batched claim (DELETE ... RETURNING, 1,000 rows/txn)", r["raw_claim"], "100%"),
-        (f"**pump -> RabbitMQ `{QUEUE}` ({q[QUEUE]['type']}, provisioned), no consumer**", r["pump_rabbitmq"],
+        ("raw: bare batched claim (DELETE ... RETURNING, 1,000 rows/txn)", "raw_claim", "100%"),
+        (f"**pump -> RabbitMQ `{QUEUE}` ({q[QUEUE]['type']}, provisioned), no consumer**", "pump_rabbitmq",
          f"{r['pump_rabbitmq'] / rq:.0%} of raw quorum (target >= 70%)"),
-        (f"pump -> RabbitMQ `{QUEUE}`, consumer draining: pump rate", r["pump_rabbitmq_consumed"],
+        (f"pump -> RabbitMQ `{QUEUE}`, consumer draining: pump rate", "pump_rabbitmq_consumed",
          f"{r['pump_rabbitmq_consumed'] / rq:.0%} of raw quorum"),
         (f"pump -> RabbitMQ `{QUEUE}`, consumer draining: all received (pump start to last arrival)",
-         r["consumer_rabbitmq"], f"{r['consumer_rabbitmq'] / rq:.0%} of raw quorum"),
-        ("**pump -> SQL-table queue (same database, exactly once)**", r["pump_sql"],
+         "consumer_rabbitmq", f"{r['consumer_rabbitmq'] / rq:.0%} of raw quorum"),
+        ("**pump -> SQL-table queue (same database, exactly once)**", "pump_sql",
          f"{r['pump_sql'] / r['raw_claim']:.0%} of bare claim (target >= 50%)"),
     ]
-    print("| measure | msg/s | ratio |")
-    print("|---|---:|---:|")
-    for name, rate, ratio in rows:
-        print(f"| {name} | {rate:,.0f} | {ratio} |")
+    print(f"Figures with rounds are the median of {len(r['raw_quorum_runs'])} rounds that alternate raw limit and "
+          "pump.\n")
+    print("| measure | msg/s | ratio | rounds |")
+    print("|---|---:|---:|---|")
+    for name, key, ratio in rows:
+        each = " / ".join(f"{x:,.0f}" for x in r.get(f"{key}_runs", []))
+        print(f"| {name} | {r[key]:,.0f} | {ratio} | {each} |")
 
     print(f"\n| pump processes on one store, {r['messages']:,} due | msg/s | vs 1 pump | duplicates | missing | "
           "peak RSS of a pump |")
@@ -565,6 +589,8 @@ def main() -> None:
                                                            "postgresql+psycopg://postgres@127.0.0.1:5432/test"))
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--runs", type=int, default=5, help="latency runs per path")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="rounds of raw limit and pump for the two ratio targets (medians reported)")
     parser.add_argument("--pumps", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4],
                         help="pump process counts for the several-pumps rows (default 1,2,4)")
     parser.add_argument("--multi-transports", default="sql,rabbitmq", help="transports of the several-pumps rows")
@@ -585,7 +611,8 @@ def main() -> None:
         bench.setup()
         bench.r["machine"] = header(bench)
         bench.raw_limits()
-        bench.single_pumps()
+        bench.paired_rounds()
+        bench.consumed_pump()
         for kind in ("rabbitmq", "sql"):
             log(f"latency: {args.runs} run(s) of a {args.messages} burst through {kind}")
             bench.latency(kind)

@@ -40,6 +40,9 @@ class DelayedMessageStore(ABC):
 
     #: True when one process may hold two claims at once (row locks, not a database-wide write lock).
     concurrent_claims: bool = False
+    #: True when a claim may be taken in another thread while this one settles an earlier claim (each claim
+    #: its own connection from a thread-safe pool).
+    threaded_claims: bool = False
 
     @abstractmethod
     def store(self, messages: Sequence[DelayedMessage], deduplicate: bool = True) -> int:

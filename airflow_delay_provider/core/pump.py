@@ -12,6 +12,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
@@ -154,6 +155,11 @@ class Pump:
         self.recovery_breaker = RateBreaker("handling failed dispatches", c.maximum_recovery_failures_per_second)
         # Two claims open at once need a store that allows it and a transport that can wait later.
         self.pipelined = transport.pipelined and store.concurrent_claims and not self.exactly_once
+        # Pipelined on a store that allows it, the next batch is claimed in a worker thread while the batch in
+        # flight is confirmed: the database's time and the broker's overlap (run() starts the thread).
+        self.claims_ahead = self.pipelined and store.threaded_claims
+        self._claimer: ThreadPoolExecutor | None = None
+        self._ahead: Future[tuple[ExitStack, Claim]] | None = None
         # Set by run(): the transport moves due messages inside the store's database itself (see _move).
         self._moves = False
         self._exclusions: set[str] | None = None
@@ -233,11 +239,38 @@ class Pump:
             return None
         return self._finish(inflight)
 
-    def _begin(self, limit: int, due_before: datetime | None) -> _InFlight | _Failed | None:
-        """Claim a batch and start sending it. None: nothing due; _FAILED: the store failed."""
+    def _claim(self, limit: int, due_before: datetime | None, exclude: set[str]) -> tuple[ExitStack, Claim]:
+        """Enter a claim of up to `limit` due messages; its stack ends it (commit, or rollback on an error)."""
         stack = ExitStack()
         try:
-            claim = stack.enter_context(self.store.claim_due(self._clock(), limit, due_before, self._throttled_out()))
+            return stack, stack.enter_context(self.store.claim_due(self._clock(), limit, due_before, exclude))
+        except BaseException as exc:
+            stack.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+
+    def _claim_ahead(self, limit: int, due_before: datetime | None) -> None:
+        """Start claiming the next batch in the worker thread (see `claims_ahead`)."""
+        if self._claimer is not None and self._ahead is None:
+            self._ahead = self._claimer.submit(self._claim, limit, due_before, self._throttled_out())
+
+    def _release_ahead(self) -> None:
+        """Hand back a batch claimed ahead and not sent: rolled back, its rows stay stored untouched."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead.exception() is not None:
+            return
+        stack, _claim = ahead.result()
+        stack.__exit__(CriticalError, CriticalError("a batch claimed ahead was not sent"), None)
+
+    def _begin(self, limit: int, due_before: datetime | None) -> _InFlight | _Failed | None:
+        """Claim a batch (or take the one claimed ahead) and start sending it. None: nothing due; _FAILED: the
+        store failed."""
+        stack = ExitStack()
+        try:
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None:
+                stack, claim = ahead.result()
+            else:
+                stack, claim = self._claim(limit, due_before, self._throttled_out())
             if not claim.messages:
                 stack.close()
                 self.fetch_breaker.success()
@@ -383,17 +416,24 @@ class Pump:
         stats = PumpStats()
         self._exclusions = self.move_exclusions()
         self._moves = self.exactly_once and self._exclusions is not None and self.transport.moves_from(self.store)
+        if self.claims_ahead and not self._moves:
+            self._claimer = ThreadPoolExecutor(1, thread_name_prefix="pump-claim")
         try:
             return self._run(stats, deadline, max_messages, due_before, max_wait, stop_when_idle)
         finally:
+            self._release_ahead()
+            if self._claimer is not None:
+                self._claimer.shutdown()
+                self._claimer = None
             if self._inflight is not None:  # stopped by an error: release the batch still in flight
                 inflight, self._inflight = self._inflight, None
                 error = CriticalError("the pump stopped with a batch in flight")
                 inflight.stack.__exit__(CriticalError, error, None)
 
-    def _step(self, limit: int, due_before: datetime | None) -> PumpStats | None:
+    def _step(self, limit: int, due_before: datetime | None, ahead_limit: int = 0) -> PumpStats | None:
         """One batch; when pipelining, claim and start the next batch before settling the previous one,
-        so the broker confirms one batch while the store hands out the next."""
+        so the broker confirms one batch while the store hands out the next; with `ahead_limit`, the batch
+        after that is claimed in the worker thread meanwhile."""
         if self._moves:
             moved = self._move(limit, due_before)
             if moved is None or moved.dispatched >= limit:
@@ -409,6 +449,8 @@ class Pump:
         previous, self._inflight = self._inflight, upcoming if isinstance(upcoming, _InFlight) else None
         if previous is None:
             return None if upcoming is _FAILED else PumpStats()
+        if self._inflight is not None and ahead_limit:
+            self._claim_ahead(ahead_limit, due_before)
         return self._finish(previous)
 
     def _move(self, limit: int, due_before: datetime | None) -> PumpStats | None:
@@ -453,7 +495,9 @@ class Pump:
                 self._settle_inflight(stats)
                 return PumpResult(stats, "max_messages", self._next_due(due_before))
             limit = ramp if max_messages is None else min(ramp, max_messages - handled)
-            batch = self._step(limit, due_before)
+            # Claimed ahead only on a backlog in full batches, with no message count to stop at.
+            ahead = limit if max_messages is None and limit == self.config.batch_size else 0
+            batch = self._step(limit, due_before, ahead)
             if batch is None:  # the store failed; the fetch breaker has waited
                 continue
             stats.merge(batch)
@@ -497,6 +541,7 @@ class Pump:
             ramp = first
 
     def _settle_inflight(self, stats: PumpStats) -> None:
+        self._release_ahead()
         if self._inflight is not None:
             inflight, self._inflight = self._inflight, None
             done = self._finish(inflight)

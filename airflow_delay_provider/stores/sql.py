@@ -154,6 +154,7 @@ class SqlDelayedMessageStore(
         self.sweeps = sweeps_table(self.table.metadata, f"{self.table_name}_sweeps", self.schema)
         self.versions = versions_table(MetaData(), self.table_name, self.schema)
         self.concurrent_claims = self.is_postgres  # SQLite locks the whole database per write transaction
+        self.threaded_claims = self.is_postgres
         # On SQLite a claim holds the database's write lock, which a second transaction would wait for:
         # there each pump keeps its own bucket (pumps on one SQLite file take turns anyway).
         self.shared_throttle = self.is_postgres

@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from itertools import takewhile
 from typing import Any
 
 import pika
@@ -821,6 +822,14 @@ def header_frame(channel: int, p: Publication) -> bytes:
 _FRAME_END = bytes((pika.spec.FRAME_END,))
 
 
+def body_frames(out: list[bytes], channel: int, body: bytes, max_length: int) -> None:
+    """Append the body frames of `body` (pieces of at most `max_length` bytes): the bytes of
+    `pika.frame.Body(channel, piece).marshal()` for each piece, without building the objects."""
+    for start in range(0, len(body), max_length):
+        piece = body[start:start + max_length]
+        out.append(struct.pack(">BHI", pika.spec.FRAME_BODY, channel, len(piece)) + piece + _FRAME_END)
+
+
 def _encode_table(pieces: list[bytes], table: dict[str, Any]) -> None:
     """pika.data.encode_table, with the common case (text values, short keys) encoded in one pass."""
     parts = []
@@ -941,7 +950,9 @@ class ConfirmingPublisher:
     # confirms: tags count publishes on this channel from 1
     def _on_confirm(self, frame) -> None:
         method = frame.method
-        tags = [t for t in self._outstanding if t <= method.delivery_tag] if method.multiple else [method.delivery_tag]
+        tag = method.delivery_tag
+        # Outstanding tags are in publishing order: a multiple confirm covers a prefix of them.
+        tags = list(takewhile(lambda t: t <= tag, self._outstanding)) if method.multiple else [tag]
         nacked = isinstance(method, pika.spec.Basic.Nack)
         for tag in tags:
             entry = self._outstanding.pop(tag, None)
@@ -995,11 +1006,8 @@ class ConfirmingPublisher:
                 exchange=p.exchange, routing_key=p.routing_key, mandatory=True)).marshal()
             self._method_frames[(number, p.exchange, p.routing_key)] = method
         out.append(method)
-        body = p.body
         out.append(header_frame(number, p))
-        chunk = self._connection._body_max_length
-        for start in range(0, len(body), chunk):
-            out.append(pika.frame.Body(number, body[start:start + chunk]).marshal())
+        body_frames(out, number, p.body, self._connection._body_max_length)
 
     def _write(self, frames: list[bytes]) -> None:
         self._connection._output_marshaled_frames([b"".join(frames)])

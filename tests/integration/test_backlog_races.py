@@ -1,9 +1,11 @@
 """Pausing and cancelling while pumps and a Spark sweep run, on the real PostgreSQL: a pause loses nothing
 and lets nothing of the paused destination through after its in-flight batches; a cancel never removes
-what a running sweep holds."""
+what a running sweep holds, and during a sweep that moves rows by statement it takes each message or leaves it,
+once."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
@@ -13,6 +15,7 @@ from airflow_delay_provider.core.backlog import Selector
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.pump import Pump, PumpConfig
+from airflow_delay_provider.spark import sweep as sweep_app
 from airflow_delay_provider.testing import InMemoryTransport
 from tests.helpers import drain, make_store, make_transport
 from tests.integration.test_spark import due_messages, spark_ready, specs, submit  # noqa: F401 - fixture
@@ -70,29 +73,58 @@ def test_a_pause_under_running_pumps_holds_the_rest_and_a_resume_delivers_it_onc
 
 
 def test_a_sweep_leaves_a_paused_destination_and_cancel_cannot_take_what_it_holds(spark_ready, pg):  # noqa: F811
-    url, schema, table = pg
     store = make_store(*pg)
     transport = make_transport(*pg, "orders", "refunds", "error")
     store.store(due_messages(2000, "orders") + due_messages(500, "refunds", prefix="r"))
     store.set_paused(["refunds"], True)
-    sql = {"kind": "sql", "url": url, "schema": schema, "table_prefix": f"{table}_"}
-    proc = submit(*specs(*pg, sql), "--due-before", (utcnow() + timedelta(minutes=1)).isoformat(),
-                  "--partitions", "2", "--batch-size", "50", wait=False)
-    try:
-        # Once the sweep has leased its window, a cancel of every message finds each either in flight
-        # (held, perhaps being sent) or gone (already delivered): it removes none of them.
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None \
-                and not store.backlog("orders")["totals"]["in_flight"]:
-            time.sleep(0.02)
-        result = store.cancel(Selector.build(message_ids=[f"m-{i}" for i in range(2000)]))
-        output, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, output[-3000:]
+    # Throttled (at a rate that holds nothing back), so the partitions lease the rows and send them through
+    # their Pump rather than moving them by statement (the next test).
+    store.set_policies({"orders": {"throttlePolicy": {"maxReceivesPerSecond": 100_000}}})
+    # Once the sweep has leased its window, a cancel of every message finds each either in flight
+    # (held, perhaps being sent) or gone (already delivered): it removes none of them.
+    result, _ = cancel_during_sweep(pg, store, 2000, 50, lambda: store.backlog("orders")["totals"]["in_flight"])
     assert result["counts"]["in_flight"] > 0, "the cancel never met the sweep's lease"
     assert result["cancelled"] == [] and result["counts"]["in_flight"] + result["counts"]["gone"] == 2000
     swept = Counter(m.message_id for m in drain(transport, "orders"))
     assert len(swept) == 2000 and set(swept.values()) == {1}
     assert store.count_scheduled() == {"refunds": 500} and drain(transport, "refunds") == []
+
+
+def test_a_cancel_during_a_sweep_that_moves_by_statement_takes_each_message_or_leaves_it_once(
+        spark_ready, pg):  # noqa: F811
+    """Rows moved into same-database queues are leased and moved in one statement per batch, not leased ahead:
+    a cancel meanwhile takes what is not moved yet, and no message is both cancelled and delivered."""
+    store = make_store(*pg)
+    transport = make_transport(*pg, "orders", "error")
+    store.store(due_messages(10_000, "orders"))
+    result, summary = cancel_during_sweep(pg, store, 10_000, 10, lambda: transport.depth("orders")["visible"])
+    cancelled = set(result["cancelled"])
+    moved = Counter(m.message_id for m in drain(transport, "orders"))
+    assert cancelled, "the cancel came after the sweep had moved everything"
+    assert moved, "the cancel came before the sweep moved anything"
+    assert set(moved.values()) == {1} and not cancelled & set(moved)  # never both, never twice
+    assert len(cancelled) + len(moved) == 10_000 and store.count_scheduled() == {}
+    assert summary["claimed"] == summary["dispatched"] == len(moved) and summary["status"] == "done"
+
+
+def cancel_during_sweep(pg, store, n: int, batch_size: int, started) -> tuple[dict, dict]:
+    """spark-submit a sweep of everything due into the SQL-table queues, cancel messages m-0 .. m-{n-1} once
+    `started()` is true (or the sweep ended), and wait for the sweep; returns the cancel's result and the
+    sweep's summary."""
+    url, schema, table = pg
+    sql = {"kind": "sql", "url": url, "schema": schema, "table_prefix": f"{table}_"}
+    proc = submit(*specs(*pg, sql), "--due-before", (utcnow() + timedelta(minutes=1)).isoformat(),
+                  "--partitions", "2", "--batch-size", str(batch_size), wait=False)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and not started():
+            time.sleep(0.01)
+        result = store.cancel(Selector.build(message_ids=[f"m-{i}" for i in range(n)]))
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    [summary] = [json.loads(line[len(sweep_app.SUMMARY_MARKER):]) for line in output.splitlines()
+                 if line.startswith(sweep_app.SUMMARY_MARKER)]
+    return result, summary

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -111,3 +113,75 @@ def test_a_broker_outage_trips_the_breaker_and_loses_nothing():
     transport.down = False
     Pump(store, transport).run(stop_when_idle=True)
     assert len(received(transport, "orders")) == 20
+
+
+class Pipelined(InMemoryTransport):
+    """A transport that keeps a batch in flight while the pump claims the next (as RabbitMQ does); each send
+    takes `pause` seconds."""
+
+    pipelined = True
+
+    def __init__(self, pause: float = 0.0) -> None:
+        super().__init__()
+        self.pause = pause
+
+    def send(self, messages, connection=None):
+        time.sleep(self.pause)
+        return super().send(messages, connection)
+
+
+class ClaimThreads(InMemoryStore):
+    """Records the thread of each claim and can fail the claims taken in the worker thread."""
+
+    def __init__(self, fail_ahead: int = 0) -> None:
+        super().__init__()
+        self.threads: list[str] = []
+        self.fail_ahead = fail_ahead
+
+    def claim_due(self, now, limit, due_before=None, exclude=()):
+        name = threading.current_thread().name
+        self.threads.append(name)
+        if name.startswith("pump-claim") and self.fail_ahead:
+            self.fail_ahead -= 1
+            raise UnavailableError("the database went away")
+        return super().claim_due(now, limit, due_before, exclude)
+
+
+def filled(store: InMemoryStore, transport: InMemoryTransport, n: int) -> InMemoryStore:
+    for queue in ("orders", "error"):
+        transport.provision(queue)
+    store.store([DelayedMessage("orders", b"x", utcnow() - timedelta(seconds=1), message_id=f"m-{i}")
+                 for i in range(n)])
+    return store
+
+
+def test_the_next_batch_is_claimed_in_a_worker_thread_while_one_is_in_flight():
+    transport = Pipelined()
+    store = filled(ClaimThreads(), transport, 1000)
+    result = Pump(store, transport, PumpConfig(batch_size=100)).run(stop_when_idle=True)
+    assert result.stats.dispatched == 1000 and store.count_scheduled() == {}
+    ids = [m.message_id for m in received(transport, "orders")]
+    assert sorted(ids) == sorted(f"m-{i}" for i in range(1000))  # each once
+    assert sum(t.startswith("pump-claim") for t in store.threads) >= 5  # most batches were claimed ahead
+    assert not [t for t in threading.enumerate() if t.name.startswith("pump-claim")]  # it ends with the run
+
+
+def test_a_batch_claimed_ahead_is_handed_back_untouched_when_the_pump_stops():
+    transport = Pipelined(pause=0.05)
+    store = filled(ClaimThreads(), transport, 1000)
+    result = Pump(store, transport, PumpConfig(batch_size=100)).run(deadline=utcnow() + timedelta(seconds=0.3))
+    assert result.reason == "deadline" and 0 < result.stats.dispatched < 1000
+    sent = {m.message_id for m in received(transport, "orders")}
+    left = store.count_scheduled()
+    assert len(sent) == result.stats.dispatched and left == {"orders": 1000 - len(sent)}  # none lost or sent twice
+    assert not store._claims  # no claim is left open
+    assert all(store.get(f"m-{i}").failures == 0 for i in range(1000) if f"m-{i}" not in sent)
+
+
+def test_a_store_failure_in_the_worker_thread_counts_as_a_failed_claim_and_loses_nothing():
+    transport = Pipelined()
+    store = filled(ClaimThreads(fail_ahead=2), transport, 600)
+    result = Pump(store, transport, PumpConfig(batch_size=100)).run(stop_when_idle=True)
+    assert result.stats.dispatched == 600 and store.count_scheduled() == {}
+    assert len({m.message_id for m in received(transport, "orders")}) == 600
+    assert store.fail_ahead == 0  # both failures happened, and the pump claimed again

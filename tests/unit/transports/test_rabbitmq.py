@@ -9,6 +9,7 @@ from airflow_delay_provider.transports.rabbitmq import (
     MAX_DELAY_SECONDS,
     Names,
     Publication,
+    body_frames,
     check_endpoint,
     delay_topology,
     first_level,
@@ -83,3 +84,14 @@ def test_the_header_frame_is_the_bytes_pika_encodes(channel, message_id, headers
     ours = header_frame(channel, Publication(message_id, "", "q", body, headers))
     properties = pika.BasicProperties(message_id=message_id, headers=headers, delivery_mode=2)
     assert ours == pika.frame.Header(channel, len(body), properties).marshal()
+
+
+@settings(max_examples=200, deadline=None)
+@given(channel=st.integers(1, 2047), body=st.binary(max_size=3000), max_length=st.integers(1, 1100))
+def test_the_body_frames_are_the_bytes_pika_encodes(channel, body, max_length):
+    import pika.frame
+
+    ours: list[bytes] = []
+    body_frames(ours, channel, body, max_length)
+    pieces = [body[i:i + max_length] for i in range(0, len(body), max_length)]
+    assert ours == [pika.frame.Body(channel, piece).marshal() for piece in pieces]
