@@ -202,12 +202,23 @@ def report(n: int, results: dict[str, dict], header: str) -> None:
 
     print(f"\n{header}\nBulk sweep of {n:,} due messages, PostgreSQL store, one run; wall time includes Spark's "
           "start-up\n")
-    print("| destination: runner | wall s | msg/s | JVM MB | Python driver MB | Python workers MB |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| destination: runner | wall s | msg/s | sweep s (after Spark's start-up) | msg/s in the sweep | JVM MB "
+          "| Python driver MB | Python workers MB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         driver = mb(r, "python_driver_mb") if "python_driver_mb" in r else mb(r, "peak_rss_mb")
-        print(f"| {name} | {r['seconds']:.1f} | {r['dispatched'] / r['seconds']:,.0f} | {mb(r, 'jvm_mb')} "
+        sweep = (f"{r['sweep_seconds']:.1f} | {r['dispatched'] / r['sweep_seconds']:,.0f}" if "sweep_seconds" in r
+                 else "- | -")
+        print(f"| {name} | {r['seconds']:.1f} | {r['dispatched'] / r['seconds']:,.0f} | {sweep} | {mb(r, 'jvm_mb')} "
               f"| {driver} | {mb(r, 'python_workers_mb')} |")
+    pump, local = results.get("sql: pump (1 process)"), results.get("sql: sweep local[2], direct reader")
+    one = results.get("sql: sweep local[1], direct reader")
+    if pump and local and one:
+        wall, own = pump["seconds"] / local["seconds"], pump["seconds"] / local["sweep_seconds"]
+        scale_wall, scale_own = one["seconds"] / local["seconds"], one["sweep_seconds"] / local["sweep_seconds"]
+        print(f"\nSQL, direct reader: local[2] against the pump {wall:.2f}x by wall time, {own:.2f}x by the sweep's "
+              f"own time; local[1] -> local[2] {scale_wall:.2f}x by wall time, {scale_own:.2f}x by the sweep's "
+              "own time.")
 
 
 if __name__ == "__main__":

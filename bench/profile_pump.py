@@ -91,6 +91,10 @@ STAGES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "airflow_delay_provider/stores/sql.py:claim_due>sqlalchemy/engine/base.py:execute",
         "airflow_delay_provider/stores/sql.py:claim_due>sqlalchemy/engine/result.py:all",
     )),
+    ("waiting for the claim ahead", "the pump's thread waiting for the batch its worker thread claimed and "
+                                    "decoded meanwhile (cProfile sees only the pump's thread)", (
+        "concurrent/futures/_base.py:result",
+    )),
     ("move", "the SQL path's claim and queue insert in one statement (SqlTableTransport.move_due), rows never "
              "in Python", (
         "airflow_delay_provider/transports/sql.py:move_due",
