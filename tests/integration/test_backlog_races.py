@@ -77,12 +77,17 @@ def test_a_sweep_leaves_a_paused_destination_and_cancel_cannot_take_what_it_hold
     transport = make_transport(*pg, "orders", "refunds", "error")
     store.store(due_messages(2000, "orders") + due_messages(500, "refunds", prefix="r"))
     store.set_paused(["refunds"], True)
-    # Throttled (at a rate that holds nothing back), so the partitions lease the rows and send them through
-    # their Pump rather than moving them by statement (the next test).
-    store.set_policies({"orders": {"throttlePolicy": {"maxReceivesPerSecond": 100_000}}})
+    # Throttled (2,000/s: about a second for all of them), so the partitions lease the rows and send them
+    # through their Pump rather than moving them by statement (the next test).
+    store.set_policies({"orders": {"throttlePolicy": {"maxReceivesPerSecond": 2000}}})
+
+    def leased() -> bool:  # by both partitions: every stored message of orders is held
+        totals = store.backlog("orders")["totals"]
+        return 0 < totals["in_flight"] == totals["scheduled"]
+
     # Once the sweep has leased its window, a cancel of every message finds each either in flight
     # (held, perhaps being sent) or gone (already delivered): it removes none of them.
-    result, _ = cancel_during_sweep(pg, store, 2000, 50, lambda: store.backlog("orders")["totals"]["in_flight"])
+    result, _ = cancel_during_sweep(pg, store, 2000, 50, leased)
     assert result["counts"]["in_flight"] > 0, "the cancel never met the sweep's lease"
     assert result["cancelled"] == [] and result["counts"]["in_flight"] + result["counts"]["gone"] == 2000
     swept = Counter(m.message_id for m in drain(transport, "orders"))

@@ -77,8 +77,8 @@ def test_batches_start_small_after_a_wake_and_grow_to_the_batch_size():
     assert transport.sizes == [200, 200, 200, 100]  # a backlog at the start: full batches
     # A burst due while the pump sleeps: it wakes at the due time, and the head of the burst goes out first.
     transport.sizes.clear()
-    store.store([DelayedMessage("orders", b"x", utcnow() + timedelta(seconds=1.0), message_id=f"b-{i}")
-                 for i in range(100)])
+    due = utcnow() + timedelta(seconds=1.0)  # one instant for all of them
+    store.store([DelayedMessage("orders", b"x", due, message_id=f"b-{i}") for i in range(100)])
     result = Pump(store, transport, PumpConfig(batch_size=200, first_batch_size=10)).run(max_messages=100)
     assert result.stats.dispatched == 100 and transport.sizes == [10, 20, 40, 30]
 
