@@ -11,9 +11,9 @@ It measures, in the same run:
 2. the pump -> a RabbitMQ quorum queue provisioned by RabbitMQTransport.provision, no consumer;
 3. the same with a consumer draining the queue in another process (prefetch 1,000, acks in batches);
 4. the pump -> the SQL-table queue in the same database (exactly once);
-   the two ratio targets (raw quorum vs 2., bare claim vs 4.) are measured in --repeat rounds that
-   alternate raw limit and pump, reported as medians with each round's figure, each target's ratio as
-   the median of the rounds' ratios (a round's two figures are back to back); every fill of the
+   the raw quorum and the bare claim and 2., 3. and 4. are measured in --repeat rounds that alternate
+   raw limit and pump, reported as medians with each round's figure, each ratio target as the median
+   of the rounds' ratios (a round's figures are back to back); every fill of the
    store is followed by ANALYZE (see Bench.fill);
 5. the first delivery after the due time of an N burst, over --runs runs: a pump already running and
    asleep in another process is woken by the store, a consumer process records arrival times
@@ -338,22 +338,26 @@ class Bench:
             self.r[f"raw_{queue.split('.')[1]}"] = raw_windowed(self.params, queue, self.n, window=1000)
             self.channel.queue_delete(queue)  # frees the broker's memory before the pump runs
 
-    # -- 2, 4. the two ratio targets, raw limit and pump in alternation
+    # -- 2, 3, 4. raw limits and the pump in alternation
     def paired_rounds(self) -> None:
-        """--repeat rounds of: raw pika -> raw.quorum, the pump -> RabbitMQ (no consumer), the bare claim, the
-        pump -> the SQL-table queue; each figure is the median of its rounds, so that one slow round (a
-        checkpoint, the broker's own housekeeping) does not decide a ratio."""
-        runs: dict[str, list[float]] = {"raw_quorum": [], "pump_rabbitmq": [], "raw_claim": [], "pump_sql": []}
+        """--repeat rounds of: raw pika -> raw.quorum, the pump -> RabbitMQ without and with a consumer, the bare
+        claim, the pump -> the SQL-table queue; each figure is the median of its rounds, so that one slow round
+        (a checkpoint, the broker's own housekeeping) does not decide a target."""
+        runs: dict[str, list[float]] = {"raw_quorum": [], "pump_rabbitmq": [], "pump_rabbitmq_consumed": [],
+                                        "consumer_rabbitmq": [], "raw_claim": [], "pump_sql": []}
         warm_up(self.store, self.rmq)
         for round_ in range(1, self.args.repeat + 1):
             log(f"round {round_}/{self.args.repeat}: raw pika -> raw.quorum ({self.r['queues']['raw.quorum']['type']}),"
-                f" pump -> RabbitMQ {QUEUE} ({self.r['queues'][QUEUE]['type']}, no consumer), bare claim, "
-                "pump -> SQL-table queue")
+                f" pump -> RabbitMQ {QUEUE} ({self.r['queues'][QUEUE]['type']}) without and with a consumer, bare "
+                "claim, pump -> SQL-table queue")
             runs["raw_quorum"].append(raw_windowed(self.params, "raw.quorum", self.n, window=1000))
             self.channel.queue_purge("raw.quorum")
             self.reset()
             self.fill()
             runs["pump_rabbitmq"].append(self.pump(self.rmq)[0])
+            pumped, received = self.consumed_pump()
+            runs["pump_rabbitmq_consumed"].append(pumped)
+            runs["consumer_rabbitmq"].append(received)
             self.reset()
             self.fill()
             started = time.perf_counter()
@@ -368,17 +372,16 @@ class Bench:
             self.r[key] = statistics.median(values)
             self.r[f"{key}_runs"] = values
 
-    # -- 3. one pump draining with a consumer
-    def consumed_pump(self) -> None:
+    def consumed_pump(self) -> tuple[float, float]:
+        """The pump -> RabbitMQ with a consumer draining the queue in another process: (the pump's rate, the
+        rate at which the consumer received all of them, from the pump's start)."""
         self.reset()
         self.fill()
-        log(f"pump -> RabbitMQ {QUEUE}, consumer draining it in another process")
         consumer = self.children.start(self.spec(role="consume_rabbitmq", n=self.n, linger=0.0, want_arrivals=False))
         rate, started, _ended = self.pump(self.rmq)
         got = Children.result(consumer, self.args.timeout + 30)
         assert got["distinct"] == self.n, got
-        self.r["pump_rabbitmq_consumed"] = rate
-        self.r["consumer_rabbitmq"] = self.n / (got["last"] - started)
+        return rate, self.n / (got["last"] - started)
 
     # -- 5. first delivery after the due time
     def latency(self, kind: str) -> None:
@@ -622,7 +625,6 @@ def main() -> None:
         bench.r["machine"] = header(bench)
         bench.raw_limits()
         bench.paired_rounds()
-        bench.consumed_pump()
         for kind in ("rabbitmq", "sql"):
             log(f"latency: {args.runs} run(s) of a {args.messages} burst through {kind}")
             bench.latency(kind)
