@@ -248,17 +248,17 @@ class Pump:
             stack.__exit__(type(exc), exc, exc.__traceback__)
             raise
 
-    def _claim_ahead(self, limit: int, due_before: datetime | None) -> None:
-        """Start claiming the next batch in the worker thread (see `claims_ahead`)."""
+    def _claim_ahead(self, due_before: datetime | None) -> None:
+        """Start claiming the next full batch in the worker thread (see `claims_ahead`)."""
         if self._claimer is not None and self._ahead is None:
-            self._ahead = self._claimer.submit(self._claim, limit, due_before, self._throttled_out())
+            self._ahead = self._claimer.submit(self._claim, self.config.batch_size, due_before, self._throttled_out())
 
     def _release_ahead(self) -> None:
         """Hand back a batch claimed ahead and not sent: rolled back, its rows stay stored untouched."""
         ahead, self._ahead = self._ahead, None
         if ahead is None or ahead.exception() is not None:
             return
-        stack, _claim = ahead.result()
+        stack, _ = ahead.result()
         stack.__exit__(CriticalError, CriticalError("a batch claimed ahead was not sent"), None)
 
     def _begin(self, limit: int, due_before: datetime | None) -> _InFlight | _Failed | None:
@@ -430,9 +430,9 @@ class Pump:
                 error = CriticalError("the pump stopped with a batch in flight")
                 inflight.stack.__exit__(CriticalError, error, None)
 
-    def _step(self, limit: int, due_before: datetime | None, ahead_limit: int = 0) -> PumpStats | None:
+    def _step(self, limit: int, due_before: datetime | None, claim_ahead: bool = False) -> PumpStats | None:
         """One batch; when pipelining, claim and start the next batch before settling the previous one,
-        so the broker confirms one batch while the store hands out the next; with `ahead_limit`, the batch
+        so the broker confirms one batch while the store hands out the next; with `claim_ahead`, the batch
         after that is claimed in the worker thread meanwhile."""
         if self._moves:
             moved = self._move(limit, due_before)
@@ -449,8 +449,8 @@ class Pump:
         previous, self._inflight = self._inflight, upcoming if isinstance(upcoming, _InFlight) else None
         if previous is None:
             return None if upcoming is _FAILED else PumpStats()
-        if self._inflight is not None and ahead_limit:
-            self._claim_ahead(ahead_limit, due_before)
+        if self._inflight is not None and claim_ahead:
+            self._claim_ahead(due_before)
         return self._finish(previous)
 
     def _move(self, limit: int, due_before: datetime | None) -> PumpStats | None:
@@ -496,8 +496,7 @@ class Pump:
                 return PumpResult(stats, "max_messages", self._next_due(due_before))
             limit = ramp if max_messages is None else min(ramp, max_messages - handled)
             # Claimed ahead only on a backlog in full batches, with no message count to stop at.
-            ahead = limit if max_messages is None and limit == self.config.batch_size else 0
-            batch = self._step(limit, due_before, ahead)
+            batch = self._step(limit, due_before, max_messages is None and limit == self.config.batch_size)
             if batch is None:  # the store failed; the fetch breaker has waited
                 continue
             stats.merge(batch)

@@ -36,8 +36,9 @@ class Flaky(InMemoryTransport):
         return {**refused, **sent}
 
 
-def setup(transport: InMemoryTransport, n: int = 50, destination: str = "orders") -> InMemoryStore:
-    store = InMemoryStore()
+def setup(transport: InMemoryTransport, n: int = 50, destination: str = "orders",
+          store: InMemoryStore | None = None) -> InMemoryStore:
+    store = store or InMemoryStore()
     for queue in ("orders", "error"):
         transport.provision(queue)
     store.store([DelayedMessage(destination, b"x", utcnow() - timedelta(seconds=1), message_id=f"m-{i}")
@@ -147,17 +148,9 @@ class ClaimThreads(InMemoryStore):
         return super().claim_due(now, limit, due_before, exclude)
 
 
-def filled(store: InMemoryStore, transport: InMemoryTransport, n: int) -> InMemoryStore:
-    for queue in ("orders", "error"):
-        transport.provision(queue)
-    store.store([DelayedMessage("orders", b"x", utcnow() - timedelta(seconds=1), message_id=f"m-{i}")
-                 for i in range(n)])
-    return store
-
-
 def test_the_next_batch_is_claimed_in_a_worker_thread_while_one_is_in_flight():
     transport = Pipelined()
-    store = filled(ClaimThreads(), transport, 1000)
+    store = setup(transport, 1000, store=ClaimThreads())
     result = Pump(store, transport, PumpConfig(batch_size=100)).run(stop_when_idle=True)
     assert result.stats.dispatched == 1000 and store.count_scheduled() == {}
     ids = [m.message_id for m in received(transport, "orders")]
@@ -168,7 +161,7 @@ def test_the_next_batch_is_claimed_in_a_worker_thread_while_one_is_in_flight():
 
 def test_a_batch_claimed_ahead_is_handed_back_untouched_when_the_pump_stops():
     transport = Pipelined(pause=0.05)
-    store = filled(ClaimThreads(), transport, 1000)
+    store = setup(transport, 1000, store=ClaimThreads())
     result = Pump(store, transport, PumpConfig(batch_size=100)).run(deadline=utcnow() + timedelta(seconds=0.3))
     assert result.reason == "deadline" and 0 < result.stats.dispatched < 1000
     sent = {m.message_id for m in received(transport, "orders")}
@@ -180,7 +173,7 @@ def test_a_batch_claimed_ahead_is_handed_back_untouched_when_the_pump_stops():
 
 def test_a_store_failure_in_the_worker_thread_counts_as_a_failed_claim_and_loses_nothing():
     transport = Pipelined()
-    store = filled(ClaimThreads(fail_ahead=2), transport, 600)
+    store = setup(transport, 600, store=ClaimThreads(fail_ahead=2))
     result = Pump(store, transport, PumpConfig(batch_size=100)).run(stop_when_idle=True)
     assert result.stats.dispatched == 600 and store.count_scheduled() == {}
     assert len({m.message_id for m in received(transport, "orders")}) == 600
