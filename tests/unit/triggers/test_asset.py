@@ -120,14 +120,14 @@ def test_pumps_and_sweeps_leave_event_destinations_alone(store_conn):
 def test_a_lease_hands_each_message_to_one_claim_and_an_expired_lease_is_taken_over(store_conn):
     _, store, _ = store_conn
     store.store([_message(i) for i in range(3)] + [_message(9, due_in=60)])
-    store.open_event_claim("events-a", DEST, lease_seconds=0.3)
+    store.open_event_claim("events-a", DEST, lease_seconds=1.5)  # outlasts the next calls on a loaded machine
     store.open_event_claim("events-b", DEST, lease_seconds=30)
     leased, taken = store.lease_events("events-a", DEST, 2)
     assert [m.message_id for m in leased] == ["run-0", "run-1"] and taken == 0
     assert [m.message_id for m in store.lease_events("events-b", DEST, 10)[0]] == ["run-2"]  # not a's, not future
     assert store.ack_events("events-b", ["run-0"]) == 0  # only the holder acknowledges
     assert store.backlog()["destinations"][DEST]["in_flight"] == 3
-    time.sleep(0.4)  # a's lease runs out (its producer died): b takes its messages over
+    time.sleep(1.6)  # a's lease runs out (its producer died): b takes its messages over
     leased, taken = store.lease_events("events-b", DEST, 10)
     assert {m.message_id for m in leased} == {"run-0", "run-1"} and taken == 2
     assert store.ack_events("events-a", ["run-0"]) == 0
