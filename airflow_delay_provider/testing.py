@@ -389,7 +389,7 @@ class InMemoryTransport(Transport):
 
     def send(self, messages: Sequence[DelayedMessage], connection: Any = None) -> dict[str, Exception]:
         failures: dict[str, Exception] = {}
-        now = utcnow()
+        now = self.clock()
         with self._lock:
             for m in messages:
                 queue = self._queues.get(m.destination)
@@ -423,7 +423,7 @@ class InMemoryTransport(Transport):
             self._enqueue(self._queues[m.destination], receipt, m, now)
 
     def receive(self, endpoint: str, max_messages: int = 10, visibility_timeout: float = 30.0) -> list[ReceivedMessage]:
-        now = utcnow()
+        now = self.clock()
         got: list[ReceivedMessage] = []
         with self._lock:
             self._deliver_due(now)
@@ -444,7 +444,7 @@ class InMemoryTransport(Transport):
     can_peek = True
 
     def peek(self, endpoint: str, max_messages: int = 10) -> list[ReceivedMessage]:
-        now = utcnow()
+        now = self.clock()
         with self._lock:
             self._deliver_due(now)
             visible = [m for m, visible_at in self._queue(endpoint).values() if visible_at <= now]
@@ -452,7 +452,7 @@ class InMemoryTransport(Transport):
 
     def release(self, endpoint: str, receipts: Iterable[Any]) -> int:
         """Make received, unacked messages visible again now."""
-        now = utcnow()
+        now = self.clock()
         with self._lock:
             queue = self._queue(endpoint)
             released = [r for r in receipts if r in queue]
@@ -461,7 +461,7 @@ class InMemoryTransport(Transport):
         return len(released)
 
     def depth(self, endpoint: str) -> dict[str, int]:
-        now = utcnow()
+        now = self.clock()
         with self._lock:
             self._deliver_due(now)
             states = [visible_at <= now for _, visible_at in self._queue(endpoint).values()]
@@ -470,7 +470,7 @@ class InMemoryTransport(Transport):
 
     def take_held(self, max_messages: int) -> list[HeldMessage]:
         with self._lock:
-            self._deliver_due(utcnow())  # due ones are no longer held: they are in their queues
+            self._deliver_due(self.clock())  # due ones are no longer held: they are in their queues
             taken = list(itertools.islice(self._held.items(), max_messages))
             for receipt, entry in taken:
                 del self._held[receipt]

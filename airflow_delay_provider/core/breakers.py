@@ -32,6 +32,11 @@ class CircuitBreaker:
         self._sleep = sleep
         self.armed_at: float | None = None
 
+    def like(self, name: str) -> CircuitBreaker:
+        """A breaker of its own with the same timings, for a second thing that can fail (a store and a broker:
+        one's success must not disarm the other's outage)."""
+        return CircuitBreaker(name, self.time_to_trigger, self.wait_after_failure, self._clock, self._sleep)
+
     def success(self) -> None:
         if self.armed_at is not None:
             log.info("%s circuit breaker disarmed", self.name)

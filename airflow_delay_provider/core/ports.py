@@ -149,6 +149,18 @@ class Transport(ABC):
     """Where due messages go. One module per broker implements this."""
 
     name: str = "transport"
+    #: Set by use_clock(); None: this host's clock.
+    _clock: Callable[[], datetime] | None = None
+
+    def use_clock(self, clock: Callable[[], datetime]) -> Transport:
+        """Compute remaining delays on `clock`: the store's, on which the due times handed to send() are kept
+        (the pump and the send operator pass it). Returns self."""
+        self._clock = clock
+        return self
+
+    def clock(self) -> datetime:
+        """Now, on the clock that due times are compared with: the one given to use_clock(), else this host's."""
+        return self._clock() if self._clock is not None else datetime.now(UTC)
 
     @property
     def where(self) -> str:

@@ -147,6 +147,7 @@ class Pump:
         self._stored_policies: dict[str, DeliveryPolicy] = {}
         self._buckets: dict[str, TokenBucket | SharedBucket] = {}
         self._clock = clock or store.clock  # due times are compared on the store's clock
+        transport.use_clock(self._clock)  # and a native delay (a retry's, a sweep's) counts from it too
         self.exactly_once = transport.joins(store)
         c = self.config
         self.fetch_breaker = CircuitBreaker("fetching due messages", c.time_to_trigger_fetch_circuit_breaker,

@@ -9,7 +9,7 @@ from functools import partial
 from typing import Protocol
 
 from airflow_delay_provider.core.breakers import CircuitBreaker, call_with_breaker
-from airflow_delay_provider.core.delays import seconds_until, utcnow
+from airflow_delay_provider.core.delays import seconds_until
 from airflow_delay_provider.core.errors import DelayProviderError, UnavailableError
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.ports import Transport
@@ -39,24 +39,33 @@ def send_natively(ids: SentIds, transport: Transport, batch: Sequence[DelayedMes
     for destination in sorted({m.destination for m in batch}):
         call_with_breaker(breaker, partial(transport.depth, destination), retry_on=(UnavailableError,))
     pending = [m for m in batch if m.message_id in fresh]
+    # The broker's outage has a breaker of its own: the store answering between attempts is no sign the
+    # broker is back, so its success must not keep disarming the broker's timer.
+    sending = breaker.like(f"sending through {transport.name}")
+    confirmed = 0
     while pending:
         try:
             failures = transport.send(pending)
         except UnavailableError as exc:
             failures = {m.message_id: exc for m in pending}
         sent = [m.message_id for m in pending if m.message_id not in failures]
-        call_with_breaker(breaker, partial(ids.remember_sent, sent), retry_on=(UnavailableError,))
+        if sent:
+            call_with_breaker(breaker, partial(ids.remember_sent, sent), retry_on=(UnavailableError,))
+            confirmed += len(sent)
         refused = {mid: e for mid, e in failures.items() if not isinstance(e, UnavailableError)}
         if refused:
             raise DelayProviderError(
                 f"{len(refused)} of {len(batch)} message(s) were refused by {transport.name} (the "
-                f"{len(sent)} confirmed ones are recorded and a retry will not send them again): "
+                f"{confirmed} confirmed ones are recorded and a retry will not send them again): "
                 + "; ".join(f"{mid}: {e}" for mid, e in list(refused.items())[:5])
             )
         pending = [m for m in pending if m.message_id in failures]
-        if pending:
-            breaker.failure(next(iter(failures.values())))
-    now = utcnow()
+        if not pending:
+            break
+        if sent:  # progress: the broker is taking messages, the rest go on the next attempt
+            sending.success()
+        sending.failure(next(iter(failures.values())))
+    now = transport.clock()
     for m in batch[:20]:
         if (how := transport.describe_delay(seconds_until(m.due_at, now))) is not None:
             log.info("%s: %s", m.message_id, how)

@@ -11,7 +11,6 @@ from airflow.sdk import Context
 
 from airflow_delay_provider import metrics
 from airflow_delay_provider.core.breakers import CircuitBreaker, call_with_breaker
-from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import InvalidInputError, UnavailableError
 from airflow_delay_provider.core.message import stable_message_id
 from airflow_delay_provider.core.requests import build_batch, destinations_of, parse_messages
@@ -102,9 +101,9 @@ class SendDelayedMessageOperator(DelayOperatorBase):
         # Idempotent and cheap; a missing table would otherwise look like an unreachable database.
         guarded(store.create_schema)
         queue_delays = guarded(lambda: store.queue_delays(destinations_of(items, defaults)))
-        # Relative delays count from the store's clock (the database's), which its dispatchers compare
-        # due times on; a broker's own delays count from this host's, as the broker's TTLs do.
-        now = guarded(store.clock) if self.transport == "sql" else utcnow()
+        # Relative delays count from the store's clock (the database's), which its dispatchers compare due
+        # times on; a broker's own delays are the due time minus now on that same clock (use_clock below).
+        now = guarded(store.clock)
         batch = build_batch(items, defaults, now, self.queue_delay_seconds, lambda n: stable_message_id(*origin, n),
                             queue_delays, batch=self.messages is not None)
         if self.transport == "sql":
@@ -117,7 +116,7 @@ class SendDelayedMessageOperator(DelayOperatorBase):
                 self.log.info("Delivery policy of %s:\n%s", sorted({m.destination for m in batch}),
                               policy.phase_table())
         else:
-            transport = self.get_transport()
+            transport = self.get_transport().use_clock(store.clock)
             try:
                 sent = send_natively(store, transport, batch, breaker)
             finally:

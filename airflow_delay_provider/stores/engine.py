@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import hashlib
+import logging
+import math
 import re
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime, timedelta
 
 from sqlalchemy import Engine, MetaData, create_engine, event, func, select
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import OperationalError, PendingRollbackError
 from sqlalchemy.schema import CreateSchema
 
+from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import InvalidInputError, InvalidNameError, UnavailableError
 
+log = logging.getLogger(__name__)
+
+#: How often the offset between the database's clock and this host's is measured again.
+_CLOCK_CHECK_SECONDS = 300.0
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _engines: dict[str, Engine] = {}
 _lock = threading.Lock()
@@ -34,7 +43,8 @@ class SqlDatabase:
     """Where a store or a SQL transport keeps its tables: a database URL (whose password never reaches
     text), an optional schema, and the process's shared engine for that URL."""
 
-    def __init__(self, url: URL | str, schema: str | None = None) -> None:
+    def __init__(self, url: URL | str, schema: str | None = None,
+                 local_clock: Callable[[], datetime] = utcnow) -> None:
         self.url = make_url(url)
         self.schema = None if schema is None else check_identifier("schema name", schema)
         if self.schema is not None and self.url.get_backend_name() != "postgresql":
@@ -43,6 +53,33 @@ class SqlDatabase:
                                     f"not {self.url.get_backend_name()}")
         self.engine = get_engine(self.url)
         self.is_postgres = self.engine.dialect.name == "postgresql"
+        self._local_clock = local_clock
+        self._offset: timedelta | None = None  # the database's clock minus this host's
+        self._offset_at = -math.inf
+
+    def clock(self) -> datetime:
+        """Now on the database's clock: due times and visibility times are stored and compared on it, so
+        hosts whose clocks disagree never deliver early. The offset to this host's clock is measured (to
+        within half a round trip) and re-measured every few minutes; SQLite is this host."""
+        local = self._local_clock()
+        if not self.is_postgres:
+            return local
+        if time.monotonic() - self._offset_at > (_CLOCK_CHECK_SECONDS if self._offset is not None else 1.0):
+            self._offset_at = time.monotonic()
+            try:
+                self._offset = self._measure_offset()
+            except UnavailableError as exc:
+                # The database is down: nothing can be claimed until it is back, and the caller's own
+                # reads meet the same error under their circuit breakers. Measure again soon.
+                log.warning("could not read the database clock (%s); using this host's until it can", exc)
+        return local + (self._offset or timedelta(0))
+
+    def _measure_offset(self) -> timedelta:
+        with self._errors("read the database clock"), self.engine.connect() as conn:
+            before = self._local_clock()
+            database = conn.execute(select(func.clock_timestamp())).scalar()
+            after = self._local_clock()
+        return database - (before + (after - before) / 2)
 
     def _errors(self, action: str):
         return translate_errors(self.url, action)

@@ -10,11 +10,10 @@ import asyncio
 import hashlib
 import json
 import logging
-import math
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from sqlalchemy import (
     MetaData,
@@ -34,7 +33,6 @@ from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import (
     InvalidInputError,
     InvalidMessageError,
-    UnavailableError,
 )
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
@@ -75,8 +73,6 @@ SQLITE_POLL_SECONDS = 0.5
 #: How long an accepted message id is remembered (seconds): within it, the same id is neither stored
 #: nor sent natively again. Like SQS FIFO's five-minute window or Cloud Tasks' task names, but longer.
 DEFAULT_DEDUP_WINDOW_SECONDS = 86_400
-#: How often a store re-measures the offset between the database's clock and this host's.
-_CLOCK_CHECK_SECONDS = 300.0
 #: Expired ids are deleted at most this often per store object.
 _EXPIRE_EVERY_SECONDS = 60.0
 
@@ -135,16 +131,13 @@ class SqlDelayedMessageStore(
         local_clock: Callable[[], datetime] = utcnow,
     ) -> None:
         self.table_name = check_store_table(table)
-        super().__init__(url, schema)
+        super().__init__(url, schema, local_clock=local_clock)
         if isinstance(dedup_window_seconds, bool) or not isinstance(dedup_window_seconds, (int, float)) \
                 or dedup_window_seconds < 0:
             raise InvalidInputError(f"dedup_window_seconds must be a number of seconds >= 0 (0 turns "
                                     f"de-duplication off), got {dedup_window_seconds!r}")
         self.dedup_window_us = int(dedup_window_seconds * 1_000_000)
         self._expired_at = 0.0
-        self._local_clock = local_clock
-        self._offset: timedelta | None = None  # the database's clock minus this host's
-        self._offset_at = -math.inf
         self.table = store_table(MetaData(), self.table_name, self.schema)
         self.ids = ids_table(self.table.metadata, self.table_name, self.schema)
         self.throttle = throttle_table(self.table.metadata, self.table_name, self.schema)
@@ -186,31 +179,6 @@ class SqlDelayedMessageStore(
 
     def __repr__(self) -> str:
         return f"SqlDelayedMessageStore({safe_url(self.url)!r}, table={self.table_name!r}, schema={self.schema!r})"
-
-    # -- time ----------------------------------------------------------------------------------------
-    def clock(self) -> datetime:
-        """Now on the database's clock: due times are stored and compared on it, so senders and pumps
-        on hosts whose clocks disagree never deliver early. The offset to this host's clock is measured
-        (to within half a round trip) and re-measured every few minutes; SQLite is this host."""
-        local = self._local_clock()
-        if not self.is_postgres:
-            return local
-        if time.monotonic() - self._offset_at > (_CLOCK_CHECK_SECONDS if self._offset is not None else 1.0):
-            self._offset_at = time.monotonic()
-            try:
-                self._offset = self._measure_offset()
-            except UnavailableError as exc:
-                # The database is down: nothing can be claimed until it is back, and the caller's own
-                # reads meet the same error under their circuit breakers. Measure again soon.
-                log.warning("could not read the database clock (%s); using this host's until it can", exc)
-        return local + (self._offset or timedelta(0))
-
-    def _measure_offset(self) -> timedelta:
-        with self._errors("read the database clock"), self.engine.connect() as conn:
-            before = self._local_clock()
-            database = conn.execute(select(func.clock_timestamp())).scalar()
-            after = self._local_clock()
-        return database - (before + (after - before) / 2)
 
     # -- schema --------------------------------------------------------------------------------
     def create_schema(self) -> None:
