@@ -7,7 +7,12 @@ from typing import Any
 from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
 from airflow.providers.amazon.aws.hooks.sqs import SqsHook
 
-from airflow_delay_provider.transports.sqs import NATIVE_MAX_DELAY, SqsTransport
+from airflow_delay_provider.transports.sqs import (
+    DELAY_QUEUE_SUFFIX,
+    FIFO_DELAY_QUEUE_SUFFIX,
+    NATIVE_MAX_DELAY,
+    SqsTransport,
+)
 
 
 class SqsDelayHook(SqsHook):
@@ -58,6 +63,10 @@ class SqsDelayHook(SqsHook):
             urls = self.get_conn().list_queues(MaxResults=1000).get("QueueUrls", [])
         except Exception as exc:  # shown in the UI; botocore's messages carry no secret key
             return False, f"{type(exc).__name__}: {exc}"
-        delay_queues = sum(url.endswith("-delay.fifo") for url in urls)
+        delay_queues = sum(url.endswith(DELAY_QUEUE_SUFFIX) for url in urls)
+        fifo_delay_queues = sum(url.endswith(FIFO_DELAY_QUEUE_SUFFIX) for url in urls)
         where = self.conn_config.endpoint_url or f"region {self.conn_region_name}"
-        return True, f"Reached SQS at {where}; {len(urls)} queue(s), {delay_queues} of them -delay.fifo relay queues"
+        text = f"Reached SQS at {where}; {len(urls)} queue(s), {delay_queues} of them -delay.fifo relay queues"
+        if fifo_delay_queues:
+            text += f" and {fifo_delay_queues} -fifo-delay relay queues (of FIFO endpoints)"
+        return True, text

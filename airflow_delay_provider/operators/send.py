@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -41,13 +42,17 @@ class SendDelayedMessageOperator(DelayOperatorBase):
     :param message_id: the id of a single message (default: derived from the task instance).
     :param delivery_policy: delivery-policy JSON, a dict or a built-in name, stored as the
         destinations' policy beside the messages (`transport="sql"`; templated).
+    :param message_group_id: the SQS message group of every message without an `x-message-group-id`
+        header of its own, as the amazon provider's SqsPublishOperator takes it: it orders the messages
+        of a FIFO destination (sent natively, or dispatched from the store; default group `default`).
+        It travels as that header (templated).
     :param time_to_trigger_store_circuit_breaker: how long (s) the store may be unreachable before the
         task fails.
     """
 
     template_fields: Sequence[str] = (
         "transport", "destination", "body", "headers", "delay_seconds", "deliver_at", "queue_delay_seconds",
-        "messages", "message_id", "delivery_policy",
+        "messages", "message_id", "delivery_policy", "message_group_id",
     )
 
     def __init__(
@@ -62,6 +67,7 @@ class SendDelayedMessageOperator(DelayOperatorBase):
         messages: list[dict] | None = None,
         message_id: str | None = None,
         delivery_policy: DeliveryPolicy | dict | str | None = None,
+        message_group_id: str | None = None,
         time_to_trigger_store_circuit_breaker: float = 30.0,
         **kwargs: Any,
     ) -> None:
@@ -78,10 +84,12 @@ class SendDelayedMessageOperator(DelayOperatorBase):
         self.queue_delay_seconds = queue_delay_seconds
         self.messages = messages
         self.message_id = message_id
+        self.message_group_id = message_group_id
         self.time_to_trigger_store_circuit_breaker = time_to_trigger_store_circuit_breaker
 
     def execute(self, context: Context) -> str | list[str]:
         check_transport(self.transport)
+        self._options()  # a send kept in the store opens no transport: options it would ignore are refused here
         ti = context["ti"]
         origin = (ti.dag_id, ti.run_id, ti.task_id, getattr(ti, "map_index", -1))
         defaults = {"destination": self.destination, "body": self.body, "headers": self.headers,
@@ -106,6 +114,13 @@ class SendDelayedMessageOperator(DelayOperatorBase):
         now = guarded(store.clock)
         batch = build_batch(items, defaults, now, self.queue_delay_seconds, lambda n: stable_message_id(*origin, n),
                             queue_delays, batch=self.messages is not None)
+        if self.message_group_id not in (None, ""):
+            # Only a group needs the SQS module (and botocore).
+            from airflow_delay_provider.transports.sqs import HEADER_MESSAGE_GROUP, check_message_group_id
+
+            group = {HEADER_MESSAGE_GROUP: check_message_group_id(self.message_group_id, "message_group_id")}
+            batch = [m if HEADER_MESSAGE_GROUP in m.headers else replace(m, headers={**group, **m.headers})
+                     for m in batch]
         if self.transport == "sql":
             stored = guarded(lambda: store.store(batch))
             # Fewer: the same ids again (a retried task, or a batch naming ids already accepted).

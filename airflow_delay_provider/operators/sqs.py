@@ -12,6 +12,7 @@ from airflow.sdk import Context
 
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import InvalidInputError, UnavailableError
+from airflow_delay_provider.core.message import check_destination
 from airflow_delay_provider.core.requests import parse_runtime
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.hooks.sqs import SqsDelayHook
@@ -28,7 +29,7 @@ class RelayDelayedMessagesOperator(DelayOperatorBase):
     be down), then long-polls it, sending each message back for another cycle or on to the endpoint
     with the rest of its delay. The transport must be SQS (`transport="sqs"`, the default here), reached
     through the `aws` connection `transport_conn_id` (default `aws_default`). Returns counts: relayed,
-    handed_over, failed, held (by the throttle, for a later receive).
+    handed_over, failed, held (by the throttle, for a later receive), dead_lettered (refused by SQS for good).
 
     :param endpoint: the endpoint whose `-delay.fifo` queue to relay (templated).
     :param max_runtime: how long to relay (timedelta or seconds; default 5 minutes; templated).
@@ -40,6 +41,8 @@ class RelayDelayedMessagesOperator(DelayOperatorBase):
     :param delivery_policy: only its `throttlePolicy.maxReceivesPerSecond` applies: it caps the hand-overs
         to the endpoint (SQS itself redelivers what the relay fails to move). A delivery-policy JSON, a
         dict or a built-in name; default: no cap.
+    :param error_queue: where a message SQS refuses for good (larger than its destination takes, say) goes,
+        as the dispatch's dead letters do (default `error`); while that fails too, it waits in the delay queue.
     """
 
     template_fields: Sequence[str] = ("endpoint", "max_runtime")
@@ -53,6 +56,7 @@ class RelayDelayedMessagesOperator(DelayOperatorBase):
         deferrable: bool = False,
         poll_interval: float = 30.0,
         delivery_policy: DeliveryPolicy | dict | str | None = None,
+        error_queue: str = "error",
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("transport", "sqs")
@@ -66,6 +70,7 @@ class RelayDelayedMessagesOperator(DelayOperatorBase):
         self.wait_time_seconds = wait_time_seconds
         self.deferrable = deferrable
         self.poll_interval = poll_interval
+        self.error_queue = check_destination(error_queue)
 
     def execute(self, context: Context) -> dict:
         transport = self.get_transport()
@@ -82,7 +87,8 @@ class RelayDelayedMessagesOperator(DelayOperatorBase):
     def _relay(self, transport: SqsTransport, totals: RelayCounts, deadline: datetime) -> dict:
         rate = self.delivery_policy.max_receives_per_second if self.delivery_policy else None
         stopped = transport.relay_until(self.endpoint, deadline, totals, wait_time_seconds=self.wait_time_seconds,
-                                        max_per_second=rate, until_idle=self.deferrable)
+                                        max_per_second=rate, until_idle=self.deferrable,
+                                        error_queue=self.error_queue)
         if stopped == "idle":
             self.log.info("Nothing to relay now (%s so far): deferring", totals)
             self.defer(

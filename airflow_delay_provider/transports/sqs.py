@@ -6,6 +6,11 @@ is Q (900 s by default), carrying the full delay in a message attribute; the rel
 receives it after Q and either sends it back with the remaining delay, or, once the remainder
 fits, hands it to the destination with DelaySeconds = remainder.
 
+A FIFO destination (`orders.fifo`) takes no per-message delay: a message due now goes straight to it
+(group from the `x-message-group-id` header, default `default`; deduplication id = message id), any
+other goes through its delay queue `orders-fifo-delay`, a standard queue where each hop carries its own
+DelaySeconds (at most Q), and is handed over with no delay once due.
+
 The boto3 client comes from the amazon provider's SqsHook (an `aws` connection; `endpoint_url`
 in its extra points at moto in tests). Headers travel as one JSON message attribute, so any
 number of them fits SQS's limit of 10 attributes per message.
@@ -14,13 +19,14 @@ number of them fits SQS's limit of 10 attributes per message.
 from __future__ import annotations
 
 import base64
+import email.utils
 import hashlib
 import json
 import logging
 import math
 import re
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -32,10 +38,20 @@ from airflow_delay_provider.core.errors import (
     DelayError,
     DestinationNotFoundError,
     InvalidInputError,
+    InvalidMessageError,
     InvalidNameError,
     UnavailableError,
 )
-from airflow_delay_provider.core.message import HEADER_DUE_AT, DelayedMessage, check_destination
+from airflow_delay_provider.core.message import (
+    HEADER_DUE_AT,
+    HEADER_FAILED_AT,
+    HEADER_FAILED_DESTINATION,
+    HEADER_FAILURE_REASON,
+    HEADER_FAILURES,
+    HEADER_FIRST_FAILED_AT,
+    DelayedMessage,
+    check_destination,
+)
 from airflow_delay_provider.core.ports import ReceivedMessage, Transport
 from airflow_delay_provider.core.throttle import TokenBucket
 
@@ -43,6 +59,16 @@ log = logging.getLogger(__name__)
 
 NATIVE_MAX_DELAY = 900
 DELAY_QUEUE_SUFFIX = "-delay.fifo"
+#: The delay queue of a FIFO endpoint: a standard queue, so each hop carries its own DelaySeconds.
+FIFO_DELAY_QUEUE_SUFFIX = "-fifo-delay"
+#: The header naming a message's group on a FIFO destination (SQS's MessageGroupId).
+HEADER_MESSAGE_GROUP = "x-message-group-id"
+#: The group of a message without that header: one group per queue keeps the whole queue in order,
+#: which is what a FIFO queue is chosen for; name a group per key (a customer, an order) for parallel consumers.
+DEFAULT_MESSAGE_GROUP = "default"
+#: How long a relayed message that neither its destination nor the error queue takes stays hidden
+#: before the relay tries it again: no tight loop, and it is kept until its retention ends.
+REFUSED_RETRY_SECONDS = 900
 DELAY_QUEUE_RETENTION = 1_209_600  # 14 days, SQS's maximum
 #: The longest the relay may be down by default: verify() warns when the delay queue's retention is shorter.
 MAX_RELAY_DOWNTIME = 7 * 86_400
@@ -69,18 +95,24 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 
 def delay_queue_name(name: str, prefix: str = "") -> str:
-    """`<prefix><name>-delay.fifo`, characters outside [A-Za-z0-9_-] replaced by '-' (the `.fifo` kept).
+    """The delay queue of endpoint `name`: `<prefix><name>-delay.fifo` (a FIFO queue), or for a FIFO endpoint
+    `<prefix><stem>.fifo` the standard queue `<prefix><stem>-fifo-delay` (it takes the per-message delays a
+    FIFO queue refuses). Characters outside [A-Za-z0-9_-] are replaced by '-' (the `.fifo` kept).
 
-    Raises ValueError when the result would be longer than SQS's 80 characters.
+    Over the names SQS allows an endpoint, no two endpoints share a delay queue, and `queue_name()` refuses
+    an endpoint named like one. Raises InvalidNameError when the result would be longer than SQS's 80 characters.
     """
-    full = f"{prefix}{name}{DELAY_QUEUE_SUFFIX}"
-    stem = full[: -len(".fifo")]
-    result = _UNSAFE.sub("-", stem) + ".fifo"
+    full = f"{prefix}{name}"
+    if _is_fifo(full):
+        result = _UNSAFE.sub("-", full.removesuffix(".fifo")) + FIFO_DELAY_QUEUE_SUFFIX
+        added = len(FIFO_DELAY_QUEUE_SUFFIX) - len(".fifo")  # the endpoint's own `.fifo` counts in its name
+    else:
+        result = _UNSAFE.sub("-", f"{full}-delay") + ".fifo"
+        added = len(DELAY_QUEUE_SUFFIX)
     if len(result) > MAX_QUEUE_NAME:
         raise InvalidNameError(
             f"delay queue name {result!r} has {len(result)} characters; SQS allows {MAX_QUEUE_NAME}, so the endpoint "
-            f"name may have at most {MAX_QUEUE_NAME - len(prefix) - len(DELAY_QUEUE_SUFFIX)} characters "
-            f"with prefix {prefix!r}"
+            f"name may have at most {MAX_QUEUE_NAME - len(prefix) - added} characters with prefix {prefix!r}"
         )
     return result
 
@@ -150,8 +182,59 @@ def _not_found(exc: Exception) -> bool:
     return _code(exc) in ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist", "NonExistentQueue")
 
 
+#: Codes of a request SQS refused for what a message holds (its size, contents or parameters): the sender's
+#: fault, which sending again cannot mend. Anything else (throttling, a server error, no answer) is an outage.
+_REFUSALS = frozenset({
+    "BatchRequestTooLong", "InvalidParameterValue", "InvalidMessageContents", "MissingParameter",
+    "MissingRequiredParameter", "InvalidAttributeName", "InvalidAttributeValue", "UnsupportedOperation",
+    "InvalidBatchEntryId", "BatchEntryIdsNotDistinct", "TooManyEntriesInBatchRequest", "EmptyBatchRequest",
+})
+
+
+def _refused(exc: Exception) -> bool:
+    if not isinstance(exc, ClientError):
+        return False
+    err = exc.response.get("Error", {})
+    # The query protocol's code and the JSON protocol's name it differently: either counts.
+    codes = (str(err.get("Code", "")), str(err.get("QueryErrorCode", "")))
+    return any(c.removeprefix("AWS.SimpleQueueService.").removesuffix("Exception") in _REFUSALS for c in codes)
+
+
 def _is_fifo(queue: str) -> bool:
     return queue.endswith(".fifo")
+
+
+def check_message_group_id(group: object, field: str = HEADER_MESSAGE_GROUP) -> str:
+    """`group` if SQS takes it as a MessageGroupId; otherwise an error naming `field` and the rule."""
+    if not isinstance(group, str) or not _FIFO_ID.fullmatch(group):
+        raise InvalidMessageError(
+            f"{field} is {group!r:.60}; an SQS message group id is 1-128 characters of A-Z, a-z, 0-9 and the "
+            "punctuation !\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
+    return group
+
+
+def _message_group(headers: dict[str, str], message_id: str) -> str:
+    group = headers.get(HEADER_MESSAGE_GROUP, DEFAULT_MESSAGE_GROUP)
+    return check_message_group_id(group, f"message {message_id}: header {HEADER_MESSAGE_GROUP!r}")
+
+
+def _final_fields(queue: str, message_id: str, headers: dict[str, str], delay: int = 0) -> dict[str, Any]:
+    """What a message carries into the queue it is delivered to: on a FIFO queue its group and, for
+    deduplication, its message id (a FIFO queue takes no per-message delay); on a standard queue its
+    DelaySeconds, even 0 (without it SQS applies the queue's default delay to a message due now)."""
+    if _is_fifo(queue):
+        return {"MessageGroupId": _message_group(headers, message_id), "MessageDeduplicationId": _fifo_id(message_id)}
+    return {"DelaySeconds": delay}
+
+
+def _sqs_now_ms(response: dict) -> int | None:
+    """SQS's clock when it answered, in ms: the response's Date header, cut to the second (so never after
+    SQS's now); None without one."""
+    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    try:
+        return int(email.utils.parsedate_to_datetime(date).timestamp()) * 1000
+    except (TypeError, ValueError):
+        return None
 
 
 class SqsTransport(Transport):
@@ -214,7 +297,14 @@ class SqsTransport(Transport):
         return f"{seconds} s = {how}; relay cost about ${estimate_cost(seconds, queue_delay=self.queue_delay):.6f}"
 
     def queue_name(self, endpoint: str) -> str:
-        return check_queue_name(f"{self.prefix}{endpoint}")
+        """The endpoint's queue: `<prefix><endpoint>`; a name another endpoint's delay queue has is refused."""
+        name = check_queue_name(f"{self.prefix}{endpoint}")
+        if name.endswith((DELAY_QUEUE_SUFFIX, FIFO_DELAY_QUEUE_SUFFIX)):
+            raise InvalidNameError(
+                f"SQS queue name {name!r} is reserved for delay queues: an endpoint's name may not end in "
+                f"{DELAY_QUEUE_SUFFIX!r} (the delay queue of a standard endpoint) or {FIFO_DELAY_QUEUE_SUFFIX!r} "
+                "(that of a FIFO endpoint)")
+        return name
 
     def check_endpoint(self, endpoint: str, unrestricted: bool = True, **options: Any) -> str:
         self.queue_name(check_destination(endpoint))
@@ -234,29 +324,32 @@ class SqsTransport(Transport):
 
     # -- provisioning ------------------------------------------------------------------------------
     def provision(self, endpoint: str, queue_delay_seconds: int | None = None, unrestricted: bool = True) -> dict:
-        """The endpoint queue (optionally with a queue-level delay), for unrestricted delays its
-        `-delay.fifo` queue (FIFO, DelaySeconds = Q, retention 14 days; an existing one is updated
-        to these), and with a `large_body_bucket` the bucket's rule expiring bodies. Idempotent."""
+        """The endpoint queue (optionally with a queue-level delay; a FIFO one, `<name>.fifo`, with
+        FifoQueue), for unrestricted delays its delay queue (`-delay.fifo`: FIFO, DelaySeconds = Q; a FIFO
+        endpoint's `-fifo-delay`: standard; both retention 14 days, an existing one updated to these), and
+        with a `large_body_bucket` the bucket's rule expiring bodies. Idempotent.
+
+        A FIFO queue gets no queue-level delay: SQS would add it to every message, a due one too, and no
+        per-message delay can override it there; the provider's senders keep it (the store adds it to
+        the due time of each message sent to that endpoint)."""
         name = self.queue_name(endpoint)
-        attributes = {}
+        fifo = _is_fifo(name)
+        attributes = {"FifoQueue": "true"} if fifo else {}
         if queue_delay_seconds:
             if isinstance(queue_delay_seconds, bool) or not isinstance(queue_delay_seconds, int) \
                     or not 0 <= queue_delay_seconds <= NATIVE_MAX_DELAY:
                 # moto accepts more; real SQS does not: check here so tests mean what production does
                 raise DelayError(f"queue_delay_seconds must be an int in 0..{NATIVE_MAX_DELAY} on SQS, "
                                  f"got {queue_delay_seconds!r}")
-            attributes["DelaySeconds"] = str(queue_delay_seconds)
+            if not fifo:
+                attributes["DelaySeconds"] = str(queue_delay_seconds)
         try:
             self._urls[name] = self.client.create_queue(QueueName=name, Attributes=attributes)["QueueUrl"]
             summary = {"transport": self.name, "endpoint": endpoint, "queue": name}
             if unrestricted:
-                fifo = delay_queue_name(endpoint, self.prefix)
-                self._urls[fifo] = self._create_or_update(fifo, {
-                    "FifoQueue": "true",
-                    "DelaySeconds": str(self.queue_delay),
-                    "MessageRetentionPeriod": str(DELAY_QUEUE_RETENTION),
-                })
-                summary["delay_queue"] = fifo
+                delay_queue = delay_queue_name(endpoint, self.prefix)
+                self._urls[delay_queue] = self._create_or_update(delay_queue, self._delay_queue_attributes(fifo))
+                summary["delay_queue"] = delay_queue
         except ClientError as exc:
             raise InvalidInputError(f"SQS refused to create the queues of {endpoint!r}: {_aws_error(exc)}") from None
         except BotoCoreError as exc:
@@ -264,6 +357,12 @@ class SqsTransport(Transport):
         if self.large_body_bucket:
             summary["body_expiration_days"] = self._expire_bodies()
         return summary
+
+    def _delay_queue_attributes(self, fifo_endpoint: bool) -> dict[str, str]:
+        retention = {"MessageRetentionPeriod": str(DELAY_QUEUE_RETENTION)}
+        if fifo_endpoint:  # a standard queue: each hop carries its own DelaySeconds
+            return retention
+        return {"FifoQueue": "true", "DelaySeconds": str(self.queue_delay), **retention}
 
     def _create_or_update(self, queue: str, attributes: dict[str, str]) -> str:
         try:
@@ -325,38 +424,43 @@ class SqsTransport(Transport):
         return report
 
     def _verify_delay_queue(self, endpoint: str) -> dict:
-        """Start-up check of the delay queue: present, delay >= Q, retention longer than the delay, no
-        redrive policy. A retention too short to outlast `max_relay_downtime` is a warning (logged and
-        in the report's `warnings`): a relay down that long would lose messages silently."""
-        self.queue_name(endpoint)  # a name SQS cannot have says so, not "missing"
-        fifo = delay_queue_name(endpoint, self.prefix)
+        """Start-up check of the delay queue: present, delay >= Q (a FIFO endpoint's standard delay queue: any,
+        each hop sets its own), retention longer than the longest wait there, no redrive policy. A retention
+        too short to outlast `max_relay_downtime` is a warning (logged and in the report's `warnings`): a
+        relay down that long would lose messages silently."""
+        fifo_endpoint = _is_fifo(self.queue_name(endpoint))  # a name SQS cannot have says so, not "missing"
+        queue = delay_queue_name(endpoint, self.prefix)
         try:
-            url = self._url(fifo)
+            url = self._url(queue)
         except DestinationNotFoundError:
+            takes = ("delayed messages (a FIFO queue takes no per-message delay)" if fifo_endpoint
+                     else f"delays over {NATIVE_MAX_DELAY} s")
             raise DestinationNotFoundError(
-                f"delay queue {fifo!r} is missing: {endpoint!r} cannot take delays over {NATIVE_MAX_DELAY} s; "
+                f"delay queue {queue!r} is missing: {endpoint!r} cannot take {takes}; "
                 "provision it with unrestricted delays"
             ) from None
         attrs = self.client.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])["Attributes"]
         delay, retention = int(attrs.get("DelaySeconds", 0)), int(attrs.get("MessageRetentionPeriod", 0))
+        # The longest a message waits there before the relay sees it: a hop is at most Q on a FIFO endpoint's.
+        wait = self.queue_delay if fifo_endpoint else delay
         problems = []
-        if delay < self.queue_delay:
+        if not fifo_endpoint and delay < self.queue_delay:
             problems.append(f"DelaySeconds is {delay}, must be at least {self.queue_delay}")
-        if retention <= delay:
-            problems.append(f"MessageRetentionPeriod is {retention}, must be longer than DelaySeconds or every message "
+        if retention <= wait:
+            problems.append(f"MessageRetentionPeriod is {retention}, must be longer than {wait} s or every message "
                             f"expires before the relay sees it (provisioning sets {DELAY_QUEUE_RETENTION})")
         if attrs.get("RedrivePolicy"):
             problems.append("it has a RedrivePolicy; a delay queue must not dead-letter its messages")
         if problems:
-            raise InvalidInputError(f"delay queue {fifo!r} is misconfigured: " + "; ".join(problems))
+            raise InvalidInputError(f"delay queue {queue!r} is misconfigured: " + "; ".join(problems))
         warnings = []
-        if retention - delay < self.max_relay_downtime:
+        if retention - wait < self.max_relay_downtime:
             warnings.append(
-                f"MessageRetentionPeriod is {retention} s, so a relay down for more than {retention - delay} s loses "
+                f"MessageRetentionPeriod is {retention} s, so a relay down for more than {retention - wait} s loses "
                 f"messages, less than max_relay_downtime ({self.max_relay_downtime:g} s); provision the endpoint again "
                 f"to raise it to {DELAY_QUEUE_RETENTION} s (SQS's maximum)")
-            log.warning("delay queue %s: %s", fifo, warnings[-1])
-        return {"delay_queue": fifo, "delay_seconds": delay, "retention_seconds": retention,
+            log.warning("delay queue %s: %s", queue, warnings[-1])
+        return {"delay_queue": queue, "delay_seconds": delay, "retention_seconds": retention,
                 "max_relay_downtime": self.max_relay_downtime, "warnings": warnings, "ok": True}
 
     def depth(self, endpoint: str) -> dict[str, int]:
@@ -379,13 +483,15 @@ class SqsTransport(Transport):
 
     # -- sending ------------------------------------------------------------------------------------
     def send(self, messages: Sequence[DelayedMessage], connection: Any = None) -> dict[str, Exception]:
-        now = utcnow()
+        """Send to each message's queue in batches. A message SQS refuses (too large for the queue, say) fails
+        alone, with InvalidInputError; an outage fails, with UnavailableError, only what SQS did not take."""
+        now = self.clock()
         failures: dict[str, Exception] = {}
         by_queue: dict[str, list[tuple[DelayedMessage, dict]]] = {}
         for m in messages:
             try:
                 queue, entry = self._entry(m, now)
-            except (InvalidInputError, UnavailableError) as exc:  # bad name or size; S3 unreachable
+            except (InvalidInputError, UnavailableError) as exc:  # bad name, size or group; S3 unreachable
                 failures[m.message_id] = exc
                 continue
             by_queue.setdefault(queue, []).append((m, entry))
@@ -394,40 +500,50 @@ class SqsTransport(Transport):
                 url = self._url(queue)
             except DestinationNotFoundError as missing:
                 error = missing
-                if queue.endswith(DELAY_QUEUE_SUFFIX):
+                destination = entries[0][0].destination
+                if queue != self.queue_name(destination):
+                    takes = ("delayed messages only through it (a FIFO queue takes no per-message delay)"
+                             if _is_fifo(destination) else "delays longer than 15 minutes")
                     error = DestinationNotFoundError(
-                        f"destination {entries[0][0].destination!r} does not accept delays longer than 15 minutes: "
-                        f"its delay queue {queue!r} does not exist; provision it with unrestricted delays"
+                        f"destination {destination!r} does not accept {takes}: its delay queue {queue!r} does not "
+                        "exist; provision it with unrestricted delays"
                     )
                 failures.update({m.message_id: error for m, _ in entries})
                 continue
-            failures.update(self._send_batches(url, entries))
+            refused = self._send_entries(url, queue, [(m.message_id, entry) for m, entry in entries])
+            failures.update({entries[i][0].message_id: error for i, error in refused.items()})
         return failures
 
     def _entry(self, m: DelayedMessage, now: datetime) -> tuple[str, dict]:
+        """The queue and the SendMessageBatch entry of a message, checked before its body goes anywhere."""
         delay = seconds_until(m.due_at, now)
+        queue = self.queue_name(m.destination)
+        fifo = _is_fifo(queue)
         attributes = {
             ATTR_MESSAGE_ID: {"DataType": "String", "StringValue": m.message_id},
             ATTR_DUE_AT: {"DataType": "String", "StringValue": m.due_at.isoformat()},
         }
         if m.headers:
             attributes[ATTR_HEADERS] = {"DataType": "String", "StringValue": json.dumps(m.headers)}
-        entry = {"MessageBody": self._body(m, attributes), "MessageAttributes": attributes}
-        if delay <= self.queue_delay:
-            queue = self.queue_name(m.destination)
-            if not _is_fifo(queue):  # FIFO queues refuse a per-message delay
-                # Even 0: without it SQS applies the queue's default delay to a message due now.
-                entry["DelaySeconds"] = delay
-            return queue, entry
+        # A FIFO group is checked now, not at the hand-over.
+        final = _final_fields(queue, m.message_id, m.headers, delay)
+        if delay == 0 or not fifo and delay <= self.queue_delay:
+            return queue, {"MessageBody": self._body(m, attributes), "MessageAttributes": attributes, **final}
         if not self.unrestricted:
+            reason = (f"{queue!r} is a FIFO queue, which takes no per-message delay" if fifo
+                      else f"it exceeds {self.queue_delay} s")
             raise DelayError(
-                f"a delay of {delay} s exceeds {self.queue_delay} s and this sender has unrestricted delays disabled; "
-                "enable them (unrestricted=True) and provision the destination's delay queue"
+                f"message {m.message_id} has a delay of {delay} s, and {reason}: this sender has unrestricted delays "
+                "disabled; enable them (unrestricted=True) and provision the destination's delay queue"
             )
-        # Beyond SQS's limit: the FIFO delay queue, full delay in an attribute, no per-message delay.
+        # The relay keeps the rest of the delay: the full delay travels in an attribute.
         attributes[ATTR_DELAY] = {"DataType": "Number", "StringValue": str(delay)}
-        entry["MessageDeduplicationId"] = _dedup_id(m.message_id, 0)
-        entry["MessageGroupId"] = _fifo_id(m.message_id)
+        entry = {"MessageBody": self._body(m, attributes), "MessageAttributes": attributes}
+        if fifo:  # its delay queue is a standard one: each hop at most Q
+            entry["DelaySeconds"] = min(delay, self.queue_delay)
+        else:  # a FIFO delay queue, its own DelaySeconds Q: no per-message delay
+            entry["MessageDeduplicationId"] = _dedup_id(m.message_id, 0)
+            entry["MessageGroupId"] = _fifo_id(m.message_id)
         return delay_queue_name(m.destination, self.prefix), entry
 
     def _body(self, m: DelayedMessage, attributes: dict) -> str:
@@ -450,20 +566,50 @@ class SqsTransport(Transport):
         attributes[ATTR_BODY_S3] = {"DataType": "String", "StringValue": f"{self.large_body_bucket}/{key}"}
         return json.dumps({"s3": f"{self.large_body_bucket}/{key}"})
 
-    def _send_batches(self, url: str, entries: list[tuple[DelayedMessage, dict]]) -> dict[str, Exception]:
-        failures: dict[str, Exception] = {}
-        for chunk in _chunks(entries):
-            batch = [{"Id": str(i), **entry} for i, (_, entry) in enumerate(chunk)]
-            try:
-                result = self.client.send_message_batch(QueueUrl=url, Entries=batch)
-            except (ClientError, BotoCoreError) as exc:
-                raise UnavailableError(f"SQS send_message_batch failed: {_aws_error(exc)}") from None
-            for failed in result.get("Failed", []):
-                m = chunk[int(failed["Id"])][0]
-                error = f"{failed.get('Code')}: {failed.get('Message')}"
-                error_type = UnavailableError if failed.get("SenderFault") is False else InvalidInputError
-                failures[m.message_id] = error_type(f"SQS refused message {m.message_id}: {error}")
+    def _send_entries(self, url: str, queue: str, entries: list[tuple[str, dict]]) -> dict[int, Exception]:
+        """Send `(message id, entry)` pairs to one queue in batches of at most 10 entries and 1 MiB; returns the
+        failures by position. A message SQS refuses fails alone (InvalidInputError). An outage (a server error,
+        throttling, no answer) fails (UnavailableError) the rest from where it struck, never what SQS took."""
+        failures: dict[int, Exception] = {}
+        settled: set[int] = set()  # taken by SQS, or refused
+        for chunk in _chunks([entry for _, entry in entries]):
+            outage = self._send_chunk(url, queue, entries, chunk, failures, settled)
+            if outage is not None:
+                failures.update({i: outage for i in range(len(entries)) if i not in settled})
+                break
         return failures
+
+    def _send_chunk(self, url: str, queue: str, entries: list[tuple[str, dict]], chunk: list[int],
+                    failures: dict[int, Exception], settled: set[int]) -> Exception | None:
+        """One SendMessageBatch of the entries at `chunk`; the outage that stopped it, or None."""
+        try:
+            result = self.client.send_message_batch(
+                QueueUrl=url, Entries=[{"Id": str(n), **entries[i][1]} for n, i in enumerate(chunk)])
+        except (ClientError, BotoCoreError) as exc:
+            if _not_found(exc):
+                return DestinationNotFoundError(f"SQS queue {queue!r} does not exist")
+            if not _refused(exc):
+                return UnavailableError(f"could not send to SQS queue {queue!r}: {_aws_error(exc)}")
+            if len(chunk) == 1:
+                failures[chunk[0]] = InvalidInputError(
+                    f"SQS queue {queue!r} refused message {entries[chunk[0]][0]}: {_aws_error(exc)}")
+                settled.add(chunk[0])
+                return None
+            # SQS refused the whole batch for one message's fault without naming it: each alone, so the
+            # good ones go once and the bad one is named.
+            for i in chunk:
+                if (outage := self._send_chunk(url, queue, entries, [i], failures, settled)) is not None:
+                    return outage
+            return None
+        for failed in result.get("Failed", []):
+            i = chunk[int(failed["Id"])]
+            error = f"{failed.get('Code')}: {failed.get('Message')}"
+            if failed.get("SenderFault") is False:
+                failures[i] = UnavailableError(f"SQS queue {queue!r} could not take message {entries[i][0]}: {error}")
+            else:
+                failures[i] = InvalidInputError(f"SQS queue {queue!r} refused message {entries[i][0]}: {error}")
+        settled.update(chunk)
+        return None
 
     # -- receiving ----------------------------------------------------------------------------------
     def receive(self, endpoint: str, max_messages: int = 10, visibility_timeout: float = 30.0) -> list[ReceivedMessage]:
@@ -605,96 +751,160 @@ class SqsTransport(Transport):
 
     # -- the relay: the delay queue's consumer ---------------------------------------------------
     def relay_once(self, endpoint: str, wait_time_seconds: int = 20, visibility_timeout: int = 30,
-                   throttle: TokenBucket | None = None) -> RelayCounts:
+                   throttle: TokenBucket | None = None, error_queue: str = "error") -> RelayCounts:
         """One long poll of the endpoint's delay queue; every message received is sent on and deleted.
 
-        remaining = delay - (ApproximateFirstReceiveTimestamp - SentTimestamp), both the broker's
-        clock (the local clock only for a redelivery). Above Q: back to the delay queue; else to the
-        destination with DelaySeconds = remaining. Sends are batched per queue, then the handled
-        messages deleted in one batch; a failed send is made visible again at once.
+        remaining = delay - (now - SentTimestamp), all on SQS's clock: now is the later of the message's
+        ApproximateFirstReceiveTimestamp and the receive response's Date header (whole seconds, cut), so a
+        host clock that runs ahead never makes a message early. Above Q (a FIFO endpoint: above 0): back to
+        the delay queue; else to the destination, with DelaySeconds = remaining on a standard one, with no
+        delay (its group and deduplication id) on a FIFO one, in due order. Sends are batched per queue,
+        then the handled messages deleted in one batch; a send that failed for an outage is made visible
+        again at once. A message SQS refuses for good (too large for the destination, say) is logged as an
+        error and dead-lettered to `error_queue` as the pump does (headers say where it was going and why);
+        when that fails too it stays in the delay queue, hidden for REFUSED_RETRY_SECONDS.
         """
-        fifo_url = self._url(delay_queue_name(endpoint, self.prefix))
+        delay_queue = delay_queue_name(endpoint, self.prefix)
+        delay_url = self._url(delay_queue)
         destination = self.queue_name(endpoint)
         dest_url = self._url(destination)
+        fifo_endpoint = _is_fifo(destination)
         try:
-            got = self.client.receive_message(
-                QueueUrl=fifo_url, MaxNumberOfMessages=BATCH_SIZE, WaitTimeSeconds=wait_time_seconds,
+            response = self.client.receive_message(
+                QueueUrl=delay_url, MaxNumberOfMessages=BATCH_SIZE, WaitTimeSeconds=wait_time_seconds,
                 VisibilityTimeout=visibility_timeout, MessageAttributeNames=["All"], AttributeNames=["All"],
-            ).get("Messages", [])
+            )
         except (ClientError, BotoCoreError) as exc:
             raise UnavailableError(
                 f"could not receive from the delay queue of {endpoint!r}: {_aws_error(exc)}") from None
+        got = response.get("Messages", [])
         counts = RelayCounts()
         if not got:
             return counts
-        now_ms = utcnow().timestamp() * 1000
-        back, onward = [], []
+        answered_ms = _sqs_now_ms(response) or 0
+        back, onward, done = [], [], []
         for m in got:
             attrs = m.get("Attributes", {})
             sent = int(attrs["SentTimestamp"])
-            received = now_ms if int(attrs.get("ApproximateReceiveCount", "1")) > 1 else int(
-                attrs.get("ApproximateFirstReceiveTimestamp", sent))
-            remaining = float(_attr(m, ATTR_DELAY) or 0) - (received - sent) / 1000
+            # SQS's now: this receive's time, or for a redelivery (first received long ago) the response's.
+            now_ms = max(int(attrs.get("ApproximateFirstReceiveTimestamp", sent)), answered_ms)
+            remaining = float(_attr(m, ATTR_DELAY) or 0) - (now_ms - sent) / 1000
             attributes = dict(m.get("MessageAttributes", {}))
             entry = {"MessageBody": m["Body"], "MessageAttributes": attributes}
-            source = _attr(m, ATTR_MESSAGE_ID) or m["MessageId"]
-            if remaining > self.queue_delay:
+            source = _message_id(m)
+            if remaining > (0 if fifo_endpoint else self.queue_delay):
                 # Milliseconds carried along, so rounding happens once, at the hand-over.
                 attributes[ATTR_DELAY] = {"DataType": "Number", "StringValue": f"{remaining:.3f}"}
-                cycle = int(_attr(m, ATTR_CYCLE) or 0) + 1
-                attributes[ATTR_CYCLE] = {"DataType": "Number", "StringValue": str(cycle)}
-                # One id per message and cycle: re-sending the same cycle (a relay that died before
-                # its delete) is dropped by SQS within 5 minutes, while the next cycle is new even when Q < 5 min.
-                entry["MessageDeduplicationId"] = _dedup_id(source, cycle)
-                entry["MessageGroupId"] = attrs.get("MessageGroupId") or _fifo_id(source)
+                if fifo_endpoint:  # a standard delay queue: this hop's own delay, at most Q
+                    entry["DelaySeconds"] = whole_seconds(min(remaining, self.queue_delay))
+                else:
+                    cycle = int(_attr(m, ATTR_CYCLE) or 0) + 1
+                    attributes[ATTR_CYCLE] = {"DataType": "Number", "StringValue": str(cycle)}
+                    # One id per message and cycle: re-sending the same cycle (a relay that died before
+                    # its delete) is dropped by SQS within 5 minutes, while the next cycle is new even when Q < 5 min.
+                    entry["MessageDeduplicationId"] = _dedup_id(source, cycle)
+                    entry["MessageGroupId"] = attrs.get("MessageGroupId") or _fifo_id(source)
                 back.append((m, entry))
             else:
                 attributes.pop(ATTR_DELAY, None)
                 attributes.pop(ATTR_CYCLE, None)
-                if not _is_fifo(destination):
-                    # Even 0: without it SQS applies the destination's default delay to an overdue message.
-                    entry["DelaySeconds"] = whole_seconds(remaining, negative_is_now=True)
+                headers = json.loads(_attr(m, ATTR_HEADERS) or "{}")
+                try:
+                    entry.update(_final_fields(destination, source, headers,
+                                               whole_seconds(remaining, negative_is_now=True)))
+                except InvalidInputError as exc:  # a group header SQS refuses (sent before it was checked)
+                    if self._refused_for_good(m, endpoint, destination, exc, error_queue, delay_url, counts):
+                        done.append(m)
+                    continue
                 onward.append((m, entry))
+        # Handed over in due order: one receive may hold several messages of a FIFO group.
+        onward.sort(key=lambda pair: _due_ms(pair[0]))
         if throttle is not None and onward:
             # The destination's maxReceivesPerSecond: what may not go yet comes back in a second.
             allowed = throttle.take_up_to(len(onward))
             for m, _ in onward[allowed:]:
-                self.client.change_message_visibility(QueueUrl=fifo_url, ReceiptHandle=m["ReceiptHandle"],
+                self.client.change_message_visibility(QueueUrl=delay_url, ReceiptHandle=m["ReceiptHandle"],
                                                       VisibilityTimeout=1)
                 counts.held += 1
             onward = onward[:allowed]
-        done = []
-        for url, entries, counter in ((fifo_url, back, "relayed"), (dest_url, onward, "handed_over")):
+        for url, queue, entries, counter in ((delay_url, delay_queue, back, "relayed"),
+                                             (dest_url, destination, onward, "handed_over")):
             if not entries:
                 continue
-            batch = [{"Id": str(i), **entry} for i, (_, entry) in enumerate(entries)]
-            result = self.client.send_message_batch(QueueUrl=url, Entries=batch)
-            failed = {int(f["Id"]) for f in result.get("Failed", [])}
+            failures = self._send_entries(url, queue, [(_message_id(m), entry) for m, entry in entries])
             for i, (m, _) in enumerate(entries):
-                if i in failed:
-                    counts.failed += 1
-                    self.client.change_message_visibility(
-                        QueueUrl=fifo_url, ReceiptHandle=m["ReceiptHandle"], VisibilityTimeout=0)
-                else:
+                error = failures.get(i)
+                if error is None:
                     setattr(counts, counter, getattr(counts, counter) + 1)
                     done.append(m)
-        self._delete(fifo_url, done)
+                elif isinstance(error, (UnavailableError, DestinationNotFoundError)):
+                    counts.failed += 1  # SQS's trouble, not the message's: tried again on the next receive
+                    self.client.change_message_visibility(
+                        QueueUrl=delay_url, ReceiptHandle=m["ReceiptHandle"], VisibilityTimeout=0)
+                elif self._refused_for_good(m, endpoint, queue, error, error_queue, delay_url, counts):
+                    done.append(m)
+        self._delete(delay_url, done)
         return counts
 
+    def _refused_for_good(self, m: dict, endpoint: str, queue: str, error: Exception, error_queue: str,
+                          delay_url: str, counts: RelayCounts) -> bool:
+        """A relayed message SQS will never take as it is: to the error queue, as the pump dead-letters (True:
+        the caller deletes it), or when that fails too, hidden in the delay queue for a while (False)."""
+        message_id = _message_id(m)
+        problem = self._dead_letter(m, endpoint, error, error_queue)
+        if problem is None:
+            counts.dead_lettered += 1
+            log.error("relay of %r: SQS queue %r refused message %s for good, dead-lettered to %r: %s",
+                      endpoint, queue, message_id, error_queue, error)
+            return True
+        counts.failed += 1
+        log.error("relay of %r: SQS queue %r refused message %s for good (%s), and it could not be dead-lettered "
+                  "(%s): it stays in the delay queue, tried again in %d s", endpoint, queue, message_id, error,
+                  problem, REFUSED_RETRY_SECONDS)
+        try:
+            self.client.change_message_visibility(QueueUrl=delay_url, ReceiptHandle=m["ReceiptHandle"],
+                                                  VisibilityTimeout=REFUSED_RETRY_SECONDS)
+        except (ClientError, BotoCoreError) as exc:  # back after its visibility timeout, and tried again then
+            log.warning("could not hide message %s in the delay queue of %r: %s", message_id, endpoint,
+                        _aws_error(exc))
+        return False
+
+    def _dead_letter(self, m: dict, endpoint: str, error: Exception, error_queue: str) -> str | None:
+        """Send a relayed message, body and attributes as they are, to the error queue with the pump's
+        dead-letter headers; None when it went, else why not."""
+        message_id = _message_id(m)
+        headers = json.loads(_attr(m, ATTR_HEADERS) or "{}")
+        failed_at = self.clock().isoformat()
+        headers.setdefault(HEADER_FIRST_FAILED_AT, failed_at)
+        headers.update({HEADER_FAILED_DESTINATION: endpoint, HEADER_FAILED_AT: failed_at,
+                        HEADER_FAILURE_REASON: str(error)[:1000], HEADER_FAILURES: "1"})
+        attributes = {k: v for k, v in m.get("MessageAttributes", {}).items() if k not in (ATTR_DELAY, ATTR_CYCLE)}
+        attributes[ATTR_HEADERS] = {"DataType": "String", "StringValue": json.dumps(headers)}
+        try:
+            queue = self.queue_name(error_queue)
+            entry = {"MessageBody": m["Body"], "MessageAttributes": attributes,
+                     **_final_fields(queue, message_id, headers)}
+            url = self._url(queue)
+        except (InvalidInputError, DestinationNotFoundError, UnavailableError) as exc:
+            return str(exc)
+        failure = self._send_entries(url, queue, [(message_id, entry)]).get(0)
+        return None if failure is None else str(failure)
+
     def relay_until(self, endpoint: str, deadline: datetime, totals: RelayCounts, wait_time_seconds: int = 20,
-                    max_per_second: float | None = None, until_idle: bool = False) -> str:
+                    max_per_second: float | None = None, until_idle: bool = False, error_queue: str = "error") -> str:
         """Relay the endpoint's delay queue (`relay_once` after `relay_once`, adding to `totals`) until
         `deadline`, each long poll shortened so none outlasts it. Returns why it stopped: `"deadline"`, or
         with `until_idle`, `"idle"` as soon as the delay queue has no visible message (a caller may then
         wait elsewhere, e.g. a deferred task on SqsDelayQueueTrigger, instead of paying for empty polls).
 
         `max_per_second` caps the hand-overs to the endpoint (a delivery policy's maxReceivesPerSecond);
-        its token bucket lasts for this call."""
+        its token bucket lasts for this call. `error_queue` takes what SQS refuses for good (see `relay_once`)."""
         throttle = TokenBucket(max_per_second) if max_per_second else None
         while (left := (deadline - utcnow()).total_seconds()) > 0:
             if until_idle and self.lifecycle(endpoint, delay_queue=True)["visible"] == 0:
                 return "idle"
-            totals.add(self.relay_once(endpoint, min(wait_time_seconds, max(0, int(left))), throttle=throttle))
+            totals.add(self.relay_once(endpoint, min(wait_time_seconds, max(0, int(left))), throttle=throttle,
+                                       error_queue=error_queue))
         return "deadline"
 
     def _delete(self, url: str, messages: list[dict]) -> None:
@@ -711,19 +921,20 @@ class SqsTransport(Transport):
                     raise
 
 
-
 @dataclass
 class RelayCounts:
     relayed: int = 0  # back to the delay queue for another cycle
     handed_over: int = 0  # to the destination with the rest of the delay
     failed: int = 0  # made visible again, to be relayed on a later receive
     held: int = 0  # held back by the destination's throttle, back in a second
+    dead_lettered: int = 0  # refused by SQS for good (too large for the destination, say): in the error queue
 
     def add(self, other: RelayCounts) -> None:
         self.relayed += other.relayed
         self.handed_over += other.handed_over
         self.failed += other.failed
         self.held += other.held
+        self.dead_lettered += other.dead_lettered
 
 
 #: Characters SQS keeps in a body (XML 1.0's); it refuses others or replaces them with U+FFFD.
@@ -762,18 +973,42 @@ def _dedup_id(message_id: str, cycle: int) -> str:
     return _fifo_id(f"{message_id}:{cycle}")
 
 
-def _chunks(entries: list[tuple[DelayedMessage, dict]]):
-    """Batches of at most 10 entries and at most 1 MiB of bodies."""
-    chunk, size = [], 0
-    for item in entries:
-        body = len(item[1]["MessageBody"].encode())
-        if chunk and (len(chunk) == BATCH_SIZE or size + body > MAX_BATCH_BYTES):
+def _entry_bytes(entry: dict) -> int:
+    """An entry's size as SQS counts it against its limits: the body, and each attribute's name, type and value."""
+    size = len(entry["MessageBody"].encode())
+    for name, value in entry.get("MessageAttributes", {}).items():
+        size += len(name.encode()) + len(value["DataType"].encode())
+        size += len(value.get("StringValue", "").encode()) + len(value.get("BinaryValue", b""))
+    return size
+
+
+def _chunks(entries: list[dict]) -> Iterator[list[int]]:
+    """Positions of `entries` in batches of at most 10 entries and 1 MiB (SQS's limits of one batch)."""
+    chunk: list[int] = []
+    size = 0
+    for i, entry in enumerate(entries):
+        n = _entry_bytes(entry)
+        if chunk and (len(chunk) == BATCH_SIZE or size + n > MAX_BATCH_BYTES):
             yield chunk
             chunk, size = [], 0
-        chunk.append(item)
-        size += body
+        chunk.append(i)
+        size += n
     if chunk:
         yield chunk
+
+
+def _due_ms(message: dict) -> float:
+    """A received message's due time (ms), for handing a batch over in due order; unknown ones last."""
+    due = _attr(message, ATTR_DUE_AT)
+    try:
+        return datetime.fromisoformat(due).timestamp() * 1000 if due else math.inf
+    except ValueError:
+        return math.inf
+
+
+def _message_id(message: dict) -> str:
+    """The provider's id of a received message (SQS's own for one sent by something else)."""
+    return _attr(message, ATTR_MESSAGE_ID) or message["MessageId"]
 
 
 def _attr(message: dict, name: str) -> str | None:

@@ -1,4 +1,5 @@
-"""One contract for every transport: the in-memory fake, SQL tables (SQLite, PostgreSQL), RabbitMQ, SQS."""
+"""One contract for every transport: the in-memory fake, SQL tables (SQLite, PostgreSQL), RabbitMQ, SQS (standard
+and FIFO queues)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ SERVICES = pytest.mark.services
 
 
 @pytest.fixture(params=["memory", "sql-sqlite", pytest.param("sql-postgres", marks=SERVICES),
-                        pytest.param("rabbitmq", marks=SERVICES), pytest.param("sqs", marks=SERVICES)])
+                        pytest.param("rabbitmq", marks=SERVICES), pytest.param("sqs", marks=SERVICES),
+                        pytest.param("sqs-fifo", marks=SERVICES)])
 def transport(request, tmp_path):
     kind = request.param
     if kind == "memory":
@@ -37,9 +39,17 @@ def transport(request, tmp_path):
     else:
         from airflow_delay_provider.transports.sqs import SqsTransport
 
+        # sqs-fifo: the same contract on FIFO destinations (`q` names them `<name>.fifo`).
         made = SqsTransport(request.getfixturevalue("sqs_client"), queue_delay=1, prefix=f"c{uuid.uuid4().hex[:6]}-")
     yield made
     made.close()
+
+
+@pytest.fixture
+def q(request):
+    """The contract's queue names on the transport under test: SQS FIFO queues end in `.fifo`."""
+    fifo = request.node.callspec.params.get("transport") == "sqs-fifo"
+    return lambda name: f"{name}.fifo" if fifo else name
 
 
 def msg(n: int, destination: str = "orders") -> DelayedMessage:
@@ -56,45 +66,45 @@ def receive_all(transport, endpoint: str, expected: int, timeout: float = 10.0) 
     return got
 
 
-def test_provisioning_is_idempotent_and_names_are_checked_first(transport):
-    transport.provision("orders")
-    transport.provision("orders")
-    assert transport.verify(["orders"])["complete"]
+def test_provisioning_is_idempotent_and_names_are_checked_first(transport, q):
+    transport.provision(q("orders"))
+    transport.provision(q("orders"))
+    assert transport.verify([q("orders")])["complete"]
     with pytest.raises(InvalidInputError):
         transport.check_endpoint("")
 
 
-def test_a_sent_message_is_received_intact_and_gone_once_acked(transport):
-    transport.provision("orders")
-    assert transport.send([msg(1), msg(2)]) == {}
-    got = receive_all(transport, "orders", 2)
+def test_a_sent_message_is_received_intact_and_gone_once_acked(transport, q):
+    transport.provision(q("orders"))
+    assert transport.send([msg(1, q("orders")), msg(2, q("orders"))]) == {}
+    got = receive_all(transport, q("orders"), 2)
     assert sorted(m.message_id for m in got) == ["m-1", "m-2"]
     for m in got:
         assert m.body == f"body-{m.message_id[2:]}".encode() and m.headers["n"] == m.message_id[2:]
-        assert m.destination == "orders"
-    assert transport.ack("orders", [m.receipt for m in got]) == 2
+        assert m.destination == q("orders")
+    assert transport.ack(q("orders"), [m.receipt for m in got]) == 2
     time.sleep(0.2)
-    assert transport.depth("orders")["visible"] == 0
-    assert transport.receive("orders", max_messages=10) == []
+    assert transport.depth(q("orders"))["visible"] == 0
+    assert transport.receive(q("orders"), max_messages=10) == []
 
 
-def test_one_unknown_destination_does_not_stop_the_rest_of_a_batch(transport):
-    transport.provision("orders")
-    failures = transport.send([msg(1), msg(2, "nowhere"), msg(3)])
+def test_one_unknown_destination_does_not_stop_the_rest_of_a_batch(transport, q):
+    transport.provision(q("orders"))
+    failures = transport.send([msg(1, q("orders")), msg(2, q("nowhere")), msg(3, q("orders"))])
     # Where the broker tells (every transport but RabbitMQ, which keeps it in `unroutable`), it says why.
     assert set(failures) <= {"m-2"}
     assert all(isinstance(e, DestinationNotFoundError) for e in failures.values())
-    got = receive_all(transport, "orders", 2)
+    got = receive_all(transport, q("orders"), 2)
     assert sorted(m.message_id for m in got) == ["m-1", "m-3"]
 
 
-def test_the_depth_of_a_queue_counts_what_is_waiting(transport):
-    transport.provision("orders")
-    transport.send([msg(n) for n in range(3)])
+def test_the_depth_of_a_queue_counts_what_is_waiting(transport, q):
+    transport.provision(q("orders"))
+    transport.send([msg(n, q("orders")) for n in range(3)])
     deadline = time.monotonic() + 10
-    while transport.depth("orders")["visible"] < 3 and time.monotonic() < deadline:
+    while transport.depth(q("orders"))["visible"] < 3 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert transport.depth("orders")["visible"] == 3
+    assert transport.depth(q("orders"))["visible"] == 3
 
 
 def take_held(transport, expected: int, timeout: float = 10.0) -> list:

@@ -1,4 +1,5 @@
-"""Amazon SQS against moto's server: queue-level defaults, duplicates, large bodies and retention."""
+"""Amazon SQS against moto's server: queue-level defaults, duplicates, large bodies, retention, batches SQS
+refuses in part or whole, and clocks."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from botocore.exceptions import ClientError
 
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.message import DelayedMessage
-from airflow_delay_provider.transports.sqs import SqsTransport
+from airflow_delay_provider.transports.sqs import RelayCounts, SqsTransport
 from tests.integration.test_sqs import Crash, FaultyClient, crashing_relay, make, wait_for
 
 FOURTEEN_DAYS = 1_209_600
@@ -96,6 +97,11 @@ def test_a_duplicate_whose_body_was_consumed_is_dropped_not_a_failed_batch(aws_c
         first = t.receive("orders", 1)
     assert first[0].body == BODY
     assert t.ack("orders", [first[0].receipt]) == 1  # delivered: its object is deleted
+    # The relay counts on SQS's clock in whole seconds: the second copy may still be delayed for a second.
+    visible_by = time.monotonic() + 10
+    while t.lifecycle("orders")["visible"] < 1:
+        assert time.monotonic() < visible_by, t.lifecycle("orders")
+        time.sleep(0.05)
     assert t.send([DelayedMessage("orders", b"small", utcnow(), {}, "plain-1")]) == {}
     got = []
     while not got and time.monotonic() < deadline:
@@ -203,3 +209,185 @@ def test_relay_crash_before_delete_leaves_one_copy_in_the_delay_queue(sqs_client
         relayed = survivor.relay_once("orders", 1, visibility_timeout=2).relayed
     assert relayed
     assert total(survivor, "orders", delay_queue=True) == 1  # the re-sent cycle 1 was deduplicated
+
+
+# -- batches: split by size, a refused message is its own failure, an outage fails only what was not taken --
+def limit_message_size(sqs_client, queue: str, size: int) -> None:
+    url = sqs_client.get_queue_url(QueueName=queue)["QueueUrl"]
+    sqs_client.set_queue_attributes(QueueUrl=url, Attributes={"MaximumMessageSize": str(size)})
+
+
+def received_ids(t: SqsTransport, endpoint: str, expected: int, timeout: float = 10) -> list[str]:
+    """Every delivery's id until `expected` arrived and the queue is empty (duplicates would show)."""
+    ids, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = t.receive(endpoint, 10)
+        ids += [m.message_id for m in batch]
+        if batch:
+            t.ack(endpoint, [m.receipt for m in batch])
+        elif len(ids) >= expected and total(t, endpoint) == 0:
+            break
+        else:
+            time.sleep(0.1)
+    return ids
+
+
+def test_the_relay_splits_hand_overs_by_size(sqs_client):
+    t = make(sqs_client, 1, "orders")
+    body = b"x" * (200 * 1024)  # ten of them are 2 MB: more than one batch may carry
+    assert t.send([DelayedMessage("orders", body, utcnow() + timedelta(seconds=2), {}, f"big-{i}")
+                   for i in range(10)]) == {}
+    handed, deadline = 0, time.monotonic() + 20
+    while handed < 10 and time.monotonic() < deadline:
+        handed += t.relay_once("orders", 1).handed_over
+    assert handed == 10
+    assert sorted(received_ids(t, "orders", 10)) == sorted(f"big-{i}" for i in range(10))
+    assert total(t, "orders", delay_queue=True) == 0
+
+
+@pytest.mark.parametrize("error_queue", [True, False], ids=["dead-lettered", "no-error-queue"])
+def test_a_relayed_message_the_destination_refuses_for_good_holds_back_nothing(sqs_client, caplog, error_queue):
+    t = make(sqs_client, 1, "orders", *(["error"] if error_queue else []))
+    limit_message_size(sqs_client, "orders", 1024)
+    due = utcnow() + timedelta(seconds=2)
+    assert t.send([DelayedMessage("orders", b"a", due, {}, "ok-1"),
+                   DelayedMessage("orders", b"y" * 2000, due, {"k": "v"}, "too-big"),
+                   DelayedMessage("orders", b"b", due, {}, "ok-2")]) == {}
+    totals, deadline = RelayCounts(), time.monotonic() + 20
+    with caplog.at_level(logging.ERROR, logger="airflow_delay_provider.transports.sqs"):
+        while totals.handed_over < 2 and time.monotonic() < deadline:
+            totals.add(t.relay_once("orders", 1))
+    assert totals.handed_over == 2
+    assert sorted(received_ids(t, "orders", 2)) == ["ok-1", "ok-2"]
+    [record] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "too-big" in record.getMessage() and "'orders'" in record.getMessage()
+    if error_queue:
+        assert totals.dead_lettered == 1
+        [dead] = [m for _, m in wait_for(t, "error", 1, 5)]
+        assert dead.message_id == "too-big" and dead.body == b"y" * 2000 and dead.headers["k"] == "v"
+        assert dead.headers["x-delay-failed-destination"] == "orders"
+        assert "shorter than 1024 bytes" in dead.headers["x-delay-failure-reason"]
+        assert total(t, "orders", delay_queue=True) == 0
+    else:  # kept, hidden: not tried again in a tight loop
+        assert totals.failed == 1
+        assert t.lifecycle("orders", delay_queue=True) == {"scheduled": 0, "visible": 0, "in_flight": 1}
+        again = t.relay_once("orders", 1)
+        assert (again.handed_over, again.failed, again.relayed) == (0, 0, 0)
+
+
+def refusing_batch(sqs_client, size: int = 1024) -> list[DelayedMessage]:
+    """Twelve messages due now, the last one larger than the `orders` queue takes."""
+    limit_message_size(sqs_client, "orders", size)
+    now = utcnow()
+    return [DelayedMessage("orders", f"body-{i}".encode() if i < 11 else b"z" * 2000, now, {}, f"m-{i}")
+            for i in range(12)]
+
+
+def test_send_natively_fails_only_the_refused_message_and_sends_the_others_once(sqs_client, tmp_path):
+    from airflow_delay_provider.core.breakers import CircuitBreaker
+    from airflow_delay_provider.core.errors import CriticalError, DelayProviderError
+    from airflow_delay_provider.core.sending import send_natively
+    from tests.helpers import make_store
+
+    t = make(sqs_client, 900, "orders")
+    store = make_store(f"sqlite:///{tmp_path / 's.db'}", None, "delayed")
+    batch = refusing_batch(sqs_client)
+    with pytest.raises(DelayProviderError) as refused:
+        send_natively(store, t, batch, CircuitBreaker("sending", 5))
+    assert not isinstance(refused.value, CriticalError), refused.value
+    assert "1 of 12 message(s) were refused" in str(refused.value)
+    assert "m-11: SQS queue 'orders' refused message m-11" in str(refused.value)
+    assert "shorter than 1024 bytes" in str(refused.value)
+    assert sorted(received_ids(t, "orders", 11)) == sorted(f"m-{i}" for i in range(11))  # each exactly once
+    assert store.unseen([m.message_id for m in batch]) == ["m-11"]  # the sent ones are recorded
+
+
+def test_the_pump_dead_letters_the_refused_message_and_dispatches_the_others_once(sqs_client, tmp_path):
+    from airflow_delay_provider.core.pump import Pump, PumpConfig
+    from tests.helpers import make_store
+
+    t = make(sqs_client, 900, "orders", "error")
+    store = make_store(f"sqlite:///{tmp_path / 's.db'}", None, "delayed")
+    store.store(refusing_batch(sqs_client))
+    result = Pump(store, t, PumpConfig(time_to_trigger_dispatch_circuit_breaker=3)).run(stop_when_idle=True)
+    assert (result.stats.dispatched, result.stats.dead_lettered) == (11, 1)
+    assert sorted(received_ids(t, "orders", 11)) == sorted(f"m-{i}" for i in range(11))
+    [dead] = [m for _, m in wait_for(t, "error", 1, 5)]
+    assert dead.message_id == "m-11" and "refused message m-11" in dead.headers["x-delay-failure-reason"]
+
+
+class FailingOnce(FaultyClient):
+    """The real moto client, whose `n`-th send_message_batch fails as SQS's own outage would."""
+
+    def __init__(self, client, n: int):
+        super().__init__(client)
+        self.n = n
+
+    def send_message_batch(self, QueueUrl, Entries):
+        self.n -= 1
+        if self.n == 0:
+            raise ClientError({"Error": {"Code": "ServiceUnavailable", "Message": "try again"},
+                               "ResponseMetadata": {"HTTPStatusCode": 503}}, "SendMessageBatch")
+        return self._client.send_message_batch(QueueUrl=QueueUrl, Entries=Entries)
+
+
+def test_an_outage_fails_only_the_batches_sqs_did_not_take(sqs_client, tmp_path):
+    from airflow_delay_provider.core.breakers import CircuitBreaker
+    from airflow_delay_provider.core.errors import UnavailableError
+    from airflow_delay_provider.core.sending import send_natively
+    from tests.helpers import make_store
+
+    make(sqs_client, 900, "orders")
+    t = SqsTransport(FailingOnce(sqs_client, 2), queue_delay=900)
+    batch = [DelayedMessage("orders", f"b{i}".encode(), utcnow(), {}, f"o-{i}") for i in range(25)]
+    failures = t.send(batch)  # the 10 of the first batch went; the second failed, the third was not tried
+    assert sorted(failures) == sorted(f"o-{i}" for i in range(10, 25))
+    assert all(isinstance(e, UnavailableError) for e in failures.values())
+    assert "ServiceUnavailable" in str(failures["o-10"])
+    # Through send_natively the failed ones go again, and none of the accepted ones does.
+    t = SqsTransport(FailingOnce(sqs_client, 2), queue_delay=900)
+    again = [DelayedMessage("orders", f"b{i}".encode(), utcnow(), {}, f"p-{i}") for i in range(25)]
+    store = make_store(f"sqlite:///{tmp_path / 's.db'}", None, "delayed")
+    assert send_natively(store, t, again, CircuitBreaker("sending", 10)) == 25
+    ids = received_ids(t, "orders", 35)
+    assert sorted(ids) == sorted([f"o-{i}" for i in range(10)] + [f"p-{i}" for i in range(25)])
+
+
+# -- clocks: one per path ------------------------------------------------------------------------------
+AHEAD = timedelta(hours=1)
+
+
+def test_a_native_send_counts_the_delay_on_the_clock_it_was_given(sqs_client):
+    t = make(sqs_client, 900, "orders").use_clock(lambda: utcnow() + AHEAD)  # the store's clock, an hour ahead
+    due = t.clock() + timedelta(seconds=2)  # two seconds from now, on that clock
+    assert t.send([DelayedMessage("orders", b"x", due, {}, "c-1")]) == {}
+    assert [m.message_id for _, m in wait_for(t, "orders", 1, 8)] == ["c-1"]
+    assert total(t, "orders", delay_queue=True) == 0  # natively, not an hour through the relay
+
+
+def test_a_redelivered_message_is_not_handed_over_early_when_the_host_clock_runs_ahead(sqs_client, monkeypatch):
+    from airflow_delay_provider.transports import sqs
+
+    t = make(sqs_client, 2, "orders")
+    due = utcnow() + timedelta(seconds=8)
+    assert t.send([DelayedMessage("orders", b"x", due, {}, "skew-1")]) == {}
+    # Someone received it from the delay queue without relaying it: the relay's next receive is a redelivery.
+    url = sqs_client.get_queue_url(QueueName="orders-delay.fifo")["QueueUrl"]
+    deadline = time.monotonic() + 10
+    while not sqs_client.receive_message(QueueUrl=url, VisibilityTimeout=0, WaitTimeSeconds=1).get("Messages"):
+        assert time.monotonic() < deadline, "the message never became visible in the delay queue"
+    real = sqs.utcnow
+    monkeypatch.setattr(sqs, "utcnow", lambda: real() + AHEAD)  # this host's clock runs an hour ahead of SQS's
+    t.use_clock(lambda: real() + AHEAD)
+    counts = RelayCounts()
+    while not counts.relayed + counts.handed_over:
+        counts = t.relay_once("orders", 1)
+        assert time.monotonic() < deadline + 5
+    assert (counts.relayed, counts.handed_over) == (1, 0)  # six seconds are left on SQS's clock
+    got = []
+    while not got:
+        t.relay_once("orders", 1)
+        got = wait_for(t, "orders", 1, 0.2)
+        assert time.monotonic() < deadline + 25
+    [(arrived, m)] = got
+    assert m.message_id == "skew-1" and arrived >= due

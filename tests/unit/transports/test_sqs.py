@@ -28,6 +28,29 @@ def test_delay_queue_names_and_limits():
         delay_queue_name(name69 + "x")
 
 
+def test_a_fifo_endpoints_delay_queue_is_a_standard_queue_of_its_own():
+    assert delay_queue_name("orders.fifo") == "orders-fifo-delay"
+    assert delay_queue_name("orders.fifo", prefix="dev-") == "dev-orders-fifo-delay"
+    # Before, `x.fifo` and `x-fifo` shared `x-fifo-delay.fifo`; a standard endpoint keeps its name.
+    assert delay_queue_name("x.fifo") != delay_queue_name("x-fifo") == "x-fifo-delay.fifo"
+    name74 = "n" * 69 + ".fifo"
+    assert len(delay_queue_name(name74)) == 80
+    with pytest.raises(ValueError, match="81 characters; SQS allows 80, so the endpoint name may have at most 74"):
+        delay_queue_name("x" + name74)
+
+
+def test_batches_are_cut_at_ten_entries_or_a_mebibyte_attributes_included():
+    from airflow_delay_provider.transports.sqs import _chunks
+
+    attribute = {"x-message-id": {"DataType": "String", "StringValue": "m"}}  # 12 + 6 + 1 bytes
+    small = [{"MessageBody": "x", "MessageAttributes": attribute} for _ in range(25)]
+    assert [len(c) for c in _chunks(small)] == [10, 10, 5]
+    # Four bodies of 256 KiB are exactly 1 MiB: with their attributes, the fourth goes in the next batch.
+    big = [{"MessageBody": "x" * 256 * 1024, "MessageAttributes": attribute} for _ in range(5)]
+    assert list(_chunks(big)) == [[0, 1, 2], [3, 4]]
+    assert list(_chunks([{"MessageBody": "x" * 256 * 1024} for _ in range(5)])) == [[0, 1, 2, 3], [4]]
+
+
 def test_worked_examples_and_the_cost_of_a_year():
     assert delay_plan(845) == delay_plan(845.0)
     p = delay_plan(845)
@@ -56,7 +79,8 @@ class ScriptedRelay(SqsTransport):
         assert delay_queue
         return {"scheduled": 0, "visible": self.visible.pop(0) if self.visible else 0, "in_flight": 0}
 
-    def relay_once(self, endpoint, wait_time_seconds=20, visibility_timeout=30, throttle=None) -> RelayCounts:
+    def relay_once(self, endpoint, wait_time_seconds=20, visibility_timeout=30, throttle=None,
+                   error_queue="error") -> RelayCounts:
         self.polls.append((wait_time_seconds, throttle))
         time.sleep(0.01)  # a long poll takes a while
         return RelayCounts(relayed=1)
