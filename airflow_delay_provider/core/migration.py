@@ -26,6 +26,7 @@ def hand_over(store: DelayedMessageStore, transport: Transport, batch_size: int 
     """
     moved = refused = 0
     errors: dict[str, str] = {}
+    transport.use_clock(store.clock)  # the due times it receives are on the store's clock
     while True:
         with store.claim_due(END_OF_TIME, batch_size) as claim:
             if not claim.messages:
@@ -52,6 +53,7 @@ def take_back(store: DelayedMessageStore, transport: Transport, batch_size: int 
     if not transport.can_take_back:
         raise InvalidInputError(f"transport {transport.name!r} holds no delayed messages to take back")
     moved = poisoned = 0
+    transport.use_clock(store.clock)  # "still waiting for its due time" on the store's clock, as the pump sees it
     while held := transport.take_held(batch_size):
         messages = [h.message for h in held if h.message is not None]
         stored = [h.receipt for h in held if h.message is not None]

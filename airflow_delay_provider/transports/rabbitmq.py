@@ -25,9 +25,10 @@ import ssl
 import struct
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from itertools import takewhile
 from typing import Any
 
@@ -44,7 +45,7 @@ from pika.exceptions import (
     UnroutableError,
 )
 
-from airflow_delay_provider.core.delays import seconds_until, utcnow, whole_seconds
+from airflow_delay_provider.core.delays import seconds_until, whole_seconds
 from airflow_delay_provider.core.errors import (
     DelayError,
     DelayProviderError,
@@ -335,6 +336,7 @@ class RabbitMQTransport(Transport):
         self.confirm_window = confirm_window
         self.confirm_timeout = confirm_timeout
         self._publisher: ConfirmingPublisher | None = None
+        self._retired: list[ConfirmingPublisher] = []  # stuck ones still finishing the batches they have
         self._admin: pika.BlockingConnection | None = None
         self._consumer = None  # the channel receive() and ack() share: delivery tags belong to it
         self._holder = None  # the channel holding messages taken from the levels, until they are settled
@@ -372,13 +374,14 @@ class RabbitMQTransport(Transport):
                     raise UnavailableError(f"the connection to {self.where} keeps closing") from None
 
     def close(self) -> None:
-        for conn in (self._admin, self._publisher):
+        for conn in (self._admin, self._publisher, *self._retired):
             try:
-                if conn is not None and conn.is_open:
+                if conn is not None and not conn.is_closed:
                     conn.close()
             except AMQPError:
                 pass  # already going away: nothing left to release
         self._admin = self._publisher = self._consumer = self._holder = None
+        self._retired = []
 
     # -- provisioning ------------------------------------------------------------------------------
     def declare(self, topology: Topology) -> dict:
@@ -542,8 +545,11 @@ class RabbitMQTransport(Transport):
         return self.send_start(messages, connection)()
 
     def send_start(self, messages: Sequence[DelayedMessage], connection: Any = None):
-        """Publish a batch without waiting: the returned function waits for its confirms and gives the failures."""
-        now = utcnow()
+        """Publish a batch without waiting: the returned function waits for its confirms and gives the failures.
+
+        Each message's remaining delay is its due time minus now on `clock()`: the store's, on which due times
+        are kept, once the pump or the send operator gave it (use_clock), not this host's."""
+        now = self.clock()
         failures: dict[str, Exception] = {}
         publishes = []
         bad_names: dict[str, Exception | None] = {}
@@ -561,15 +567,7 @@ class RabbitMQTransport(Transport):
                 failures[m.message_id] = exc
         if not publishes:
             return lambda: failures
-        if self._publisher is not None and self._publisher.stale(self.parameters.heartbeat):
-            # Idle past half the heartbeat: nothing ran the I/O loop to answer the broker's heartbeats,
-            # so it may have dropped the connection; a fresh one costs milliseconds, finding out costs
-            # a failed batch and a breaker's wait.
-            self._publisher.close()
-            self._publisher = None
-        if self._publisher is None or not self._publisher.is_open:
-            self._publisher = ConfirmingPublisher(self.parameters, self.confirm_window, self.confirm_timeout)
-        publisher = self._publisher
+        publisher = self._open_publisher()
         batch = publisher.start(publishes)
 
         def wait() -> dict[str, Exception]:
@@ -577,6 +575,23 @@ class RabbitMQTransport(Transport):
             return failures
 
         return wait
+
+    def _open_publisher(self) -> ConfirmingPublisher:
+        """The publisher to start a batch on: a new one when the last is broken or has been idle too long."""
+        self._retired = [p for p in self._retired if not p.is_closed]
+        current = self._publisher
+        if current is not None and (not current.is_open or current.stale(self.parameters.heartbeat)):
+            # Idle past half the heartbeat: nothing ran the I/O loop to answer the broker's heartbeats, so it
+            # may have dropped the connection; a fresh one costs milliseconds, finding out costs a failed
+            # batch and a breaker's wait. A stuck one still waits for the batches it has, then closes itself.
+            if current.busy:
+                self._retired.append(current)
+            else:
+                current.close()
+            current = self._publisher = None
+        if current is None:
+            current = self._publisher = ConfirmingPublisher(self.parameters, self.confirm_window, self.confirm_timeout)
+        return current
 
     def _publication(self, m: DelayedMessage, now: datetime) -> Publication:
         delay = seconds_until(m.due_at, now)
@@ -598,13 +613,13 @@ class RabbitMQTransport(Transport):
         for _attempt in (1, 2):
             if self._consumer is None or self._consumer.is_closed:
                 self._consumer = self._channel()
-            received = []
+            received, now = [], self.clock()
             try:
                 for _ in range(max_messages):
                     method, properties, body = self._consumer.basic_get(endpoint, auto_ack=False)
                     if method is None:
                         break
-                    received.append(_received(endpoint, method, properties, body))
+                    received.append(_received(endpoint, method, properties, body, now))
                 return received
             except ChannelClosedByBroker as exc:
                 self._consumer = None
@@ -765,7 +780,7 @@ def _unwrap(properties) -> tuple[dict[str, str], datetime | None]:
     return headers, datetime.fromisoformat(_text(due)) if due else None
 
 
-def _received(endpoint: str, method, properties, body: bytes) -> ReceivedMessage:
+def _received(endpoint: str, method, properties, body: bytes, now: datetime) -> ReceivedMessage:
     headers, due = _unwrap(properties)
     return ReceivedMessage(
         message_id=properties.message_id or "",
@@ -773,7 +788,7 @@ def _received(endpoint: str, method, properties, body: bytes) -> ReceivedMessage
         body=body,
         headers=headers,
         receipt=method.delivery_tag,
-        enqueued_at=utcnow(),  # RabbitMQ does not say when a message arrived: the receive time
+        enqueued_at=now,  # RabbitMQ does not say when a message arrived: the receive time, on the due times' clock
         due_at=due,
         receive_count=2 if method.redelivered else 1,
         extra={"routing_key": method.routing_key, "exchange": method.exchange},
@@ -852,10 +867,14 @@ class PublishNacked(UnavailableError):
 
 
 class _Batch:
-    """Messages of one send: done when each is confirmed, returned or nacked (or the connection failed)."""
+    """Messages of one send: done when each is confirmed, returned, nacked or failed (not confirmed in time, or the
+    connection failed)."""
 
     def __init__(self, size: int) -> None:
         self.remaining = size
+        self.unsent = size  # kept back while the window is full
+        #: When its last message went out (until then, when it was started): its confirms are waited for from then.
+        self.sent_at = time.monotonic()
         self.failures: dict[str, Exception] = {}
 
 
@@ -864,9 +883,10 @@ class ConfirmingPublisher:
 
     Up to `window` messages are in flight, across batches: `start` queues a batch and returns at
     once, `wait` runs the I/O loop until that batch is settled. Each message ends acked (queued),
-    returned (no queue takes it: acked after a return) or nacked. After a nack the channel is
-    replaced once nothing is in flight on it: RabbitMQ 3.x keeps a channel that a full queue
-    refused refusing even after the limit is lifted, while a new channel is asked afresh.
+    returned (no queue takes it: acked after a return), nacked, or failed by `wait` when not confirmed
+    in time. After a nack the channel is replaced once nothing is in flight on it: RabbitMQ 3.x keeps
+    a channel that a full queue refused refusing even after the limit is lifted, while a new channel
+    is asked afresh.
     """
 
     def __init__(self, parameters: pika.ConnectionParameters, window: int = 1000, timeout: float = 30.0) -> None:
@@ -877,9 +897,14 @@ class ConfirmingPublisher:
         self._ready = False
         self._tag = 0
         self._outstanding: dict[int, tuple[_Batch, str]] = {}
+        #: Tags (ascending) of messages failed as not confirmed in time, by message id: their confirms, if they
+        #: come, are recognised and ignored. They do not count against the window.
+        self._abandoned: dict[int, str] = {}
+        self._confirmed_at = float("-inf")  # when the channel last confirmed anything
         self._pending: deque[tuple[_Batch, Publication]] = deque()
         self._returned: dict[str, Exception] = {}
         self._renewing = False  # nacked: publish nothing more on this channel, replace it when settled
+        self._stuck = False  # confirmed nothing for a whole timeout: takes no new batch, closes once idle
         self._method_frames: dict[tuple[int, str, str], bytes] = {}
         self._until = lambda: True
         self._last_io = time.monotonic()
@@ -898,12 +923,22 @@ class ConfirmingPublisher:
 
     @property
     def is_open(self) -> bool:
-        return self._error is None and self._connection.is_open  # ready once constructed; renewing is open too
+        """True while it takes new batches: ready once constructed; renewing is open too."""
+        return self._error is None and not self._stuck and self._connection.is_open
+
+    @property
+    def is_closed(self) -> bool:
+        return bool(self._connection.is_closed)
+
+    @property
+    def busy(self) -> bool:
+        """Messages of some batch are waiting for room in the window or for their confirms."""
+        return bool(self._outstanding or self._pending)
 
     def stale(self, heartbeat: int | None) -> bool:
         """Idle, with nothing in flight, for more than half the heartbeat interval."""
         idle = time.monotonic() - self._last_io
-        return not self._outstanding and not self._pending and bool(heartbeat) and idle > heartbeat / 2
+        return not self.busy and bool(heartbeat) and idle > heartbeat / 2
 
     def _on_channel(self, channel) -> None:
         self._channel = channel
@@ -923,6 +958,9 @@ class ConfirmingPublisher:
 
     def _renew_channel(self) -> None:
         self._renewing = self._ready = False
+        # Tags count afresh on the new channel: whatever the old one may still confirm is of no batch.
+        self._abandoned.clear()
+        self._returned.clear()
         retired, self._channel = self._channel, None
         retired.close()
         self._connection.channel(on_open_callback=self._on_channel)
@@ -949,10 +987,19 @@ class ConfirmingPublisher:
 
     # confirms: tags count publishes on this channel from 1
     def _on_confirm(self, frame) -> None:
+        if self._channel is None or frame.channel_number != self._channel.channel_number:
+            return  # from a channel retired after a nack, whose tags are no longer ours
+        self._confirmed_at = time.monotonic()
         method = frame.method
         tag = method.delivery_tag
         # Outstanding tags are in publishing order: a multiple confirm covers a prefix of them.
         tags = list(takewhile(lambda t: t <= tag, self._outstanding)) if method.multiple else [tag]
+        if self._abandoned:
+            late = list(takewhile(lambda t: t <= tag, self._abandoned)) if method.multiple else [tag]
+            for t in late:
+                mid = self._abandoned.pop(t, None)
+                if mid is not None:  # its batch failed it already: only forget its return, if any
+                    self._returned.pop(mid, None)
         nacked = isinstance(method, pika.spec.Basic.Nack)
         for tag in tags:
             entry = self._outstanding.pop(tag, None)
@@ -969,10 +1016,14 @@ class ConfirmingPublisher:
                     "queue at its length limit); send it again later"
                 )
         self._renewing = self._renewing or nacked
+        self._settled()
+        self._check_done()
+
+    def _settled(self) -> None:
+        """Room in the window: publish what waits (or, after a nack, replace the channel once nothing is in flight)."""
         if self._renewing and not self._outstanding:
             self._renew_channel()
         self._fill()
-        self._check_done()
 
     def _on_return(self, _channel, method, properties, _body) -> None:
         # A return comes before the ack of the same message: remember it until then.
@@ -990,6 +1041,9 @@ class ConfirmingPublisher:
             self._tag += 1
             self._outstanding[self._tag] = (batch, p.message_id)
             self._marshal(p, frames)
+            batch.unsent -= 1
+            if not batch.unsent:
+                batch.sent_at = time.monotonic()
         if frames:
             self._write(frames)
 
@@ -1028,25 +1082,66 @@ class ConfirmingPublisher:
         return batch
 
     def wait(self, batch: _Batch) -> dict[str, Exception]:
-        """Run the I/O loop until the batch is settled; returns its failures by message id.
+        """Run the I/O loop until the batch is settled, or `timeout` has passed since its last message went out;
+        returns its failures by message id.
 
-        On a lost connection or a missing confirm every unsettled message (of every batch) fails
-        as unavailable, and the publisher is done: the transport opens a new one.
+        Unconfirmed messages fail as unavailable (the pump releases them and sends them again: at least
+        once). A timeout fails only this batch: later batches wait for their own confirms, and confirms that
+        come late for this one are ignored. When the channel confirmed nothing at all in that time, it (or its
+        connection) is stuck: the publisher takes no new batch (the transport opens a new one) and closes once
+        the batches it has are done. A lost connection fails every unsettled message of every batch at once:
+        nothing can be confirmed any more.
         """
-        self._run(until=lambda: batch.remaining == 0 or self._error is not None, timeout=self.timeout)
-        if batch.remaining:
-            reason = self._error or TimeoutError(f"no confirm within {self.timeout:.0f} s")
-            self._error = reason
-            unsettled = list(self._outstanding.values()) + list(self._pending)
-            for owner, item in unsettled:
-                mid = item if isinstance(item, str) else item.message_id
-                owner.failures.setdefault(mid, UnavailableError(f"not confirmed by RabbitMQ: {_describe(reason)}"))
-                owner.remaining = 0
-            self._outstanding.clear()
-            self._pending.clear()
+        while batch.remaining and self._error is None:
+            left = batch.sent_at + self.timeout - time.monotonic()
+            if left <= 0:
+                break
+            # Once its last message is out, its deadline moves: look again.
+            self._run(until=partial(self._waited, batch, batch.unsent), timeout=left)
+        if self._error is not None:
+            self._fail(self._error, lambda _owner: True)
+        elif batch.remaining:
+            self._stuck = self._stuck or self._confirmed_at < batch.sent_at
+            self._fail(TimeoutError(f"no confirm within {self.timeout:.0f} s"), lambda owner: owner is batch)
+            try:
+                self._settled()  # its room in the window goes to the batches behind it
+            except AMQPError as exc:
+                self._error = exc
+        if not self.is_open and not self.busy:
+            self.close()
         return batch.failures
 
+    def _waited(self, batch: _Batch, unsent: int) -> bool:
+        return not batch.remaining or self._error is not None or batch.unsent != unsent
+
+    def _fail(self, reason: BaseException, which: Callable[[_Batch], bool]) -> None:
+        """Fail every unsettled message of the batches `which` picks; their tags are kept apart (`_abandoned`)."""
+        error = UnavailableError(f"not confirmed by RabbitMQ: {_describe(reason)}")
+        for tag, (owner, mid) in list(self._outstanding.items()):
+            if which(owner):
+                del self._outstanding[tag]
+                self._abandoned[tag] = mid
+                # A return comes just before its ack: the message is known not to be queued.
+                owner.failures.setdefault(mid, self._returned.pop(mid, error))
+                owner.remaining = 0
+        kept: deque[tuple[_Batch, Publication]] = deque()
+        for owner, p in self._pending:
+            if which(owner):
+                owner.failures.setdefault(p.message_id, error)
+                owner.remaining = 0
+            else:
+                kept.append((owner, p))
+        self._pending = kept
+        self._abandoned = dict(sorted(self._abandoned.items()))  # batches may time out out of order
+
     def close(self) -> None:
-        if self._connection.is_open:
+        """Close the connection. A stuck one is dropped instead: the broker closes a channel only once the queues
+        it published to answer, and cleans up after a dropped socket by itself."""
+        if self._connection.is_open and not self._stuck:
             self._connection.close()
+            self._run(until=lambda: self._connection.is_closed, timeout=5)
+        if self._connection.is_open or self._connection.is_closing:
+            # What pika itself does to a connection whose heartbeats stopped.
+            dropped = AMQPConnectionError("dropped: RabbitMQ did not confirm or close in time")
+            self._connection._terminate_stream(dropped)
             self._run(until=lambda: self._connection.is_closed, timeout=5)

@@ -4,12 +4,16 @@ Every queue's messages live in one table, keyed by queue name, beside a registry
 queues. A message is visible, in flight (received, hidden until its visibility timeout) or
 deleted (acked): a queue message's lifecycle. When the delayed-message store is in the same database
 the pump inserts here inside its claim transaction, so dispatch is exactly once.
+
+Every time written or compared here (enqueued, visible, provisioned) is on the database's clock, as
+`move_due` writes it inside the database: senders and receivers on hosts whose clocks differ agree
+on when a message is visible.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -63,9 +67,10 @@ class SqlTableTransport(SqlDatabase, Transport):
         """From the plain data of DelayStoreHook.transport_spec() (a process without Airflow)."""
         return cls(spec["url"], schema=spec.get("schema"), table_prefix=spec.get("table_prefix", "delay_"))
 
-    def __init__(self, url: URL | str, schema: str | None = None, table_prefix: str = "delay_") -> None:
+    def __init__(self, url: URL | str, schema: str | None = None, table_prefix: str = "delay_",
+                 local_clock: Callable[[], datetime] = utcnow) -> None:
         check_identifier("table prefix", table_prefix + "queues")
-        super().__init__(url, schema)
+        super().__init__(url, schema, local_clock)
         md = MetaData()
         self.queues = Table(
             f"{table_prefix}queues",
@@ -93,6 +98,12 @@ class SqlTableTransport(SqlDatabase, Transport):
     def __repr__(self) -> str:
         return f"SqlTableTransport({safe_url(self.url)!r}, schema={self.schema!r})"
 
+    def use_clock(self, clock: Callable[[], datetime]) -> SqlTableTransport:
+        """Changes nothing: this transport has no remaining delay to count (a message is visible once sent), and its
+        enqueue and visibility times stay on its database's clock (`clock()`), the one every sender, receiver and
+        `move_due` of its tables shares, whatever clock the caller keeps due times on."""
+        return self
+
     def create_schema(self) -> None:
         self._create_tables(self.queues.metadata, "the queue tables")
 
@@ -102,7 +113,7 @@ class SqlTableTransport(SqlDatabase, Transport):
         stmt = (postgresql.insert if self.is_postgres else sqlite.insert)(self.queues)
         stmt = stmt.on_conflict_do_nothing(index_elements=["name"])
         with self._errors(f"provision queue {endpoint!r}"), self.engine.begin() as conn:
-            created = conn.execute(stmt, {"name": endpoint, "created_at_us": to_us(utcnow())}).rowcount == 1
+            created = conn.execute(stmt, {"name": endpoint, "created_at_us": to_us(self.clock())}).rowcount == 1
         return {"transport": self.name, "endpoint": endpoint, "created": created}
 
     def verify(self, endpoints: Iterable[str] = ()) -> dict:
@@ -195,7 +206,7 @@ class SqlTableTransport(SqlDatabase, Transport):
         wanted = {m.destination for m in messages}
         known = set(conn.execute(select(self.queues.c.name).where(self.queues.c.name.in_(wanted))).scalars())
         failures: dict[str, Exception] = {}
-        now = to_us(utcnow())
+        now = to_us(self.clock())
         rows = []
         for m in messages:
             if m.destination not in known:
@@ -214,7 +225,7 @@ class SqlTableTransport(SqlDatabase, Transport):
 
     def receive(self, endpoint: str, max_messages: int = 10, visibility_timeout: float = 30.0) -> list[ReceivedMessage]:
         t = self.messages
-        now = utcnow()
+        now = self.clock()
         query = (
             select(t)
             .where(t.c.queue == endpoint, t.c.visible_at_us <= to_us(now))
@@ -238,7 +249,7 @@ class SqlTableTransport(SqlDatabase, Transport):
     def peek(self, endpoint: str, max_messages: int = 10) -> list[ReceivedMessage]:
         """A plain SELECT of the visible messages, oldest first: nothing is locked, hidden or counted."""
         t = self.messages
-        query = (select(t).where(t.c.queue == endpoint, t.c.visible_at_us <= to_us(utcnow()))
+        query = (select(t).where(t.c.queue == endpoint, t.c.visible_at_us <= to_us(self.clock()))
                  .order_by(t.c.seq).limit(max_messages))
         with self._errors(f"peek at queue {endpoint!r}"), self.engine.connect() as conn:
             rows = conn.execute(query).all()
@@ -252,7 +263,7 @@ class SqlTableTransport(SqlDatabase, Transport):
         t = self.messages
         with self._errors(f"release messages of queue {endpoint!r}"), self.engine.begin() as conn:
             return conn.execute(update(t).where(t.c.queue == endpoint, t.c.seq.in_(seqs))
-                                .values(visible_at_us=to_us(utcnow()))).rowcount
+                                .values(visible_at_us=to_us(self.clock()))).rowcount
 
     def ack(self, endpoint: str, receipts: Iterable[Any]) -> int:
         seqs = [int(r) for r in receipts]
@@ -265,7 +276,7 @@ class SqlTableTransport(SqlDatabase, Transport):
     def depth(self, endpoint: str) -> dict[str, int]:
         """Messages in the queue by lifecycle state: visible, and in flight (received, not yet acked)."""
         t = self.messages
-        now = to_us(utcnow())
+        now = to_us(self.clock())
         query = select(
             func.count(case((t.c.visible_at_us <= now, 1))),
             func.count(case((t.c.visible_at_us > now, 1))),

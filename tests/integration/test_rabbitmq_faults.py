@@ -1,10 +1,13 @@
-"""RabbitMQ refusing or bouncing messages, against the real broker: nacks, redelivery loops, old deployments."""
+"""RabbitMQ refusing, bouncing or not confirming messages, against the real broker: nacks, redelivery loops, confirms
+held back, lost connections, old deployments."""
 
 from __future__ import annotations
 
 import json
 import shlex
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import pika
@@ -25,6 +28,29 @@ def wait_for_depth(transport: RabbitMQTransport, queue: str, depth: int, timeout
     while transport.depth(queue)["visible"] < depth and time.monotonic() < deadline:
         time.sleep(0.1)
     return transport.depth(queue)["visible"]
+
+
+def classic_queue(transport: RabbitMQTransport, name: str) -> None:
+    """A durable classic queue: a message due now reaches it by name, like an endpoint queue."""
+    channel = transport._channel()
+    channel.queue_declare(name, durable=True)
+    channel.close()
+
+
+@contextmanager
+def confirms_held(vhost: str, queue: str) -> Iterator[None]:
+    """Hold back the broker's confirms of publishes to a classic queue: its process is suspended, so it takes
+    nothing in until resumed, while every other queue and the publishing channel go on as usual. (A quorum
+    queue's suspended Raft server would stall the publishing channel itself.)"""
+    def process(action: str) -> str:
+        return (f'{{ok, Q}} = rabbit_amqqueue:lookup(rabbit_misc:r(<<"{vhost}">>, queue, <<"{queue}">>)), '
+                f"sys:{action}(amqqueue:get_pid(Q)).")
+
+    _rabbitmqctl("eval", process("suspend"))
+    try:
+        yield
+    finally:
+        _rabbitmqctl("eval", process("resume"))
 
 
 def bounce(transport: RabbitMQTransport, queue: str, most: int) -> int:
@@ -161,3 +187,74 @@ def test_a_publisher_idle_past_its_heartbeats_is_replaced_before_it_publishes(ra
         assert len(collect(transport, "orders", 2, timeout=5)) == 2
     finally:
         transport.close()
+
+
+def test_a_confirm_timeout_fails_only_the_batch_waited_for(rabbit, rabbit_vhost):
+    """The pump keeps one batch in flight while it starts the next: a batch not confirmed in time fails alone
+    (released, sent again: at least once), while the next one, which the broker confirms, reports no failure, so
+    it is not sent twice. Confirms that come late for the failed batch are ignored and the publisher stays."""
+    rabbit.confirm_timeout = 2.0
+    classic_queue(rabbit, "held")
+    rabbit.provision("orders")
+    with confirms_held(rabbit_vhost, "held"):
+        first = rabbit.send_start(messages(5, "held"))
+        second = rabbit.send_start(messages(5, "orders", start=5))
+        publisher = rabbit._publisher
+        failed = first()
+        assert set(failed) == {f"m-{i}" for i in range(5)}
+        assert all(isinstance(e, UnavailableError) and "not confirmed" in str(e) for e in failed.values())
+        assert second() == {}, "a batch the broker confirmed was failed with the one waited for"
+    assert wait_for_depth(rabbit, "held", 5) == 5  # the broker took them after all: a resend would repeat them
+    # Their confirms come late, on the same channel: ignored, and the publisher goes on with the next batches.
+    for start in (10, 13):
+        assert rabbit.send(messages(3, "orders", start=start)) == {}
+    assert rabbit._publisher is publisher
+    assert not publisher._abandoned, "late confirms of the timed-out batch were not recognised"
+    got = collect(rabbit, "orders", 11, timeout=10)
+    assert sorted(m.message_id for _, m in got) == sorted(f"m-{i}" for i in range(5, 16))
+
+
+def test_a_lost_connection_fails_every_unsettled_batch_and_the_publisher_is_replaced(rabbit, rabbit_vhost):
+    classic_queue(rabbit, "held")
+    with confirms_held(rabbit_vhost, "held"):
+        first = rabbit.send_start(messages(3, "held"))
+        second = rabbit.send_start(messages(3, "held", start=3))
+        broken = rabbit._publisher
+        started = time.monotonic()
+        _rabbitmqctl("close_all_connections", "-p", rabbit_vhost, "test: publisher connection lost")
+        failures = {**first(), **second()}
+        assert time.monotonic() - started < 20, "the loss was found only by the confirm timeout"
+        assert set(failures) == {f"m-{i}" for i in range(6)}
+        assert all(isinstance(e, UnavailableError) for e in failures.values())
+    assert rabbit.send(messages(2, "held", start=6)) == {}
+    assert rabbit._publisher is not broken and not broken.is_open
+
+
+def test_a_publisher_whose_channel_confirms_nothing_is_replaced(rabbit, rabbit_vhost):
+    """No confirm at all for a whole timeout: the channel (or its connection) is stuck, so the next batch goes
+    through a new publisher and the stuck one is closed, not left open."""
+    rabbit.confirm_timeout = 2.0
+    classic_queue(rabbit, "held")
+    rabbit.provision("orders")
+    with confirms_held(rabbit_vhost, "held"):
+        failed = rabbit.send(messages(3, "held"))
+        assert set(failed) == {"m-0", "m-1", "m-2"}
+        stuck = rabbit._publisher
+        assert rabbit.send(messages(2, "orders", start=3)) == {}
+        assert rabbit._publisher is not stuck
+        assert stuck._connection.is_closed
+
+
+def test_a_batch_kept_out_of_a_full_window_waits_for_its_confirms_once_it_is_out(rabbit, rabbit_vhost):
+    """The first batch fills the confirm window and is not confirmed: the second goes out only when the first times
+    out, and then gets a timeout of its own for its confirms, instead of failing unsent with the first."""
+    rabbit.confirm_timeout = 2.0
+    rabbit.confirm_window = 5
+    classic_queue(rabbit, "held")
+    rabbit.provision("orders")
+    with confirms_held(rabbit_vhost, "held"):
+        first = rabbit.send_start(messages(5, "held"))
+        second = rabbit.send_start(messages(5, "orders", start=5))
+        assert set(first()) == {f"m-{i}" for i in range(5)}
+        assert second() == {}
+    assert sorted(m.message_id for _, m in collect(rabbit, "orders", 5, timeout=10)) == [f"m-{i}" for i in range(5, 10)]

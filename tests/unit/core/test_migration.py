@@ -37,6 +37,17 @@ def test_hand_over_moves_every_stored_message_due_or_not_keeping_due_times():
     assert sorted(taken, key=lambda m: m.message_id) == pending  # same ids, bodies, headers and due times
 
 
+def test_hand_over_counts_remaining_delays_on_the_stores_clock():
+    # The store's clock (the database's) runs a minute ahead of this host's: a message due by the store's
+    # clock is due on the transport too, not held for another minute by the host's.
+    store = InMemoryStore(clock=lambda: utcnow() + timedelta(seconds=60))
+    transport = provisioned()
+    store.store([DelayedMessage("orders", b"x", store.clock() - timedelta(seconds=1), message_id="due")])
+    store.store([DelayedMessage("orders", b"y", store.clock() + timedelta(hours=1), message_id="later")])
+    assert hand_over(store, transport)["moved"] == 2
+    assert transport.depth("orders") == {"visible": 1, "in_flight": 0, "scheduled": 1}
+
+
 def test_hand_over_leaves_refused_messages_stored_and_stops_at_a_batch_refused_whole():
     store, transport = InMemoryStore(), provisioned()
     store.store([*later(3), DelayedMessage("nowhere", b"x", utcnow(), message_id="lost")])
