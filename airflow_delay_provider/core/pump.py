@@ -563,7 +563,15 @@ class Pump:
         elapsed = max(time.monotonic() - started, 1e-9)
         rate = stats.dispatched / elapsed
         now = self._clock()
-        backlog = sum(self.store.count_scheduled(due_before=min(now, due_before or now)).values())
+        try:
+            backlog = sum(self.store.count_scheduled(due_before=min(now, due_before or now)).values())
+        except CriticalError:
+            raise
+        except Exception as exc:
+            # Only the report needs the count: an outage is the claims' to ride out, under the fetch breaker.
+            log.info("dispatched %d (%.0f msg/s), retrying %d, dead-lettered %d; could not count what is due "
+                     "now: %s", stats.dispatched, rate, stats.retried, stats.dead_lettered, exc)
+            return
         eta = f", ETA {backlog / rate:.0f} s" if backlog and rate > 0 else ""
         log.info("dispatched %d (%.0f msg/s), retrying %d, dead-lettered %d; %d due now%s",
                  stats.dispatched, rate, stats.retried, stats.dead_lettered, backlog, eta)

@@ -119,14 +119,19 @@ class DestinationSettings:
         one second's worth and starts with one token, as TokenBucket does."""
         t = self.throttle
         capacity = max(float(rate), 1.0)
-        now = to_us(self.clock())
+        # A new bucket's time; read before the transaction, where the store may measure the database's clock.
+        created = to_us(self.clock())
         with self._errors("take throttle tokens"), self.engine.begin() as conn:
             insert = (postgresql.insert if self.is_postgres else sqlite.insert)(t)
-            conn.execute(insert.values(destination=destination, tokens=min(1.0, float(rate)), updated_us=now)
+            conn.execute(insert.values(destination=destination, tokens=min(1.0, float(rate)), updated_us=created)
                          .on_conflict_do_nothing(index_elements=["destination"]))
             tokens, updated = conn.execute(
                 select(t.c.tokens, t.c.updated_us).where(t.c.destination == destination).with_for_update()).one()
-            tokens = min(capacity, tokens + max(0, now - updated) / 1e6 * rate)
+            # Read once the row is locked: a time read before waiting for another pump's take would be older
+            # than the one it wrote. Hosts' clocks still differ a little: the bucket's time never goes back,
+            # or the next take would refill the same interval again.
+            now = max(updated, to_us(self.clock()))
+            tokens = min(capacity, tokens + (now - updated) / 1e6 * rate)
             taken = min(n, int(tokens))
             conn.execute(update(t).where(t.c.destination == destination).values(tokens=tokens - taken, updated_us=now))
         return taken, tokens - taken

@@ -90,11 +90,14 @@ class EventLeases:
     # -- handing over -------------------------------------------------------------------------------
     def lease_events(self, claim_id: str, destination: str, limit: int) -> tuple[list[DelayedMessage], int]:
         """Lease up to `limit` due messages of `destination` to `claim_id`, oldest first; rows of an expired
-        lease (a crashed producer's) are taken over. Returns the messages and how many were taken over."""
+        lease (a crashed producer's) are taken over, never rows `claim_id` holds itself. Returns the messages
+        and how many were taken over."""
         t, s = self.table, self.sweeps
         now_us = to_us(self.clock())
         live = select(s.c.claim_id).where(s.c.lease_until_us >= now_us)
-        free = or_(t.c.claim_id.is_(None), t.c.claim_id.not_in(live))
+        # Never this claim's own rows: it handed them over already, and they wait for their settlement even when
+        # its lease ran out meanwhile (a store outage stops the renewals too).
+        free = or_(t.c.claim_id.is_(None), and_(t.c.claim_id.not_in(live), t.c.claim_id != claim_id))
         ids = (select(t.c.id).where(t.c.destination == destination, t.c.due_at_us <= now_us, free,
                                     self._not_paused())
                .order_by(t.c.due_at_us, t.c.id).limit(limit).with_for_update(skip_locked=True))

@@ -13,7 +13,9 @@ them; the triggerer persists each derived event to the metadata database (`Trigg
 runs out and the next producer hands it over again (at least once; the id in the payload lets a DAG
 de-duplicate). An event that could not be recorded (not confirmed within `[triggerer]
 shared_stream_ack_timeout`) counts as a failed attempt: the message is retried by the destination's
-delivery policy and dead-lettered to the error queue after the last one.
+delivery policy and dead-lettered to the error queue after the last one. A store outage while settling is
+ridden out under a circuit breaker: Airflow awaits `advance()` before the next one, so nothing recorded is
+handed over again while it retries.
 
 `dag_run_asset(dag_id)` is the asset a target DAG schedules on so that `ScheduleDagRunOperator(dag_id=...)`
 can find it; `watched_asset(name)` is any asset fed by the store.
@@ -36,6 +38,7 @@ from typing import Any
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 from airflow.triggers.shared_stream import AdvanceItem, AdvanceOutcome, SharedStreamProducer
 
+from airflow_delay_provider.core.breakers import CircuitBreaker
 from airflow_delay_provider.core.errors import CriticalError, InvalidInputError
 from airflow_delay_provider.core.message import HEADER_FIRST_FAILED_AT, DelayedMessage, check_destination
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy, PolicyError
@@ -165,11 +168,15 @@ class DueMessageEventTrigger(DelayStoreMixin, SerializedFields, BaseEventTrigger
         in the store while the DAG is at `max_active_runs`; `min_event_interval` is then not used.
     :param run_timeout: how long (s) to wait for that run before handing the next message over anyway
         (default 300).
+    :param time_to_trigger_store_circuit_breaker: how long (s) settling handed-over events may keep failing
+        (the store unreachable) before the stream stops with an error (default 300; 1..86400). Until then the
+        same events are settled again every second; stopping hands the unsettled ones over again, once the
+        lease runs out.
     """
 
     serialized_fields = ("destination", "delay_store_conn_id", "table", "db_schema", "batch_size", "lease_seconds",
                          "min_event_interval", "poll_interval", "delivery_policy", "error_queue", "transport",
-                         "transport_conn_id", "run_dag_id", "run_timeout")
+                         "transport_conn_id", "run_dag_id", "run_timeout", "time_to_trigger_store_circuit_breaker")
 
     def __init__(
         self,
@@ -188,6 +195,7 @@ class DueMessageEventTrigger(DelayStoreMixin, SerializedFields, BaseEventTrigger
         transport_conn_id: str | None = None,
         run_dag_id: str | None = None,
         run_timeout: float = 300.0,
+        time_to_trigger_store_circuit_breaker: float = 300.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(delay_store_conn_id=delay_store_conn_id, table=table, db_schema=db_schema, **kwargs)
@@ -220,6 +228,8 @@ class DueMessageEventTrigger(DelayStoreMixin, SerializedFields, BaseEventTrigger
             raise InvalidInputError(f"run_dag_id must be a DAG id or None, got {run_dag_id!r}")
         self.run_dag_id = run_dag_id
         self.run_timeout = _positive("run_timeout", run_timeout, 1, 86_400)
+        self.time_to_trigger_store_circuit_breaker = _positive(
+            "time_to_trigger_store_circuit_breaker", time_to_trigger_store_circuit_breaker, 1, 86_400)
 
     # -- ack mode -----------------------------------------------------------------------------------
     def shared_stream_key(self) -> Hashable | None:
@@ -260,6 +270,8 @@ class DueMessageProducer(SharedStreamProducer):
         self._claimed = False
         self._renewer: asyncio.Task | None = None
         self._policies: dict[str, DeliveryPolicy] = {}
+        self.breaker = CircuitBreaker(f"settling the asset events of {trigger.destination}",
+                                      trigger.time_to_trigger_store_circuit_breaker)
         self.counts = {"handed_over": 0, "acknowledged": 0, "retried": 0, "dead_lettered": 0, "released": 0,
                        "taken_over": 0}
 
@@ -393,26 +405,50 @@ class DueMessageProducer(SharedStreamProducer):
 
     # -- settling -----------------------------------------------------------------------------------
     async def advance(self, batch: Sequence[AdvanceItem]) -> None:
-        """Settle resolved events: recorded ones are deleted; failed or rejected ones are retried by the
-        delivery policy (dead-lettered after the last attempt); ones no subscriber took are released."""
-        await asyncio.to_thread(self.settle, batch)
+        """Settle resolved events (see `settle`), riding store errors out: Airflow ends the whole stream when this
+        raises, and the events it recorded would be handed over again. The same batch is settled again after
+        each wait of the circuit breaker, without repeating what the store already took; meanwhile Airflow
+        advances no other batch and the renewer keeps the lease. The breaker trips (CriticalError) when the
+        errors last `time_to_trigger_store_circuit_breaker`."""
+        settlement = _Settlement(batch)
+        while True:
+            try:
+                await asyncio.to_thread(self._settle, settlement)
+            except CriticalError:
+                raise
+            except Exception as exc:
+                log.warning("could not settle %d event(s) of %s (%s); settling them again, none is handed over "
+                            "again meanwhile", len(batch), self.trigger.destination, exc)
+                # The breaker's wait blocks: in a thread, so that the event loop (the renewer) runs on.
+                await asyncio.to_thread(self.breaker.failure, exc)
+                continue
+            self.breaker.success()
+            return
 
     def settle(self, batch: Sequence[AdvanceItem]) -> None:
-        recorded, failed, released = [], [], []
-        for item in batch:
-            message, outcome = item.broker_payload, item.outcome
-            if outcome.is_clean:
-                recorded.append(message.message_id)
-            elif outcome.failed or outcome.rejected:
-                failed.append((message, outcome))
-            else:
-                released.append(message.message_id)  # nobody was subscribed: not an attempt
-        if recorded:
-            self.counts["acknowledged"] += self.store.ack_events(self.claim_id, recorded)
-        if released:
-            self.counts["released"] += self.store.release_events(self.claim_id, released)
-        if failed:
-            self._retry_or_dead_letter(failed)
+        """Settle resolved events once (a store error is raised): recorded ones are deleted; failed or rejected
+        ones are retried by the delivery policy (dead-lettered after the last attempt); ones no subscriber took
+        are released."""
+        self._settle(_Settlement(batch))
+
+    def _settle(self, s: _Settlement) -> None:
+        """The steps of the settlement not done yet, each marked done as soon as the store took it."""
+        if s.recorded:
+            self.counts["acknowledged"] += self.store.ack_events(self.claim_id, s.recorded)
+            s.recorded = []
+        if s.released:
+            self.counts["released"] += self.store.release_events(self.claim_id, s.released)
+            s.released = []
+        if s.failed:
+            self._plan(s)
+        if s.dead:
+            self._dead_letter(s)
+        if s.dead_lettered:
+            self.counts["dead_lettered"] += self.store.ack_events(self.claim_id, s.dead_lettered)
+            s.dead_lettered = []
+        if s.retries:
+            self.counts["retried"] += self.store.retry_events(self.claim_id, s.retries, s.headers)
+            s.retries, s.headers = {}, {}
 
     def _policy(self, destination: str) -> DeliveryPolicy:
         if destination not in self._policies:
@@ -429,12 +465,13 @@ class DueMessageProducer(SharedStreamProducer):
             self._policies[destination] = policy or DEFAULT_POLICY
         return self._policies[destination]
 
-    def _retry_or_dead_letter(self, failed: list[tuple[DelayedMessage, AdvanceOutcome]]) -> None:
+    def _plan(self, s: _Settlement) -> None:
+        """Split the failed events into retries and messages to dead-letter, by their delivery policy."""
         now = self.store.clock()
         retries: dict[str, datetime] = {}
         headers: dict[str, dict[str, str]] = {}
         dead: list[DelayedMessage] = []
-        for message, outcome in failed:
+        for message, outcome in s.failed:
             attempts = message.failures + 1
             policy = self._policy(message.destination)
             if outcome.rejected or attempts > policy.num_retries:
@@ -451,33 +488,43 @@ class DueMessageProducer(SharedStreamProducer):
                 headers[message.message_id] = {**message.headers, HEADER_FIRST_FAILED_AT: now.isoformat()}
             log.warning("the event of message %s (%s) was not recorded; attempt %d, retrying at %s",
                         message.message_id, message.destination, attempts, retries[message.message_id].isoformat())
-        if dead:
-            self._dead_letter(dead, retries, now)
-        if retries:
-            self.counts["retried"] += self.store.retry_events(self.claim_id, retries, headers)
+        s.failed, s.dead, s.retries, s.headers = [], dead, retries, headers
 
-    def _dead_letter(self, dead: list[DelayedMessage], retries: dict[str, datetime], now: datetime) -> None:
-        from airflow_delay_provider.hooks.transport import transport_hook
-
+    def _dead_letter(self, s: _Settlement) -> None:
+        """Send the settlement's dead messages to the error queue; those that could not go stay stored, due again
+        at once (retried, never lost)."""
         t = self.trigger
-        transport = transport_hook(t.transport, t.transport_conn_id, t.hook, t.db_schema).get_transport()
-        try:
-            try:
-                failures = transport.send(dead)
-            except Exception as exc:  # noqa: BLE001 - kept stored and due again: retried, never lost
-                failures = {m.message_id: exc for m in dead}
-        finally:
-            transport.close()
-        sent = [m.message_id for m in dead if m.message_id not in failures]
-        for m in dead:
+        failures = self._send_to_error_queue(s.dead)
+        now = self.store.clock()
+        for m in s.dead:
             if m.message_id in failures:
                 log.error("could not dead-letter %s to %s (%s); it stays stored", m.message_id, m.destination,
                           failures[m.message_id])
-                retries[m.message_id] = now
+                s.retries[m.message_id] = now
             else:
                 log.warning("message %s for %s dead-lettered to %s: %s", m.message_id, t.destination, m.destination,
                             m.headers.get("x-delay-failure-reason"))
-        self.counts["dead_lettered"] += self.store.ack_events(self.claim_id, sent)
+                s.dead_lettered.append(m.message_id)
+        s.dead = []
+
+    def _send_to_error_queue(self, dead: list[DelayedMessage]) -> dict[str, Exception]:
+        """The failures of sending `dead`; all of them when the transport cannot even be opened."""
+        from airflow_delay_provider.hooks.transport import transport_hook
+
+        t = self.trigger
+        try:
+            transport = transport_hook(t.transport, t.transport_conn_id, t.hook, t.db_schema).get_transport()
+        except Exception as exc:  # noqa: BLE001 - kept stored and due again: retried, never lost
+            return {m.message_id: exc for m in dead}
+        try:
+            return transport.send(dead)
+        except Exception as exc:  # noqa: BLE001 - kept stored and due again: retried, never lost
+            return {m.message_id: exc for m in dead}
+        finally:
+            try:
+                transport.close()
+            except Exception as exc:  # noqa: BLE001 - what was sent is sent: settle it as such
+                log.warning("could not close the transport of %s: %s", t.error_queue, exc)
 
     async def aclose(self) -> None:
         if self._renewer is not None:
@@ -494,3 +541,26 @@ class DueMessageProducer(SharedStreamProducer):
                              released, self.trigger.destination)
         finally:
             await store.aclose()
+
+
+class _Settlement:
+    """One advance() batch, settled in steps: each step's list is emptied once the store took it, so settling the
+    batch again after a store error repeats no acknowledgement, release, retry nor dead-letter."""
+
+    def __init__(self, batch: Sequence[AdvanceItem]) -> None:
+        self.recorded: list[str] = []
+        self.released: list[str] = []
+        self.failed: list[tuple[DelayedMessage, AdvanceOutcome]] = []
+        for item in batch:
+            message, outcome = item.broker_payload, item.outcome
+            if outcome.is_clean:
+                self.recorded.append(message.message_id)
+            elif outcome.failed or outcome.rejected:
+                self.failed.append((message, outcome))
+            else:
+                self.released.append(message.message_id)  # nobody was subscribed: not an attempt
+        # The failed ones, once planned (DueMessageProducer._plan):
+        self.dead: list[DelayedMessage] = []
+        self.dead_lettered: list[str] = []  # sent to the error queue, still to delete
+        self.retries: dict[str, datetime] = {}
+        self.headers: dict[str, dict[str, str]] = {}

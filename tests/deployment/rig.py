@@ -208,6 +208,8 @@ class Deployment:
     :param users: ``{username: role}`` of the simple auth manager; the rig generates the passwords.
     :param expected_dags: DAG ids that must be parsed before ``start()`` returns; by default every file of the
         dags folder that might contain a DAG must have given a DAG or an import error.
+    :param component_env: ``{component: {name: value}}``, applied after ``env`` and ``connections`` to that
+        component only (e.g. the triggerer reaching the store through a proxy that cuts its connections).
     """
 
     def __init__(
@@ -219,6 +221,7 @@ class Deployment:
         *,
         users: Mapping[str, str] | None = None,
         expected_dags: Iterable[str] | None = None,
+        component_env: Mapping[str, Mapping[str, str]] | None = None,
         pg_server_url: str = PG_SERVER_URL,
         port: int | None = None,
         start_timeout: float = 240.0,
@@ -230,6 +233,10 @@ class Deployment:
         self.connections = dict(connections or {})
         self.users = dict(users or DEFAULT_USERS)
         self.expected_dags = set(expected_dags) if expected_dags is not None else None
+        unknown = set(component_env or {}) - {*COMPONENTS, "cli"}
+        if unknown:
+            raise ValueError(f"component_env names unknown components {sorted(unknown)}; known: {COMPONENTS}, cli")
+        self.component_env = {c: {k: str(v) for k, v in e.items()} for c, e in (component_env or {}).items()}
         self.pg_server_url = pg_server_url
         self.start_timeout = start_timeout
         self.stop_grace = stop_grace
@@ -301,6 +308,7 @@ class Deployment:
         for conn_id, value in self.connections.items():
             env[f"AIRFLOW_CONN_{conn_id.upper()}"] = value if isinstance(value, str) else json.dumps(value)
         env.update(self.extra_env)
+        env.update(self.component_env.get(component, {}))
         return env
 
     # ------------------------------------------------------------------ life cycle
@@ -650,6 +658,11 @@ class Deployment:
 
     def dags(self) -> list[dict]:
         return self._paginate("/api/v2/dags", "dags")
+
+    def asset_events(self, asset_name: str) -> list[dict]:
+        """The events recorded for the asset named ``asset_name`` (each with its ``extra``), oldest first."""
+        events = self._paginate("/api/v2/assets/events", "asset_events", {"name_pattern": asset_name})
+        return sorted((e for e in events if e.get("name") == asset_name), key=lambda e: e["timestamp"])
 
     def dag(self, dag_id: str) -> dict:
         return self.api("GET", f"/api/v2/dags/{dag_id}")

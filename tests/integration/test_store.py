@@ -248,3 +248,38 @@ def test_a_connection_lost_inside_a_transaction_is_reported_as_an_outage(pg):
                 translate_errors(store.url, "claim"):
             victim.execute(text("select 1"))
     store.close()
+
+
+class _Clock:
+    """A host clock that moves only when told to, `skew` seconds off the shared time."""
+
+    def __init__(self, now, skew: float = 0.0) -> None:
+        self.now, self.skew = now, skew
+
+    def __call__(self):
+        return self.now + timedelta(seconds=self.skew)
+
+
+def test_pumps_whose_clocks_disagree_take_no_more_than_the_rate(db):
+    """The throttle bucket is shared through the database: a take written with an older time than the last
+    one must not move the bucket's time back, or the next take refills the same interval twice."""
+    url, schema, table = db
+    start = utcnow()
+    ahead, behind = _Clock(start), _Clock(start)
+    fast = SqlDelayedMessageStore(url, table=table, schema=schema, local_clock=ahead)
+    slow = SqlDelayedMessageStore(url, table=table, schema=schema, local_clock=behind)
+    fast.create_schema()
+    # On PostgreSQL each store measures the database clock against its host's once: both start in step, then
+    # one host's clock is 0.5 s ahead of the other's (as much as NTP can leave between two hosts).
+    fast.clock(), slow.clock()
+    ahead.skew = 0.5
+    rate, capacity, step = 100.0, 100.0, 0.01
+    taken = 0
+    for i in range(200):  # 2 s, the two pumps taking turns every 10 ms, each wanting more than the bucket holds
+        for clock in (ahead, behind):
+            clock.now = start + timedelta(seconds=i * step)
+        taken += (fast if i % 2 else slow).take_tokens("orders", rate, 1000)[0]
+    elapsed = 199 * step
+    # The clock ahead refills its 0.5 s once (within the capacity), never again on each of its turns.
+    assert taken <= rate * elapsed + capacity, taken
+    assert taken >= rate * elapsed  # nor is the rate starved

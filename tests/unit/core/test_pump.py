@@ -178,3 +178,30 @@ def test_a_store_failure_in_the_worker_thread_counts_as_a_failed_claim_and_loses
     assert result.stats.dispatched == 600 and store.count_scheduled() == {}
     assert len({m.message_id for m in received(transport, "orders")}) == 600
     assert store.fail_ahead == 0  # both failures happened, and the pump claimed again
+
+
+class CountFails(InMemoryStore):
+    """A store whose count_scheduled (read only by the progress report) fails while `down`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = True
+        self.count_failures = 0
+
+    def count_scheduled(self, due_before=None):
+        if self.down:
+            self.count_failures += 1
+            raise UnavailableError("the database went away")
+        return super().count_scheduled(due_before)
+
+
+def test_a_store_error_in_the_progress_report_is_ridden_out():
+    transport = InMemoryTransport()
+    store = setup(transport, 300, store=CountFails())
+    # A report after every batch: each of them meets the failing count.
+    result = Pump(store, transport, PumpConfig(batch_size=50, progress_interval_seconds=0)).run(stop_when_idle=True)
+    assert result.reason == "drained" and result.stats.dispatched == 300
+    assert store.count_failures >= 5  # the reports did run, and failed
+    assert sorted(m.message_id for m in received(transport, "orders")) == sorted(f"m-{i}" for i in range(300))
+    store.down = False
+    assert store.count_scheduled() == {}

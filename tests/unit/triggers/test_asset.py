@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -15,9 +16,10 @@ from airflow.triggers.base import BaseEventTrigger
 from airflow.triggers.shared_stream import AdvanceItem, AdvanceOutcome, SharedStreamManager
 
 from airflow_delay_provider.core.delays import utcnow
-from airflow_delay_provider.core.errors import InvalidInputError
+from airflow_delay_provider.core.errors import CriticalError, InvalidInputError, UnavailableError
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
+from airflow_delay_provider.hooks.delay_store import DelayStoreHook
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
 from airflow_delay_provider.transports.sql import SqlTableTransport
 from airflow_delay_provider.triggers.asset import (
@@ -260,6 +262,153 @@ def test_settle_releases_events_nobody_took(store_conn):
     [message], _ = store.lease_events(producer.claim_id, DEST, 10)
     producer.settle([AdvanceItem(message, AdvanceOutcome(acked=0, failed=0))])
     assert store.get("run-1").failures == 0 and store.lease_events(producer.claim_id, DEST, 10)[0]
+
+
+class Outage(SqlDelayedMessageStore):
+    """A store whose settling statements fail as in a database outage: `down[name]` more calls of each (-1: all)."""
+
+    SETTLING = ("ack_events", "release_events", "retry_events")
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.down = dict.fromkeys(self.SETTLING, 0)
+        self.failed: Counter[str] = Counter()
+
+    def _outage(self, name: str) -> None:
+        if self.down[name]:
+            self.down[name] -= 1
+            self.failed[name] += 1
+            raise UnavailableError(f"could not {name}: the database is not reachable")
+
+    def ack_events(self, *args, **kwargs):
+        self._outage("ack_events")
+        return super().ack_events(*args, **kwargs)
+
+    def release_events(self, *args, **kwargs):
+        self._outage("release_events")
+        return super().release_events(*args, **kwargs)
+
+    def retry_events(self, *args, **kwargs):
+        self._outage("retry_events")
+        return super().retry_events(*args, **kwargs)
+
+
+@pytest.fixture
+def outage(store_conn, monkeypatch):
+    """The store of `store_conn` as an Outage, which every trigger's producer gets."""
+    conn_id, store, _ = store_conn
+    flaky = Outage(str(store.url))
+    monkeypatch.setattr(DelayStoreHook, "get_store", lambda hook: flaky)
+    return conn_id, flaky
+
+
+def test_a_store_outage_while_acknowledging_is_ridden_out_and_hands_nothing_over_again(outage):
+    conn_id, store = outage
+    store.store([_message(1), _message(2)])
+    store.down["ack_events"] = 2
+
+    async def scenario():
+        manager = SharedStreamManager(ack_timeout=30)
+        key, stream = await _subscribe(manager, _trigger(conn_id))
+        first, seq = await _next_event(stream, manager, key)
+        manager.confirm_persisted([seq])
+        second, seq = await _next_event(stream, manager, key)  # run-1 resolved: its acknowledgement fails twice
+        manager.confirm_persisted([seq])
+        store.store([_message(3)])
+        third, _ = await _next_event(stream, manager, key)  # the stream lives on, handing over only new messages
+        await _until(lambda: store.get("run-1") is None and store.get("run-2") is None)
+        await manager.unsubscribe(1, key)
+        return [e.payload["message_id"] for e in (first, second, third)]
+
+    assert asyncio.run(scenario()) == ["run-1", "run-2", "run-3"]
+    assert store.failed["ack_events"] == 2  # the outage did hit the settlement
+    assert store.get("run-3") is not None and store.event_claims(DEST) == []  # unconfirmed: released
+
+
+@pytest.mark.parametrize(("outcome", "statement"), [
+    (AdvanceOutcome(acked=1, failed=0), "ack_events"),  # recorded: deleted
+    (AdvanceOutcome(acked=0, failed=0), "release_events"),  # nobody subscribed: given back untouched
+    (AdvanceOutcome(acked=0, failed=1), "retry_events"),  # not recorded: one more attempt, later
+])
+def test_advance_retries_the_same_batch_through_a_store_outage_and_settles_it_once(outage, outcome, statement):
+    conn_id, store = outage
+    store.store([_message(1)])
+    producer = DueMessageProducer(_trigger(conn_id))
+    producer.store = store
+    store.open_event_claim(producer.claim_id, DEST, 30)
+    [message], _ = store.lease_events(producer.claim_id, DEST, 10)
+    store.down[statement] = 2
+    asyncio.run(asyncio.wait_for(producer.advance([AdvanceItem(message, outcome)]), 30))
+    assert store.failed[statement] == 2
+    stored = store.get("run-1")
+    if statement == "ack_events":
+        assert stored is None
+    elif statement == "release_events":
+        assert stored.failures == 0 and store.lease_events(producer.claim_id, DEST, 10)[0]  # free again
+    else:
+        assert stored.failures == 1 and stored.due_at > message.due_at  # one attempt counted, not two
+    assert producer.counts[{"ack_events": "acknowledged", "release_events": "released",
+                            "retry_events": "retried"}[statement]] == 1
+
+
+def test_advance_trips_loudly_when_the_outage_outlasts_the_breaker_and_loses_nothing(outage):
+    conn_id, store = outage
+    store.store([_message(1)])
+    producer = DueMessageProducer(_trigger(conn_id, time_to_trigger_store_circuit_breaker=1))
+    producer.store = store
+    store.open_event_claim(producer.claim_id, DEST, 30)
+    [message], _ = store.lease_events(producer.claim_id, DEST, 10)
+    store.down["ack_events"] = -1
+    item = AdvanceItem(message, AdvanceOutcome(acked=1, failed=0))
+    with pytest.raises(CriticalError, match=r"settling the asset events of .* kept failing .*allowed: 1 s"):
+        asyncio.run(asyncio.wait_for(producer.advance([item]), 30))
+    assert store.failed["ack_events"] >= 2 and store.get("run-1") is not None  # still stored, still leased
+    assert store.close_event_claim(producer.claim_id) == 1  # handed over again by the next producer
+
+
+def test_a_dead_letter_whose_acknowledgement_meets_an_outage_is_sent_once(outage, store_conn):
+    conn_id, store = outage
+    queues = store_conn[2]
+    store.store([_message(1)])
+    producer = DueMessageProducer(_trigger(conn_id, delivery_policy=DeliveryPolicy.immediate(0)))
+    producer.store = store
+    store.open_event_claim(producer.claim_id, DEST, 30)
+    [message], _ = store.lease_events(producer.claim_id, DEST, 10)
+    store.down["ack_events"] = 2  # sent to the error queue, then deleting it fails for a while
+    asyncio.run(asyncio.wait_for(producer.advance([AdvanceItem(message, AdvanceOutcome(acked=0, failed=1))]), 30))
+    assert store.failed["ack_events"] == 2 and store.get("run-1") is None
+    assert [m.message_id for m in queues.receive("error", max_messages=10)] == ["run-1"]  # once, not per attempt
+    assert producer.counts["dead_lettered"] == 1
+
+
+def test_an_error_queue_that_cannot_be_opened_keeps_the_message_stored_and_due_again(store_conn):
+    conn_id, store, queues = store_conn
+    store.store([_message(1)])
+    trigger = _trigger(conn_id, delivery_policy=DeliveryPolicy.immediate(0), transport_conn_id="no_such_store")
+    producer = DueMessageProducer(trigger)
+    producer.store = store
+    store.open_event_claim(producer.claim_id, DEST, 30)
+    [message], _ = store.lease_events(producer.claim_id, DEST, 10)
+    before = utcnow()
+    asyncio.run(asyncio.wait_for(producer.advance([AdvanceItem(message, AdvanceOutcome(acked=0, failed=1))]), 30))
+    kept = store.get("run-1")
+    assert kept is not None and kept.failures == 1 and kept.due_at <= utcnow() + timedelta(seconds=1)
+    assert kept.due_at >= before - timedelta(seconds=1)
+    assert [m.message_id for m in store.lease_events(producer.claim_id, DEST, 10)[0]] == ["run-1"]  # due again
+    assert queues.receive("error", max_messages=10) == [] and producer.counts["dead_lettered"] == 0
+
+
+def test_a_claim_never_takes_back_rows_it_handed_over_when_its_lease_ran_out(store_conn):
+    """An outage longer than the lease stops the renewals: the producer's own rows (handed over, settled once the
+    store is back) must not be leased to it a second time, which would hand them over again."""
+    _, store, _ = store_conn
+    store.store([_message(1)])
+    store.open_event_claim("events-a", DEST, lease_seconds=0.2)
+    assert [m.message_id for m in store.lease_events("events-a", DEST, 10)[0]] == ["run-1"]
+    _until_sync(lambda: store.event_claims(DEST) == [])  # the lease ran out
+    assert store.lease_events("events-a", DEST, 10) == ([], 0)
+    assert store.renew_lease("events-a", 30)  # the store is back: the renewer extends the lease
+    assert store.ack_events("events-a", ["run-1"]) == 1
 
 
 async def _until(predicate, timeout: float = 10.0) -> None:
