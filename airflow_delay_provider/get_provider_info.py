@@ -1,4 +1,9 @@
-"""Provider metadata read by Airflow through the `apache_airflow_provider` entry point."""
+"""Provider metadata read by Airflow through the `apache_airflow_provider` entry point.
+
+It lists no `plugins`: the backlog page's plugin has the `airflow.plugins` entry point (pyproject.toml),
+which Airflow always loads; listed here too, it would be loaded a second time with ``[core]
+lazy_discover_providers = False`` and reported as a plugin import error.
+"""
 
 from __future__ import annotations
 
@@ -30,7 +35,6 @@ def get_provider_info() -> dict:
             "airflow_delay_provider.triggers.delay_store", "airflow_delay_provider.triggers.sqs",
             "airflow_delay_provider.triggers.asset"]}],
         "cli": ["airflow_delay_provider.cli.definition.get_delay_cli_commands"],
-        "plugins": [{"name": "delay_backlog", "plugin-class": "airflow_delay_provider.ui.plugin.DelayBacklogPlugin"}],
         "connection-types": [
             {
                 "hook-class-name": "airflow_delay_provider.hooks.delay_store.DelayStoreHook",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PG_URL = os.environ.get("DELAY_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 # Airflow reads its configuration at import: set it before any test module imports Airflow.
+# One home per pytest process (each xdist worker has its own), removed at the end of its session.
 _HOME = Path(tempfile.mkdtemp(prefix="adp-airflow-"))
 os.environ.update(
     {
@@ -32,6 +34,12 @@ os.environ.update(
         ),
     }
 )
+
+
+@pytest.hookimpl(trylast=True)  # after the session's fixtures are torn down (pytest's own sessionfinish)
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Remove this process's Airflow home, and only it: other sessions (and workers) have theirs."""
+    shutil.rmtree(_HOME, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

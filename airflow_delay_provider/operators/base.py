@@ -39,6 +39,8 @@ class DelayOperatorBase(DelayStoreMixin, BaseOperator):
         self.transport = transport if templated else check_transport(transport)
         self.transport_conn_id = transport_conn_id
         self.transport_options = dict(transport_options or {})
+        if not templated:  # options the transport does not take fail the DAG's import, not a run
+            self._options()
 
     def _set_policies(self, delivery_policy: Any, destination_policies: Any) -> None:
         """The default and per-destination delivery policies, checked when the DAG is parsed: a malformed

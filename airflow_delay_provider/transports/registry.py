@@ -82,11 +82,14 @@ def from_spec(spec: dict) -> Transport:
 
 def check_options(name: str, options: dict, field: str = "transport_options") -> dict:
     """`options` if every key is one the transport takes (`field`: transport_options or endpoint_options).
-    A transport that takes no transport_options ignores them (a DAG may pass one set for every transport)."""
+    A transport that takes no transport_options refuses any: ignored, they would hide a mistake (options
+    meant for another transport, or the wrong transport)."""
     kind = transport_kind(name)
     allowed = kind.transport_options if field == "transport_options" else kind.endpoint_options
-    if not allowed and field == "transport_options":
-        return {}
+    if field == "transport_options" and options and not allowed:
+        takers = [k.name for k in TRANSPORTS.values() if k.transport_options]
+        raise InvalidInputError(f"transport={name!r} takes no transport_options, got {sorted(options)}; only "
+                                f"{takers} take any")
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise InvalidInputError(f"{field} {unknown} are not known for transport={name!r}; allowed: {sorted(allowed)}")

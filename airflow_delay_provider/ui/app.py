@@ -13,11 +13,17 @@ Dead-lettered messages live on the transport, not in the store: with ``[delay_pr
 set (sql, rabbitmq or sqs; ``ui_transport_conn_id`` and ``ui_error_queue``, default ``error``, as the
 pump's), the page also counts the error queue's dead letters per original destination.
 Only the api-server imports this module (see `plugin.LazyBacklogApp`).
+
+Errors: a 400 says what was wrong with the user's own input and what is allowed. Any other failure (the
+store unreachable: 503; its connection or database wrong, or anything unexpected: 500; a dead-letter
+count that fails) shows only an error id, and the server's log has that id with the exception: its text
+may name the database's user, host, port and tables, which the page's users need not see.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any
@@ -30,7 +36,7 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request, status
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from airflow_delay_provider.core.backlog import MAX_IDS, MAX_PAGE
 from airflow_delay_provider.core.errors import (
@@ -63,10 +69,38 @@ def conn_id() -> str:
     return _option("ui_conn_id", DEFAULT_CONN_ID)
 
 
+class StoreConfigurationError(DelayProviderError):
+    """The page's store connection cannot be used (undefined, malformed, or naming a table that is not a
+    store): the deployment's to fix, so a server error, not the 400 of the user's own input."""
+
+
+def log_failure(exc: BaseException, doing: str) -> str:
+    """Log `exc` in full under a new error id, which is all the user is shown of it; returns the id."""
+    error_id = uuid.uuid4().hex[:12]
+    # An outage is the store's or broker's to fix; the errors of this package say all in their message,
+    # anything else gets its traceback.
+    log.log(logging.WARNING if isinstance(exc, UnavailableError) else logging.ERROR,
+            "Delayed messages page, error id %s, %s: %s: %s", error_id, doing, type(exc).__name__, exc,
+            exc_info=None if isinstance(exc, DelayProviderError) else exc)
+    return error_id
+
+
+def failure_response(exc: BaseException, doing: str) -> JSONResponse:
+    """The answer to a request that failed for the server's reason: what kind of failure, and the error id."""
+    error_id = log_failure(exc, doing)
+    if isinstance(exc, UnavailableError):
+        code, what = status.HTTP_503_SERVICE_UNAVAILABLE, "the delayed-message store is not reachable"
+    else:
+        code, what = status.HTTP_500_INTERNAL_SERVER_ERROR, "the server could not complete the request"
+    return JSONResponse({"detail": f"{what}; the server's log has the details under error id {error_id}",
+                         "error_id": error_id}, status_code=code)
+
+
 def dead_letter_counts(store: DelayStoreHook) -> dict[str, Any] | None:
     """The dead letters of `[delay_provider] ui_transport`'s error queue per original destination (None when
     no transport is set): a look at up to MAX_PAGE of them, consuming nothing (`more` when there may be
-    more). A transport that cannot look (RabbitMQ) or cannot be reached gives `error` instead."""
+    more). A transport that cannot look (RabbitMQ) says so in `error`; one that fails gives an error id
+    there, and `error_id`."""
     kind = _option("ui_transport")
     if kind is None:
         return None
@@ -81,11 +115,12 @@ def dead_letter_counts(store: DelayStoreHook) -> dict[str, Any] | None:
             transport.close()
     except DestinationNotFoundError:  # no error queue yet: nothing was dead-lettered
         return {**report, "per_destination": {}, "total": 0, "more": False}
-    except (DelayProviderError, NotImplementedError) as exc:
-        return {**report, "error": str(exc)}
+    except NotImplementedError:  # the transport's nature, not a failure (see Transport.peek)
+        return {**report, "error": f"the {kind} transport cannot show its error queue without consuming it"}
     except Exception as exc:  # an extra of the page: the counts of the store still show
-        log.warning("Could not count the dead letters of %s queue %r", kind, queue, exc_info=True)
-        return {**report, "error": f"{type(exc).__name__}: {exc}"}
+        error_id = log_failure(exc, f"counting the dead letters of {kind} queue {queue!r}")
+        return {**report, "error": f"it failed; the server's log has the details under error id {error_id}",
+                "error_id": error_id}
     per_destination = Counter(d["destination"] or "(unknown)" for d in listing["dead_letters"])
     return {**report, "per_destination": dict(per_destination), "total": listing["count"], "more": listing["more"]}
 
@@ -120,7 +155,18 @@ Editor = Annotated[BaseUser, Depends(editor)]
 
 
 def hook() -> DelayStoreHook:
-    return DelayStoreHook(conn_id())
+    """The hook of the page's store, its connection resolved and its tables checked (brought up to date):
+    whatever fails here is the deployment's, never the user's input."""
+    store_hook = DelayStoreHook(conn_id())
+    try:
+        store_hook.get_store().create_schema()
+    except InvalidInputError as exc:
+        raise StoreConfigurationError(f"the [delay_provider] ui_conn_id connection {conn_id()!r} cannot be used: "
+                                      f"{exc}") from exc
+    return store_hook
+
+
+Store = Annotated[DelayStoreHook, Depends(hook)]
 
 
 class Selection(BaseModel):
@@ -158,9 +204,7 @@ def create_app() -> FastAPI:
     async def invalid(_request: Request, exc: InvalidInputError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=status.HTTP_400_BAD_REQUEST)
 
-    @app.exception_handler(UnavailableError)
-    async def unavailable(_request: Request, exc: UnavailableError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
+    app.add_middleware(_Failures)
 
     @app.get("/", include_in_schema=False)
     async def page(request: Request, bearer: Annotated[Any, Depends(bearer_scheme)]) -> Response:
@@ -173,9 +217,8 @@ def create_app() -> FastAPI:
     app.mount("/static", _Headers(StaticFiles(directory=STATIC)), name="static")
 
     @app.get("/api/backlog")
-    def backlog(user: Reader, destination: str | None = None) -> dict[str, Any]:
+    def backlog(user: Reader, store: Store, destination: str | None = None) -> dict[str, Any]:
         """Per destination: scheduled, due, in flight, paused, the due-time histogram; totals."""
-        store = hook()
         result = store.backlog(destination or None)
         return {**result, "can_edit": may_edit(user), "user": user.get_name(), "conn_id": conn_id(),
                 "dead_letters": dead_letter_counts(store)}
@@ -183,6 +226,7 @@ def create_app() -> FastAPI:
     @app.get("/api/messages")
     def messages(
         user: Reader,
+        store: Store,
         destination: str | None = None,
         header: Annotated[list[str] | None, Query()] = None,
         message_id: Annotated[list[str] | None, Query()] = None,
@@ -191,33 +235,56 @@ def create_app() -> FastAPI:
     ) -> dict[str, Any]:
         """A page of scheduled messages, soonest first; bodies (cut short) only for users who may edit."""
         can_edit = may_edit(user)
-        result = hook().browse(message_ids=[m for m in message_id or () if m] or None,
-                               destination=destination or None,
-                               headers=_headers([h for h in header or () if h.strip()]), limit=limit,
-                               after=after or None, show_bodies=can_edit)
+        result = store.browse(message_ids=[m for m in message_id or () if m] or None,
+                              destination=destination or None,
+                              headers=_headers([h for h in header or () if h.strip()]), limit=limit,
+                              after=after or None, show_bodies=can_edit)
         return {**result, "can_edit": can_edit}
 
     @app.post("/api/cancel")
-    def cancel(_user: Editor, selection: Selection) -> dict[str, Any]:
-        return hook().cancel(**selection.model_dump())
+    def cancel(_user: Editor, store: Store, selection: Selection) -> dict[str, Any]:
+        return store.cancel(**selection.model_dump())
 
     @app.post("/api/run-now")
-    def run_now(_user: Editor, selection: Selection) -> dict[str, Any]:
-        return hook().run_now(**selection.model_dump())
+    def run_now(_user: Editor, store: Store, selection: Selection) -> dict[str, Any]:
+        return store.run_now(**selection.model_dump())
 
     @app.post("/api/pause")
-    def pause(_user: Editor, body: Destinations) -> dict[str, Any]:
-        return hook().pause(body.destinations)
+    def pause(_user: Editor, store: Store, body: Destinations) -> dict[str, Any]:
+        return store.pause(body.destinations)
 
     @app.post("/api/resume")
-    def resume(_user: Editor, body: Destinations) -> dict[str, Any]:
-        return hook().resume(body.destinations)
+    def resume(_user: Editor, store: Store, body: Destinations) -> dict[str, Any]:
+        return store.resume(body.destinations)
 
     @app.post("/api/purge")
-    def purge(_user: Editor, body: Purge) -> dict[str, Any]:
-        return hook().purge(body.destination, dry_run=body.dry_run)
+    def purge(_user: Editor, store: Store, body: Purge) -> dict[str, Any]:
+        return store.purge(body.destination, dry_run=body.dry_run)
 
     return app
+
+
+class _Failures:
+    """Every exception no handler answered (all but the user's bad input and HTTP errors) becomes
+    `failure_response`: Starlette's own last resort would re-raise it, for the server to log once more."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started or scope["type"] != "http":  # too late for an answer of its own
+                raise
+            await failure_response(exc, f"{scope['method']} {scope['path']}")(scope, receive, send)
 
 
 class _Headers:

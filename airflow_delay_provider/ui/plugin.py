@@ -1,7 +1,7 @@
 """The Airflow plugin of the backlog page: a FastAPI app in the api-server and a link in the UI's Browse menu.
 
-Airflow loads it through the `airflow.plugins` entry point (always) and, with ``[core]
-lazy_discover_providers = False``, also through the provider's ``plugins`` list; both name this class.
+Airflow loads it through the `airflow.plugins` entry point, in every configuration; the provider info
+does not list it (with ``[core] lazy_discover_providers = False`` Airflow would load it twice).
 
 Every Airflow process imports plugins (a task runner too, for macros and listeners), so this module stays
 light: the FastAPI app and Airflow's api-server security are imported on the first request only.

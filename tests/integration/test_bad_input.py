@@ -217,6 +217,22 @@ def test_bad_run_time_arguments_store_and_dispatch_nothing(sql_store, run, error
     assert not _provisioned(transport, "fresh")
 
 
+@pytest.mark.parametrize("operator", ["provision", "dispatch", "send"])
+def test_transport_options_for_a_transport_that_takes_none_fail_the_task_and_change_nothing(sql_store, operator):
+    conn_id, store, transport = sql_store
+    o = _ops()
+    common = {"task_id": "t", "delay_store_conn_id": conn_id, "transport_options": {"prefix": "prod-"}}
+    run = {"provision": lambda: o.ProvisionDelayInfrastructureOperator(endpoints=["fresh"], **common).execute(TI),
+           "dispatch": lambda: o.DispatchDueMessagesOperator(max_runtime=2, **common).execute(TI),
+           # A send kept in the store opens no transport, but the options still say something it will not do.
+           "send": lambda: o.SendDelayedMessageOperator(destination="orders", body="x", delay_seconds=60,
+                                                        message_id="sent-1", **common).execute(TI)}[operator]
+    _raises(run, InvalidInputError, r"^transport='sql' takes no transport_options, got \['prefix'\]; only \[[^]]*'sqs'")
+    assert store.count_scheduled() == {"orders": 1} and store.get("kept-1").failures == 0  # not dispatched
+    assert transport.depth("orders") == {"visible": 0, "in_flight": 0}
+    assert not _provisioned(transport, "fresh")
+
+
 # -- connection extras ---------------------------------------------------------------------------------
 DELAY_STORE, RABBITMQ, SQS = "delay_store", "rabbitmq", "sqs"
 EXTRAS = [
@@ -289,9 +305,9 @@ def test_bad_connection_extras_say_which_and_what_is_allowed(kind, extra, error,
     else:  # the operators hand `transport_options` to the SQS hook
         conn_id = _conn(monkeypatch, {"conn_type": "aws", "login": "AKIDBADINPUT", "password": SECRET,
                                       "extra": {"region_name": "us-east-1", "endpoint_url": "http://127.0.0.1:1"}})
-        op = _ops().RelayDelayedMessagesOperator(task_id="t", endpoint="orders", transport_conn_id=conn_id,
-                                                 transport_options=extra)
-        _raises(op.get_transport, error, pattern)
+        # Unknown options fail the operator's construction (the DAG's import), before any connection is read.
+        _raises(lambda: _ops().RelayDelayedMessagesOperator(task_id="t", endpoint="orders", transport_conn_id=conn_id,
+                                                            transport_options=extra).get_transport(), error, pattern)
 
 
 # -- the store's own methods -----------------------------------------------------------------------------

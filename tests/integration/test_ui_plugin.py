@@ -5,11 +5,16 @@ PostgreSQL); and the page in a real browser (Debian's chromium) against `airflow
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
 import subprocess
+import sys
 from datetime import timedelta
 from importlib.metadata import entry_points
 
 import pytest
+from sqlalchemy.engine import make_url
 
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.message import DelayedMessage
@@ -25,6 +30,7 @@ from tests.browser_helpers import (
     require_chromium,
     screenshot_path,
 )
+from tests.conftest import PG_URL
 from tests.helpers import make_store
 from tests.services import free_port
 
@@ -96,17 +102,16 @@ def store(db, monkeypatch):
     return store
 
 
-def test_airflow_loads_the_plugin_from_the_entry_point_and_the_provider_info(airflow_app, client):
+def test_airflow_loads_the_plugin_from_the_entry_point_only(airflow_app, client):
     from airflow import plugins_manager
 
     from airflow_delay_provider.get_provider_info import get_provider_info
 
     [entry] = [e for e in entry_points(group="airflow.plugins") if e.name == "delay_backlog"]
     assert entry.load() is DelayBacklogPlugin
-    # What Airflow loads from the provider's own list when [core] lazy_discover_providers is False.
-    assert {"name": "delay_backlog", "plugin-class": "airflow_delay_provider.ui.plugin.DelayBacklogPlugin"} \
-        in get_provider_info()["plugins"]
-    assert DelayBacklogPlugin in plugins_manager._load_providers_plugins()[0]
+    # Not also in the provider's own list, which [core] lazy_discover_providers = False loads besides.
+    assert "plugins" not in get_provider_info()
+    assert DelayBacklogPlugin not in plugins_manager._load_providers_plugins()[0]
 
     apps, _ = plugins_manager.get_fastapi_plugins()
     assert [a["url_prefix"] for a in apps if a["name"] == "Delayed messages backlog"] == [URL_PREFIX]
@@ -122,6 +127,28 @@ def test_airflow_loads_the_plugin_from_the_entry_point_and_the_provider_info(air
     [plugin] = [p for p in listed["plugins"] if p["name"] == "delay_backlog"]
     assert plugin["external_views"][0]["href"] == "/delay-backlog/"
     assert plugin["fastapi_apps"][0]["url_prefix"] == URL_PREFIX
+
+
+@pytest.mark.parametrize("lazy_discover_providers", ["default", "False"])
+def test_airflow_loads_the_plugin_once_and_reports_no_plugin_import_error(tmp_path, lazy_discover_providers):
+    """An Airflow of its own (AIRFLOW_HOME, configuration) as `airflow plugins` and the api-server see it."""
+    env = {**os.environ, "AIRFLOW_HOME": str(tmp_path), "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
+    env.pop("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", None)
+    env.pop("AIRFLOW__CORE__LAZY_DISCOVER_PROVIDERS", None)
+    if lazy_discover_providers != "default":
+        env["AIRFLOW__CORE__LAZY_DISCOVER_PROVIDERS"] = lazy_discover_providers
+
+    def run(*args: str) -> tuple[str, str]:
+        # Not in the source tree: its setuptools metadata (*.egg-info) would be a second copy of the package.
+        done = subprocess.run(args, capture_output=True, text=True, check=True, env=env, cwd=tmp_path, timeout=300)
+        return done.stdout.strip().splitlines()[-1], done.stdout + done.stderr
+
+    listing, listing_output = run(str(BIN_DIR / "airflow"), "plugins", "-o", "json")
+    assert [p["name"] for p in json.loads(listing)].count("delay_backlog") == 1
+    errors, errors_output = run(sys.executable, "-c", "import json; from airflow import plugins_manager; "
+                                                      "print(json.dumps(plugins_manager.get_import_errors()))")
+    assert json.loads(errors) == {}
+    assert "already registered" not in listing_output + errors_output
 
 
 def test_without_a_login_the_page_sends_to_airflow_login_and_the_api_refuses(client):
@@ -215,9 +242,15 @@ def test_search_by_destination_header_and_id_and_page_through(client, store):
 
 
 def test_bad_input_is_a_400_that_says_why(client, store):
+    url = store.url
+    server = [store.table_name, url.database if url.get_backend_name() == "sqlite" else f"{url.host}:{url.port}",
+              *([f"{url.username}@", store.schema] if url.get_backend_name() == "postgresql" else [])]
+
     def detail(method, path, status=400, **kwargs):
         response = client("admin", method, path, **kwargs)
         assert response.status_code == status, response.text
+        # The user's own mistake, said plainly; nothing of the server's (its database, schema or table).
+        assert not [part for part in server if part in response.text], response.text
         return response.json()["detail"]
 
     assert "key=value" in detail("GET", "/api/messages", params={"header": "tenant"})
@@ -254,12 +287,140 @@ def test_with_a_transport_set_the_page_counts_its_dead_letters_per_destination(c
     assert response.json()["dead_letters"]["error"]
 
 
-def test_an_unreachable_store_is_a_503(client, monkeypatch):
-    monkeypatch.setenv("AIRFLOW_CONN_DELAY_UI_DOWN", json.dumps(
-        {"conn_type": "delay_store", "extra": {"url": f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/x"}}))
-    monkeypatch.setenv("AIRFLOW__DELAY_PROVIDER__UI_CONN_ID", "delay_ui_down")
+# -- what a failure shows: an error id, never the server's details ------------------------------------------
+#: The login and database of the connections below: neither may reach a response.
+HIDDEN_USER, HIDDEN_DB = "adp_hidden_user", "adp_hidden_db"
+REQUESTS = [  # every endpoint that reaches the store, as the role that may call it
+    ("viewer", "GET", "/api/backlog", {}),
+    ("viewer", "GET", "/api/messages", {}),
+    *[("admin", "POST", f"/api/{action}", {"json": body}) for action, body in ACTIONS.items()],
+]
+
+
+def failure_id(body: dict, *details: str) -> str:
+    """The error id `body` carries, after checking that its text names none of `details` and no exception type."""
+    text = json.dumps(body)
+    for detail in details:
+        assert detail not in text, (detail, text)
+    assert not re.search(r"\w+(Error|Exception|Warning)\b|Traceback", text), text
+    assert re.fullmatch(r"[0-9a-f]{12}", body["error_id"]), body
+    return body["error_id"]
+
+
+def logged(caplog, error_id: str) -> str:
+    """The one line of the server's log that carries `error_id`, with its traceback if any."""
+    [line] = [r.getMessage() + (r.exc_text or "") for r in caplog.records if error_id in r.getMessage()]
+    return line
+
+
+def _conn(monkeypatch, name: str, extra: dict) -> str:
+    monkeypatch.setenv(f"AIRFLOW_CONN_{name.upper()}", json.dumps({"conn_type": "delay_store", "extra": extra}))
+    return name
+
+
+@pytest.fixture
+def pg_store(pg, monkeypatch):
+    """A store on the real PostgreSQL with orders and refunds scheduled, and the page pointed at it;
+    (store, schema, table)."""
+    url, schema, table = pg
+    store = make_store(url, schema, table)
+    seed(store)
+    monkeypatch.setenv("AIRFLOW__DELAY_PROVIDER__UI_CONN_ID", _conn(
+        monkeypatch, "delay_ui_pg", {"url": url, "table": table, "db_schema": schema}))
+    return store, schema, table
+
+
+@pytest.mark.parametrize("server", ["closed_port", "no_such_database"])
+@pytest.mark.parametrize(("role", "method", "path", "kwargs"), REQUESTS, ids=[r[2] for r in REQUESTS])
+def test_an_unreachable_store_is_a_503_with_an_error_id_and_the_details_only_in_the_log(
+        client, monkeypatch, caplog, server, role, method, path, kwargs):
+    # Nothing listens on a free port; the real PostgreSQL has no database of that name.
+    real = make_url(PG_URL)
+    where = f"127.0.0.1:{free_port()}" if server == "closed_port" else f"{real.host}:{real.port}"
+    user = HIDDEN_USER if server == "closed_port" else real.username
+    monkeypatch.setenv("AIRFLOW__DELAY_PROVIDER__UI_CONN_ID", _conn(
+        monkeypatch, "delay_ui_down", {"url": f"postgresql+psycopg://{user}@{where}/{HIDDEN_DB}"}))
+    caplog.set_level(logging.WARNING, logger="airflow_delay_provider")
+    response = client(role, method, path, **kwargs)
+    assert response.status_code == 503, response.text
+    error_id = failure_id(response.json(), f"{user}@", where.split(":")[0], f":{where.split(':')[1]}", HIDDEN_DB)
+    assert error_id in response.json()["detail"] and "not reachable" in response.json()["detail"]
+    line = logged(caplog, error_id)
+    assert "UnavailableError" in line and f"{user}@{where}/{HIDDEN_DB}" in line
+
+
+def test_a_failure_on_a_reachable_store_is_a_500_with_an_error_id_and_the_details_only_in_the_log(
+        client, pg_store, caplog):
+    store, schema, table = pg_store
+    real = make_url(PG_URL)
+    with store.engine.begin() as conn:  # a store some other release or hand changed: every read fails
+        conn.exec_driver_sql(f'ALTER TABLE "{schema}"."{table}" DROP COLUMN due_at_us')
+    caplog.set_level(logging.WARNING, logger="airflow_delay_provider")
+    for path in ("/api/backlog", "/api/messages"):
+        response = client("viewer", "GET", path)
+        assert response.status_code == 500, response.text
+        error_id = failure_id(response.json(), schema, table, "due_at_us", f"{real.username}@",
+                              f"{real.host}:{real.port}", real.database)
+        assert "due_at_us" in logged(caplog, error_id) and table in logged(caplog, error_id)
+
+
+@pytest.mark.parametrize("mistake", ["undefined_connection", "not_a_store_table"])
+def test_a_misconfigured_store_is_the_servers_failure_not_a_400_of_the_users(client, pg, monkeypatch, caplog,
+                                                                             mistake):
+    url, schema, table = pg
+    if mistake == "undefined_connection":
+        conn_id, details = "adp_ui_undefined", ("adp_ui_undefined", "AIRFLOW_CONN")
+    else:  # another application's table where the store should be
+        from sqlalchemy import create_engine
+
+        engine = create_engine(url)
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+            conn.exec_driver_sql(f'CREATE TABLE "{schema}"."{table}" (id int)')
+        engine.dispose()
+        conn_id, details = _conn(monkeypatch, "delay_ui_other", {"url": url, "table": table, "db_schema": schema}), (
+            schema, table)
+    monkeypatch.setenv("AIRFLOW__DELAY_PROVIDER__UI_CONN_ID", conn_id)
+    caplog.set_level(logging.WARNING, logger="airflow_delay_provider")
+    for role, method, path, kwargs in REQUESTS:
+        response = client(role, method, path, **kwargs)
+        assert response.status_code == 500, response.text
+        assert all(detail in logged(caplog, failure_id(response.json(), *details)) for detail in details)
+
+
+@pytest.mark.parametrize("failure", ["unreachable_sql_transport", "undefined_rabbitmq_connection"])
+def test_a_dead_letter_count_that_fails_shows_an_error_id_and_the_details_only_in_the_log(
+        client, pg_store, monkeypatch, caplog, failure):
+    port = free_port()
+    if failure == "unreachable_sql_transport":  # the transport's database: a closed port
+        transport, conn_id = "sql", _conn(monkeypatch, "delay_ui_dead", {
+            "url": f"postgresql+psycopg://{HIDDEN_USER}@127.0.0.1:{port}/{HIDDEN_DB}"})
+        details, in_log = (HIDDEN_USER, HIDDEN_DB, "127.0.0.1", f":{port}"), f"{HIDDEN_USER}@127.0.0.1:{port}"
+    else:
+        transport, conn_id = "rabbitmq", "adp_ui_undefined_rabbit"
+        details, in_log = (conn_id,), conn_id
+    monkeypatch.setenv("AIRFLOW__DELAY_PROVIDER__UI_TRANSPORT", transport)
+    monkeypatch.setenv("AIRFLOW__DELAY_PROVIDER__UI_TRANSPORT_CONN_ID", conn_id)
+    caplog.set_level(logging.WARNING, logger="airflow_delay_provider")
     response = client("viewer", "GET", "/api/backlog")
-    assert response.status_code == 503 and "not reachable" in response.json()["detail"]
+    assert response.status_code == 200 and response.json()["destinations"]["orders"]["scheduled"] == 6
+    dead = response.json()["dead_letters"]
+    assert dead["transport"] == transport and "per_destination" not in dead
+    error_id = failure_id(dead, *details)
+    assert error_id in dead["error"] and in_log in logged(caplog, error_id)
+
+
+def test_a_transport_that_cannot_peek_says_so_without_the_exceptions_text(client, pg_store, rabbit_vhost,
+                                                                          monkeypatch):
+    monkeypatch.setenv("AIRFLOW_CONN_RABBIT_UI", json.dumps({
+        "conn_type": "rabbitmq", "host": "127.0.0.1", "port": 5672, "login": "guest", "password": "guest",
+        "schema": rabbit_vhost}))
+    monkeypatch.setenv("AIRFLOW__DELAY_PROVIDER__UI_TRANSPORT", "rabbitmq")
+    monkeypatch.setenv("AIRFLOW__DELAY_PROVIDER__UI_TRANSPORT_CONN_ID", "rabbit_ui")
+    dead = client("viewer", "GET", "/api/backlog").json()["dead_letters"]
+    # Not a failure (nothing to log): RabbitMQ never shows a message without delivering it.
+    assert dead == {"transport": "rabbitmq", "error_queue": "error",
+                    "error": "the rabbitmq transport cannot show its error queue without consuming it"}
 
 
 # -- the page in a real browser, against `airflow api-server` -------------------------------------------------
@@ -358,6 +519,8 @@ def test_an_admin_opens_the_page_from_the_browse_menu_and_cancels_a_message_afte
         expect(dialog).to_contain_text("Cancel 1 message?")
         dialog.get_by_role("button", name="Keep").click()
         expect(dialog).to_be_hidden()
+        # The page reloads its tables after any answer and ignores clicks until that is done.
+        expect(frame.locator("body")).not_to_have_attribute("aria-busy", "true")
         assert store.get("orders-3") is not None
         row.get_by_role("button", name="Cancel").click()
         dialog.get_by_role("button", name="Cancel messages").click()
