@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[spark,test]'
 	@# The Spark provider's pyspark-client writes into pyspark/; reinstall pyspark last so it is whole.
 	$(BIN)/pip install --quiet --no-deps --force-reinstall -c constraints.txt pyspark
+	@# The editable build's leftover metadata: on sys.path from the checkout (python -m pytest) it would
+	@# register the provider's entry points a second time.
+	rm -rf airflow_delay_provider.egg-info
 	touch $(STAMP)
 
 # Spark reads a PostgreSQL store through this jar: Debian's, since nothing may be downloaded at run time.
