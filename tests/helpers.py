@@ -83,3 +83,22 @@ def spread_backlog(store) -> None:
                  for i, s in enumerate(SPREAD)])
     orders(store, 2, destination="refunds", due_in=-3)
     store.set_paused(["refunds"], True)
+
+
+def collect_while_arriving(transport, queue: str, expected: int, quiet: float) -> list:
+    """`collect` for a queue a slow consumer empties (a receive per message, on a loaded machine): instead of one
+    overall timeout it gives up only once `quiet` seconds pass with nothing received, so lost messages still end
+    it, and a consumer that is merely slow is waited for."""
+    got, seen = [], set()
+    deadline = time.monotonic() + quiet
+    while (len(seen) < expected or transport.depth(queue)["visible"]) and time.monotonic() < deadline:
+        batch = transport.receive(queue, max_messages=500)
+        now = utcnow()
+        got.extend((now, m) for m in batch)
+        seen.update(m.message_id for m in batch)
+        if batch:
+            transport.ack(queue, [m.receipt for m in batch])
+            deadline = time.monotonic() + quiet
+        else:
+            time.sleep(0.02)
+    return got

@@ -6,17 +6,19 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 import uuid
 from datetime import timedelta
 
 import pytest
 
+from airflow_delay_provider.core.backlog import Selector
 from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.pump import Pump
 from airflow_delay_provider.triggers.delay_store import DispatchTrigger
 from tests.conftest import PG_URL
 from tests.helpers import collect, make_store, make_transport, messages, store_connection
+from tests.waiting import SleepLog
 
 
 @pytest.fixture
@@ -41,9 +43,22 @@ def _kill_listeners(store) -> int:
                             {"q": f'LISTEN "{store.channel}"'}).scalar()
 
 
-def _trigger(conn_id: str, seconds: float, **kwargs) -> DispatchTrigger:
-    return DispatchTrigger(delay_store_conn_id=conn_id, deadline=(utcnow() + timedelta(seconds=seconds)).isoformat(),
-                           **kwargs)
+class _WatchedTrigger(DispatchTrigger):
+    """DispatchTrigger whose store's sleeps are recorded in `sleeps` (it behaves the same otherwise)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.sleeps = SleepLog()
+
+    def open_pump(self) -> Pump:
+        pump = super().open_pump()
+        self.sleeps.attach(pump.store)
+        return pump
+
+
+def _trigger(conn_id: str, seconds: float, **kwargs) -> _WatchedTrigger:
+    return _WatchedTrigger(delay_store_conn_id=conn_id,
+                           deadline=(utcnow() + timedelta(seconds=seconds)).isoformat(), **kwargs)
 
 
 async def _events(*triggers: DispatchTrigger) -> list[dict]:
@@ -54,40 +69,68 @@ async def _events(*triggers: DispatchTrigger) -> list[dict]:
     return await asyncio.gather(*(first(t) for t in triggers))
 
 
-def _run_while(trigger: DispatchTrigger, meanwhile) -> dict:
-    """Run the trigger to its event while `meanwhile()` runs in a thread (after the trigger settled in)."""
+def _run_while(triggers: list[_WatchedTrigger], meanwhile) -> list[dict]:
+    """Run the triggers to their events while `meanwhile(sleeps)` runs in a thread, once each trigger sleeps on
+    its LISTEN connection (`sleeps`: those sleeps); what `meanwhile` raises is raised here."""
+    failed = []
+
     def act():
-        time.sleep(1.5)
-        meanwhile()
+        try:
+            meanwhile([t.sleeps.asleep(30, "on its LISTEN connection") for t in triggers])
+        except BaseException as exc:  # noqa: BLE001 - raised in the test's thread below
+            failed.append(exc)
 
     helper = threading.Thread(target=act)
     helper.start()
-    [event] = asyncio.run(_events(trigger))
+    events = asyncio.run(_events(*triggers))
     helper.join()
-    return event
+    if failed:
+        raise failed[0]
+    return events
 
 
 def test_a_sooner_message_stored_while_the_trigger_sleeps_wakes_it(store_conn):
     conn_id, store, queue, Q = store_conn
     store.store(messages(1, Q, delay=3600, start=100))  # the trigger would sleep an hour for this one
-    event = _run_while(_trigger(conn_id, 8, poll_interval=60), lambda: store.store(messages(1, Q, delay=1.0)))
+    slept = []
+
+    def store_sooner(asleep):
+        slept.extend(asleep)
+        store.store(messages(1, Q, delay=1.0))
+
+    [event] = _run_while([_trigger(conn_id, 30, poll_interval=60, max_messages=1)], store_sooner)
     assert event["status"] == "done" and event["summary"]["dispatched"] == 1
     got = collect(queue, Q, 1, timeout=2)
     [(_, message)] = got
     assert message.message_id == "m-0"
+    # Woken by NOTIFY: the sleep (until the 60 s poll) ended before the message was due.
+    assert slept[0].ended is not None and slept[0].ended < message.due_at, slept
     lateness = (message.enqueued_at - message.due_at).total_seconds()
-    assert 0 <= lateness < 2.0  # woken by NOTIFY: not after the 60 s poll interval, never early
+    assert 0 <= lateness < 2.0  # not after the 60 s poll interval, never early
 
 
 def test_two_copies_of_a_trigger_share_the_store_and_deliver_each_message_once(store_conn):
     conn_id, store, queue, Q = store_conn
     n = 3000
-    for start in range(0, n, 1000):  # due over the next two seconds, and some already due
-        store.store(messages(1000, Q, delay=start / 1000 - 0.5, start=start))
-    window = (utcnow() + timedelta(seconds=5)).isoformat()
-    events = asyncio.run(_events(*(_trigger(conn_id, 60, due_before=window, pump_config={"batch_size": 100})
-                                   for _ in range(2))))
+    # Stored due in a minute, 1000 a second apart; both copies start and sleep until then, and only then
+    # do the messages fall due: over the next two seconds, and some at once.
+    later = utcnow() + timedelta(seconds=60)
+    groups = [later + timedelta(seconds=k) for k in range(3)]
+    for k, due in enumerate(groups):
+        store.store([DelayedMessage(Q, f"body-{i}".encode(), due, {"n": str(i)}, f"m-{i}")
+                     for i in range(k * 1000, (k + 1) * 1000)])
+    window = (later + timedelta(seconds=10)).isoformat()
+
+    def fall_due(asleep):
+        now = store.clock()
+        for k, due in enumerate(groups):
+            group = Selector.build(destination=Q, due_from=due, due_before=due + timedelta(seconds=0.5))
+            assert store.reschedule(group, now + timedelta(seconds=k))["counts"]["rescheduled"] == 1000
+
+    triggers = [_trigger(conn_id, 120, due_before=window, pump_config={"batch_size": 100}) for _ in range(2)]
+    events = _run_while(triggers, fall_due)
     assert [e["status"] for e in events] == ["done", "done"]
+    assert [e["summary"]["stopped_because"] for e in events] == ["drained", "drained"]
     assert sum(e["summary"]["dispatched"] for e in events) == n
     assert all(e["summary"]["dispatched"] > 0 for e in events)  # both took a share
     got = collect(queue, Q, n, timeout=10)
@@ -99,34 +142,42 @@ def test_two_copies_of_a_trigger_share_the_store_and_deliver_each_message_once(s
 
 def test_the_trigger_keeps_dispatching_after_its_listen_connection_is_killed(store_conn):
     conn_id, store, queue, Q = store_conn
-    killed = []
+    killed, slept = [], []
 
-    def kill_listener_then_send():
+    def kill_listener_then_send(asleep):
         killed.append(_kill_listeners(store))
-        time.sleep(0.5)
+        # The trigger notices, listens again on a new connection and sleeps there: then the message is stored.
+        slept.append(trigger.sleeps.asleep(30, "on a new LISTEN connection",
+                                           lambda s: s.listener is not asleep[0].listener))
         store.store(messages(1, Q, delay=1.0))
 
-    event = _run_while(_trigger(conn_id, 10, poll_interval=60), kill_listener_then_send)
+    trigger = _trigger(conn_id, 30, poll_interval=60, max_messages=1)
+    [event] = _run_while([trigger], kill_listener_then_send)
     assert killed[0] >= 1
     assert event["status"] == "done" and event["summary"]["dispatched"] == 1
     [(_, message)] = collect(queue, Q, 1, timeout=2)
+    assert slept[0].ended is not None and slept[0].ended < message.due_at, slept  # woken on the new connection
     assert (message.enqueued_at - message.due_at).total_seconds() < 3.0  # not after the 60 s poll
 
 
 def test_a_pump_in_a_worker_survives_its_listen_connection_being_killed(store_conn):
     _, store, queue, Q = store_conn
+    sleeps = SleepLog(store)
     pump = Pump(store, queue)
     result = {}
 
     def run():
-        result["r"] = pump.run(deadline=utcnow() + timedelta(seconds=8))
+        result["r"] = pump.run(deadline=utcnow() + timedelta(seconds=30), max_messages=2)
 
     runner = threading.Thread(target=run)
     runner.start()
-    time.sleep(1.5)  # idle, listening
+    idle = sleeps.asleep(20, "idle, on its LISTEN connection")
     assert _kill_listeners(store) >= 1
-    time.sleep(0.5)
+    again = sleeps.asleep(20, "on a new LISTEN connection", lambda s: s.listener is not idle.listener)
     store.store(messages(2, Q, delay=1.0))
-    runner.join()
-    assert result["r"].reason == "deadline" and result["r"].stats.dispatched == 2
-    assert len(collect(queue, Q, 2, timeout=2)) == 2
+    runner.join(timeout=30)
+    assert not runner.is_alive()
+    assert result["r"].reason == "max_messages" and result["r"].stats.dispatched == 2
+    got = collect(queue, Q, 2, timeout=2)
+    assert len(got) == 2
+    assert again.ended is not None and again.ended < got[0][1].due_at, again  # woken on the new connection

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 
+from airflow_delay_provider.core.backlog import Selector
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import CriticalError, UnavailableError
 from airflow_delay_provider.core.message import DelayedMessage
@@ -22,9 +17,8 @@ from airflow_delay_provider.core.pump import Pump, PumpConfig
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
 from airflow_delay_provider.transports.sql import SqlTableTransport
 from tests.helpers import drain, make_store, make_transport, messages
-
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("pump_worker.py")
+from tests.integration.pump_worker import Worker
+from tests.waiting import SleepLog, wait_for
 
 
 class FlakyTransport(SqlTableTransport):
@@ -168,24 +162,41 @@ def test_unreachable_store_trips_fetch_breaker_without_leaking_password(tmp_path
     assert "hunter2pw" not in str(err.value)
 
 
-def _worker(store_url, schema, table, transport_url, batch=500):
-    return subprocess.Popen(
-        [sys.executable, str(WORKER), store_url, schema or "", table, transport_url, str(batch)],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+@pytest.fixture
+def workers():
+    """Starts pump_worker.py processes (Worker's arguments); any still running at the end is killed."""
+    started: list[Worker] = []
+
+    def start(*args, **kwargs) -> Worker:
+        started.append(Worker(*args, **kwargs))
+        return started[-1]
+
+    yield start
+    for worker in started:
+        worker.kill()
 
 
-def test_two_pumps_in_parallel_dispatch_each_message_exactly_once(pg):
+def _backend_gone(store, pid: int) -> bool:
+    from sqlalchemy import text
+
+    with store.engine.connect() as conn:
+        return not conn.execute(text("SELECT 1 FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid}).first()
+
+
+def test_two_pumps_in_parallel_dispatch_each_message_exactly_once(pg, workers):
     url, schema, table = pg
     store = make_store(url, schema, table)
     transport = make_transport(url, schema, table, "orders", "error")
-    store.store(messages(10_000))
-    procs = [_worker(url, schema, table, url, batch=250) for _ in range(2)]
-    results = [json.loads(p.communicate(timeout=120)[0].splitlines()[-1]) for p in procs]
-    assert all(p.returncode == 0 for p in procs)
+    store.store(messages(10_000, delay=3600))
+    # Both pumps start, find nothing due yet and sleep until the messages fall due; only then do they.
+    pumps = [workers(url, schema, table, url, batch=250, due_before=utcnow() + timedelta(hours=2))
+             for _ in range(2)]
+    for pump in pumps:
+        pump.wait_line("sleeping", timeout=60)
+    report = store.reschedule(Selector.build(destination="orders"), store.clock())  # due now: both wake
+    assert report["counts"]["rescheduled"] == 10_000
+    results = [pump.result(timeout=120) for pump in pumps]
+    assert [r["reason"] for r in results] == ["drained", "drained"]
     assert sum(r["dispatched"] for r in results) == 10_000
     assert all(r["dispatched"] > 0 for r in results), results  # both really worked
     ids = Counter(m.message_id for m in drain(transport, "orders"))
@@ -194,23 +205,22 @@ def test_two_pumps_in_parallel_dispatch_each_message_exactly_once(pg):
 
 
 @pytest.mark.parametrize("same_database", [True, False], ids=["same-db", "other-db"])
-def test_pump_killed_mid_batch_loses_nothing(pg, tmp_path, same_database):
+def test_pump_killed_mid_batch_loses_nothing(pg, tmp_path, workers, same_database):
     url, schema, table = pg
     store = make_store(url, schema, table)
     transport_url = url if same_database else f"sqlite:///{tmp_path / 'q.db'}"
     transport = make_transport(transport_url, schema if same_database else None, table, "orders", "error")
     total = 40_000
     store.store(messages(total))
-    proc = _worker(url, schema, table, transport_url, batch=500)
-    deadline = time.monotonic() + 60
-    while transport.depth("orders")["visible"] < 2000 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    # The pump stops inside its 5th batch of 500, sent (other-db) or moved (same-db) but not yet committed.
+    proc = workers(url, schema, table, transport_url, batch=500, hold_at_claim=5)
+    backend = int(proc.wait_line("holding", timeout=120).split()[1])
+    proc.kill()
+    wait_for(lambda: _backend_gone(store, backend), 30, "PostgreSQL to end the killed pump's claim")
     delivered_before = transport.depth("orders")["visible"]
     assert 0 < delivered_before < total, "the kill should land mid-run"
-    rerun = _worker(url, schema, table, transport_url)
-    assert json.loads(rerun.communicate(timeout=120)[0].splitlines()[-1])["reason"] == "drained"
+    rerun = workers(url, schema, table, transport_url)
+    assert rerun.result(timeout=120)["reason"] == "drained"
     ids = Counter(m.message_id for m in drain(transport, "orders"))
     assert set(ids) == {f"m-{i}" for i in range(total)}  # at least once: none lost
     duplicates = sum(n - 1 for n in ids.values())
@@ -224,17 +234,23 @@ def test_pump_killed_mid_batch_loses_nothing(pg, tmp_path, same_database):
 def test_sooner_message_wakes_a_sleeping_pump(db):
     url, schema, table = db
     store = make_store(url, schema, table)
+    sleeps = SleepLog(store)
     transport = make_transport(url, schema, table, "orders", "error")
     store.store([DelayedMessage("orders", b"late", utcnow() + timedelta(seconds=120), message_id="late")])
     pump = Pump(store, SqlTableTransport(url, schema=schema, table_prefix=f"{table}_"))
     stop = utcnow() + timedelta(seconds=30)
     runner = threading.Thread(target=pump.run, kwargs={"deadline": stop, "max_messages": 1})
     runner.start()
-    time.sleep(1.0)  # the pump is now asleep until the 120 s message
+    # The pump sleeps until its deadline (the 120 s message is due after it).
+    asleep = sleeps.asleep(20, "until its deadline", lambda s: s.until >= stop)
     due = utcnow() + timedelta(seconds=5)
     store.store([DelayedMessage("orders", b"soon", due, message_id="soon")])
     runner.join(timeout=20)
     assert not runner.is_alive()
+    # Woken: the sleep ended before the new message was due (PostgreSQL: its notification; SQLite: the next
+    # poll), and the pump slept again until exactly that due time.
+    assert asleep.ended is not None and asleep.ended < due, asleep
+    assert any(abs((s.until - due).total_seconds()) < 0.001 for s in sleeps.sleeps), sleeps.sleeps
     [got] = drain(transport, "orders")
     assert got.message_id == "soon"
     lateness = (got.enqueued_at - due).total_seconds()
@@ -279,8 +295,10 @@ def test_due_times_are_kept_on_the_database_clock_so_skewed_hosts_never_deliver_
     assert abs((sender.clock() - utcnow()).total_seconds()) < 1  # both read the database's time
     assert abs((pump_store.clock() - utcnow()).total_seconds()) < 1
     now = sender.clock()
-    sender.store([DelayedMessage("orders", b"x", now + timedelta(seconds=2), {}, "skew-1")])
-    result = Pump(pump_store, transport).run(deadline=utcnow() + timedelta(seconds=1))
+    due = now + timedelta(seconds=2)
+    sender.store([DelayedMessage("orders", b"x", due, {}, "skew-1")])
+    # Until just before the due time (on the database's clock, which the pump keeps its deadline on too).
+    result = Pump(pump_store, transport).run(deadline=due - timedelta(seconds=0.5))
     assert result.stats.dispatched == 0  # on the pump host's own clock it was due 28 s ago
     result = Pump(pump_store, transport).run(deadline=utcnow() + timedelta(seconds=4), max_messages=1)
     assert result.stats.dispatched == 1

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections import Counter
 from datetime import timedelta
@@ -22,7 +22,8 @@ from airflow_delay_provider.core.pump import Pump, PumpConfig
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.spark import sweep as sweep_app
 from tests.conftest import RABBIT_HOST, RABBIT_PORT
-from tests.helpers import collect, drain, make_store, make_transport
+from tests.helpers import collect_while_arriving, drain, make_store, make_transport
+from tests.waiting import wait_for
 
 APP = Path(sweep_app.__file__).with_name("sweep_app.py")
 SPARK_SUBMIT = Path(sys.executable).with_name("spark-submit")
@@ -104,7 +105,17 @@ def test_sweep_beside_a_pump_to_rabbitmq_sends_each_message_once(spark_ready, pg
     rabbit.provision("orders")
     rabbit.provision("error")
     store.store(due_messages(n, "orders"))
-    # A slow pump (500/s) runs through the whole sweep, so both take a share of the same rows.
+    # A slow pump (500/s) runs through the whole sweep, so both take a share of the same rows. However long
+    # spark-submit takes to start, the pump cannot drain them all first: once it has sent 1000, it claims
+    # nothing more until the sweep has leased rows of its own.
+    claim_due = store.claim_due
+
+    def claim_due_once_the_sweep_leases(*args, **kwargs):
+        if store.count_scheduled().get("orders", 0) <= n - 1000:
+            wait_for(lambda: (store.sweep_record("beside") or {}).get("claimed", 0) > 0, 300, "the sweep to lease")
+        return claim_due(*args, **kwargs)
+
+    store.claim_due = claim_due_once_the_sweep_leases
     pump = Pump(store, rabbit, PumpConfig(batch_size=100),
                 policy=DeliveryPolicy.from_dict({"throttlePolicy": {"maxReceivesPerSecond": 500}}))
     results = {}
@@ -114,13 +125,14 @@ def test_sweep_beside_a_pump_to_rabbitmq_sends_each_message_once(spark_ready, pg
     spec = {"kind": "rabbitmq", "host": RABBIT_HOST, "port": RABBIT_PORT, "virtual_host": rabbit_vhost,
             "login": "guest", "password": "guest", "prefix": rabbit.names.prefix}
     code, summary, output = submit(*specs(*pg, spec), "--due-before", (utcnow() + timedelta(minutes=1)).isoformat(),
-                                   "--partitions", "2")
+                                   "--partitions", "2", "--claim-id", "beside")
     worker.join(120)
     assert code == 0, output[-3000:]
     pumped = results["r"].stats.dispatched
     assert summary["dispatched"] > 0 and pumped > 0, (summary, pumped)
     assert summary["dispatched"] + pumped == n
-    received = Counter(m.message_id for _, m in collect(rabbit, "orders", n, timeout=60))
+    # One basic.get per message: on a loaded machine that takes minutes, so wait for as long as they arrive.
+    received = Counter(m.message_id for _, m in collect_while_arriving(rabbit, "orders", n, quiet=15))
     assert len(received) == n and max(received.values()) == 1, received.most_common(3)
     assert store.count_scheduled() == {}
 
@@ -144,16 +156,18 @@ def test_killed_sweep_is_taken_over_after_its_lease_and_nothing_is_lost(spark_re
     # The direct reader, with both partitions running at once: each leased its whole range before sending.
     proc = submit(*specs(*pg, sql), "--due-before", window_end, "--lease-seconds", "5", "--claim-id", "first",
                   "--delivery-policy", slow, "--partitions", "2", wait=False)
-    deadline = time.monotonic() + 120
-    while transport.depth("orders")["visible"] < 2000 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert proc.poll() is None, "the sweep ended before it could be killed: " + proc.stdout.read()[-3000:]
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(30)
+    try:
+        wait_for(lambda: transport.depth("orders")["visible"] >= 2000 or proc.poll() is not None, 120,
+                 "the sweep to deliver 2000")
+        assert proc.poll() is None, "the sweep ended before it could be killed: " + proc.stdout.read()[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # spark-submit and everything it started
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
     delivered_before = transport.depth("orders")["visible"]
     assert 0 < delivered_before < n
     assert store.sweep_record("first")["status"] == "running"  # it never finished
-    time.sleep(5.5)  # its lease runs out
+    wait_for(lambda: store.backlog()["totals"]["in_flight"] == 0, 30, "its lease to run out")  # nothing holds rows
 
     # The Python data source reads this time (the reader PostgreSQL uses without the JDBC jar, and SQLite).
     code, summary, output = submit(*specs(*pg, sql), "--due-before", window_end, "--claim-id", "second",
@@ -247,18 +261,42 @@ def test_the_lease_is_renewed_only_while_rows_are_being_settled(pg):
     def lease_until() -> int:
         return store.sweep_record("keeper")["lease_until_us"]
 
-    keeper = sweep_app.LeaseKeeper(store, "keeper", lease_seconds=3, total=10, interval=0.5)
+    rounds = _Rounds(store)  # a keeper's round starts by reading the sweep's progress
+    keeper = sweep_app.LeaseKeeper(rounds, "keeper", lease_seconds=3, total=10, interval=0.5)
     keeper.start()
     try:
         first = lease_until()
-        time.sleep(1.6)  # three rounds without progress
+        rounds.wait_started(rounds.started + 4)  # three whole rounds since, without progress
         assert lease_until() == first, "a sweep that settles nothing must let its lease run out"
         with store.engine.begin() as conn:  # a partition settles some of its rows
             conn.execute(store.table.delete().where(store.table.c.message_id.in_(["m-0", "m-1"])))
-        time.sleep(1.1)
+        rounds.wait_started(rounds.started + 2)  # the first round that starts after it is over
         assert lease_until() > first
     finally:
         keeper.stop()
+
+
+class _Rounds:
+    """The store as a LeaseKeeper uses it, counting its rounds (each starts with sweep_progress)."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.started = 0
+        self._changed = threading.Condition()
+
+    def sweep_progress(self, claim_id: str):
+        with self._changed:
+            self.started += 1
+            self._changed.notify_all()
+        return self.store.sweep_progress(claim_id)
+
+    def renew_lease(self, claim_id: str, lease_seconds: float) -> bool:
+        return self.store.renew_lease(claim_id, lease_seconds)
+
+    def wait_started(self, n: int, timeout: float = 30) -> None:
+        """Until round `n` has started (so rounds before it are over)."""
+        with self._changed:
+            assert self._changed.wait_for(lambda: self.started >= n, timeout), f"the keeper is stuck at {self.started}"
 
 
 def test_killing_the_sweep_task_releases_its_rows_at_once(spark_ready, pg, monkeypatch):
@@ -278,9 +316,8 @@ def test_killing_the_sweep_task_releases_its_rows_at_once(spark_ready, pg, monke
     errors = []
     runner = threading.Thread(target=lambda: _capture(errors, op.execute, {}), daemon=True)
     runner.start()
-    deadline = time.monotonic() + 120
-    while transport.depth(queue)["visible"] < 1000 and runner.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_for(lambda: transport.depth(queue)["visible"] >= 1000 or not runner.is_alive(), 120,
+             "the sweep to deliver 1000")
     assert runner.is_alive(), f"the sweep ended before it could be killed: {errors}"
     op.on_kill()
     runner.join(60)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 
 from sqlalchemy import update
@@ -12,6 +11,7 @@ from airflow_delay_provider.core.pump import Pump, PumpConfig
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from tests.helpers import drain, make_store, make_transport, messages
 from tests.integration.test_pump import FlakyTransport
+from tests.waiting import wait_for
 
 
 def test_leases_keep_pumps_and_other_sweeps_off_until_they_expire(pg):
@@ -19,13 +19,16 @@ def test_leases_keep_pumps_and_other_sweeps_off_until_they_expire(pg):
     transport = make_transport(*pg, "orders", "error")
     store.store(messages(50, delay=-5) + messages(5, delay=3600, start=50))
     end = utcnow() + timedelta(minutes=1)
-    assert store.start_sweep("a", end, lease_seconds=1.0) == {"claimed": 50, "taken_over": 0}
+    # A lease long enough for the next checks however slow the machine is; "a" cuts it short below.
+    assert store.start_sweep("a", end, lease_seconds=60) == {"claimed": 50, "taken_over": 0}
     assert store.claimed_range("a")[2] == 50  # the message due in an hour is not in the window
 
     pump = Pump(store, transport, PumpConfig(batch_size=100))
     assert pump.run(stop_when_idle=True).stats.dispatched == 0  # leased rows are not the pump's
     assert store.start_sweep("b", end, lease_seconds=60) == {"claimed": 0, "taken_over": 0}
-    time.sleep(1.1)  # "a" stops renewing: its lease expires
+    assert store.backlog()["totals"]["in_flight"] == 50  # still held by "a"
+    assert store.renew_lease("a", 0.5)  # "a" renews for the last time, then stops renewing: its lease expires
+    wait_for(lambda: store.backlog()["totals"]["in_flight"] == 0, 10, 'the lease of "a" to expire')
     assert store.start_sweep("c", end, lease_seconds=60) == {"claimed": 50, "taken_over": 50}
     assert store.renew_lease("c", 60) and not store.renew_lease("nope", 60)
 

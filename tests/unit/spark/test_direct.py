@@ -4,14 +4,15 @@ reads it from the store itself and sends it, on SQLite and PostgreSQL."""
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from datetime import timedelta
 
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.spark import sweep as sweep_app
+from airflow_delay_provider.stores.tables import from_us
 from tests.helpers import drain, make_store, make_transport
+from tests.waiting import wait_for
 
 
 def due(n: int, destination: str = "orders", prefix: str = "m") -> list[DelayedMessage]:
@@ -130,10 +131,10 @@ def test_a_move_takes_only_the_running_sweeps_window_and_counts_what_it_leased(p
     store.set_paused(["held"], True)
     store.start_sweep("dead", utcnow() + timedelta(minutes=1), lease_seconds=0.001)  # holds the 40: expires
     store.store(due(10, prefix="f"))
-    soon = utcnow() + timedelta(seconds=0.5)
+    opened = from_us(store.open_sweep("mover", utcnow() + timedelta(minutes=1), lease_seconds=60))
+    soon = opened + timedelta(seconds=0.2)
     store.store([DelayedMessage("orders", b"late", soon, message_id=f"late-{i}") for i in range(5)])
-    store.open_sweep("mover", utcnow() + timedelta(minutes=1), lease_seconds=60)
-    time.sleep(max(0.0, (soon - utcnow()).total_seconds()) + 0.1)  # due now, but not when the sweep opened
+    wait_for(lambda: store.clock() >= soon, 10, "the late ones to fall due")  # due now, but not when it opened
     moved, taken_over = transport.move_window(store, "mover", 0, 10**9, 1000)
     assert sum(n for _, _, n in moved) == 50 and taken_over == 40 and {d for d, *_ in moved} == {"orders"}
     got = {m.message_id for m in drain(transport, "orders")}
