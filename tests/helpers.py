@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.message import DelayedMessage
@@ -65,11 +65,12 @@ def collect(transport, queue: str, expected: int, timeout: float) -> list:
     return got
 
 
-def orders(store, n=10, destination="orders", due_in=3600.0, body=b"x") -> None:
-    """`n` messages `<destination>-<i>` with an `order-id` header, due `due_in + i` seconds from now."""
+def orders(store, n=10, destination="orders", due_in=3600.0, body=b"x") -> datetime:
+    """`n` messages `<destination>-<i>` with an `order-id` header, due `due_in + i` s from now; returns that now."""
     now = utcnow()
     store.store([DelayedMessage(destination, body, now + timedelta(seconds=due_in + i),
                                 {"order-id": str(i)}, message_id=f"{destination}-{i}") for i in range(n)])
+    return now
 
 
 #: spread_backlog's due times of `orders` (seconds from now): two due, then one per histogram bucket, two later.

@@ -115,7 +115,7 @@ def _ids(messages):
 
 
 def test_browse_pages_in_due_order_with_filters_and_claims_nothing(store):
-    orders(store, 7, body=b"a" * 500)
+    stored_at = orders(store, 7, body=b"a" * 500)
     orders(store, 3, destination="refunds", due_in=-5)
     everything = Selector.build(allow_everything=True)
     first = store.browse(everything, limit=4)
@@ -133,8 +133,9 @@ def test_browse_pages_in_due_order_with_filters_and_claims_nothing(store):
     assert _ids(by_header["messages"]) == ["refunds-1", "orders-1"]
     assert _ids(store.browse(Selector.build(destination="refunds", headers={"order-id": "2"}))["messages"]) == [
         "refunds-2"]
-    window = Selector.build(destination="orders", due_from=utcnow() + timedelta(seconds=3601.5),
-                            due_before=utcnow() + timedelta(seconds=3604.5))
+    # Around the due times of orders-2..4 (3600 s + i after they were stored), however long the test took so far.
+    window = Selector.build(destination="orders", due_from=stored_at + timedelta(seconds=3601.5),
+                            due_before=stored_at + timedelta(seconds=3604.5))
     assert _ids(store.browse(window)["messages"]) == ["orders-2", "orders-3", "orders-4"]
     # Reading claimed nothing: the due messages are all still there for a pump.
     with store.claim_due(utcnow(), 100) as claim:

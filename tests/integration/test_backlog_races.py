@@ -19,48 +19,58 @@ from airflow_delay_provider.spark import sweep as sweep_app
 from airflow_delay_provider.testing import InMemoryTransport
 from tests.helpers import drain, make_store, make_transport
 from tests.integration.test_spark import due_messages, spark_ready, specs, submit  # noqa: F401 - fixture
+from tests.waiting import wait_for
 
 
 class _Recording(InMemoryTransport):
-    """Remembers when each message was sent, and sends slowly enough for a pause to land mid-drain."""
+    """Remembers which messages were sent; once `hold_after` orders were sent, each send waits for `resume`, so a
+    pause lands while both pumps hold a claimed batch, however fast or slow the machine."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold_after: int) -> None:
         super().__init__()
-        self.sent_at: dict[str, float] = {}
+        self.sent: list[str] = []
+        self.hold_after = hold_after
+        self.resume = threading.Event()
+
+    def orders_sent(self) -> int:
+        return sum(1 for m in self.sent if m.startswith("orders"))
 
     def send(self, messages, connection=None):
-        time.sleep(0.005)
+        if self.orders_sent() >= self.hold_after:
+            assert self.resume.wait(60), "the test never resumed the sends"
         result = super().send(messages)
-        self.sent_at.update((m.message_id, time.monotonic()) for m in messages if m.message_id not in result)
+        self.sent.extend(m.message_id for m in messages if m.message_id not in result)
         return result
 
 
 def test_a_pause_under_running_pumps_holds_the_rest_and_a_resume_delivers_it_once(pg):
     store = make_store(*pg)
-    transport = _Recording()
+    transport = _Recording(hold_after=500)
     for queue in ("orders", "refunds", "error"):
         transport.provision(queue)
     due = utcnow() - timedelta(seconds=1)
     store.store([DelayedMessage(d, b"x", due, message_id=f"{d}-{i}") for d in ("orders", "refunds")
                  for i in range(3000)])
+    batch_size = 50
+
     def drain_with_pumps() -> list[threading.Thread]:
-        pumps = [Pump(make_store(*pg), transport, PumpConfig(batch_size=50)) for _ in range(2)]
+        pumps = [Pump(make_store(*pg), transport, PumpConfig(batch_size=batch_size)) for _ in range(2)]
         threads = [threading.Thread(target=p.run, kwargs={"stop_when_idle": True}) for p in pumps]
         for t in threads:
             t.start()
         return threads
 
     threads = drain_with_pumps()
-    while sum(1 for m in transport.sent_at if m.startswith("orders")) < 500:
-        time.sleep(0.01)
+    wait_for(lambda: transport.orders_sent() >= 500, 60, "500 orders sent")
     store.set_paused(["orders"], True)
-    paused_at = time.monotonic()
+    before_pause = transport.orders_sent()
+    transport.resume.set()
     for t in threads:  # they stop when nothing is left to claim: refunds drained, orders held
         t.join(timeout=120)
     held = store.count_scheduled().get("orders", 0)
-    after_pause = [m for m, at in transport.sent_at.items() if m.startswith("orders") and at > paused_at + 1.0]
-    assert after_pause == []  # only batches claimed before the pause finished (well within a second)
-    assert held > 0 and held + sum(1 for m in transport.sent_at if m.startswith("orders")) == 3000
+    # Only the batches the two pumps had claimed before the pause went on (one each: this transport does not pipeline).
+    assert transport.orders_sent() - before_pause <= 2 * batch_size
+    assert held > 0 and held + transport.orders_sent() == 3000
     assert store.count_scheduled().get("refunds") is None
     assert store.backlog("orders")["totals"]["paused_due"] == held
 

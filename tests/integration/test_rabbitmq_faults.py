@@ -21,6 +21,7 @@ from airflow_delay_provider.transports.rabbitmq import RabbitMQTransport
 from tests.conftest import RABBIT_HOST, RABBIT_PORT, _rabbitmqctl
 from tests.helpers import collect, make_store, messages
 from tests.integration.test_rabbitmq import args_of, listing
+from tests.waiting import wait_for
 
 
 def wait_for_depth(transport: RabbitMQTransport, queue: str, depth: int, timeout: float = 10) -> int:
@@ -181,7 +182,13 @@ def test_a_publisher_idle_past_its_heartbeats_is_replaced_before_it_publishes(ra
         transport.provision("orders")
         assert transport.send(messages(1, "orders")) == {}
         first = transport._publisher
-        time.sleep(7)  # the broker closes a connection that missed two heartbeats
+
+        def open_connections() -> int:
+            return _rabbitmqctl("list_connections", "vhost").splitlines()[1:].count(rabbit_vhost)
+
+        # Nothing runs their I/O loops: the broker closes both of the transport's connections once they missed
+        # two heartbeats.
+        wait_for(lambda: open_connections() == 0, 60, "the broker to drop the idle connections")
         assert transport.send(messages(1, "orders", start=1)) == {}  # no failure: a fresh connection
         assert transport._publisher is not first
         assert len(collect(transport, "orders", 2, timeout=5)) == 2

@@ -31,6 +31,7 @@ from airflow_delay_provider.triggers.asset import (
     message_payloads,
     watched_asset,
 )
+from tests.waiting import wait_for
 
 DEST = "airflow.asset.unit.runs"
 
@@ -122,14 +123,16 @@ def test_pumps_and_sweeps_leave_event_destinations_alone(store_conn):
 def test_a_lease_hands_each_message_to_one_claim_and_an_expired_lease_is_taken_over(store_conn):
     _, store, _ = store_conn
     store.store([_message(i) for i in range(3)] + [_message(9, due_in=60)])
-    store.open_event_claim("events-a", DEST, lease_seconds=1.5)  # outlasts the next calls on a loaded machine
+    store.open_event_claim("events-a", DEST, lease_seconds=30)
     store.open_event_claim("events-b", DEST, lease_seconds=30)
     leased, taken = store.lease_events("events-a", DEST, 2)
     assert [m.message_id for m in leased] == ["run-0", "run-1"] and taken == 0
     assert [m.message_id for m in store.lease_events("events-b", DEST, 10)[0]] == ["run-2"]  # not a's, not future
     assert store.ack_events("events-b", ["run-0"]) == 0  # only the holder acknowledges
     assert store.backlog()["destinations"][DEST]["in_flight"] == 3
-    time.sleep(1.6)  # a's lease runs out (its producer died): b takes its messages over
+    # a's producer dies after a last, short renewal: once it runs out, b takes its messages over
+    assert store.renew_lease("events-a", 0.5)
+    wait_for(lambda: store.backlog()["destinations"][DEST]["in_flight"] == 1, 10, "a's lease to run out")
     leased, taken = store.lease_events("events-b", DEST, 10)
     assert {m.message_id for m in leased} == {"run-0", "run-1"} and taken == 2
     assert store.ack_events("events-a", ["run-0"]) == 0
@@ -545,7 +548,7 @@ def test_with_run_dag_id_the_next_message_waits_for_the_run_of_the_previous_one(
 
     async def scenario():
         manager = SharedStreamManager(ack_timeout=30)
-        trigger = _trigger(conn_id, run_dag_id="target", min_event_interval=5)
+        trigger = _trigger(conn_id, run_dag_id="target", min_event_interval=30)
         key, stream = await _subscribe(manager, trigger)
         first, seq = await _next_event(stream, manager, key)
         manager.confirm_persisted([seq])
@@ -561,6 +564,7 @@ def test_with_run_dag_id_the_next_message_waits_for_the_run_of_the_previous_one(
         return first.payload["message_id"], second.payload["message_id"], waited
 
     first, second, waited = asyncio.run(scenario())
-    assert (first, second) == ("run-1", "run-2") and waited < 1.0  # not the 5 s spacing: the run was the gate
+    # Far sooner than the 30 s spacing (a 0.25 s poll, with room for a loaded machine): the run was the gate.
+    assert (first, second) == ("run-1", "run-2") and waited < 10.0
     assert len(asked) >= 3
     assert dag_run_asset("target").watchers[0].trigger.run_dag_id == "target"
