@@ -48,9 +48,10 @@ def drain(transport: SqlTableTransport, queue: str) -> list:
     return received
 
 
-def collect(transport, queue: str, expected: int, timeout: float) -> list:
+def collect(transport, queue: str, expected: int, timeout: float, rearm: bool = False) -> list:
     """Consume until `expected` distinct messages arrived and the queue is empty, or `timeout`;
-    returns (arrival time, message) for every delivery, duplicates included."""
+    returns (arrival time, message) for every delivery, duplicates included. With `rearm`, the timeout
+    starts again at each delivery: a consumer that is merely slow is waited for, lost messages still end it."""
     got, seen = [], set()
     deadline = time.monotonic() + timeout
     while (len(seen) < expected or transport.depth(queue)["visible"]) and time.monotonic() < deadline:
@@ -60,6 +61,8 @@ def collect(transport, queue: str, expected: int, timeout: float) -> list:
         seen.update(m.message_id for m in batch)
         if batch:
             transport.ack(queue, [m.receipt for m in batch])
+            if rearm:
+                deadline = time.monotonic() + timeout
         else:
             time.sleep(0.02)
     return got
@@ -87,19 +90,6 @@ def spread_backlog(store) -> None:
 
 
 def collect_while_arriving(transport, queue: str, expected: int, quiet: float) -> list:
-    """`collect` for a queue a slow consumer empties (a receive per message, on a loaded machine): instead of one
-    overall timeout it gives up only once `quiet` seconds pass with nothing received, so lost messages still end
-    it, and a consumer that is merely slow is waited for."""
-    got, seen = [], set()
-    deadline = time.monotonic() + quiet
-    while (len(seen) < expected or transport.depth(queue)["visible"]) and time.monotonic() < deadline:
-        batch = transport.receive(queue, max_messages=500)
-        now = utcnow()
-        got.extend((now, m) for m in batch)
-        seen.update(m.message_id for m in batch)
-        if batch:
-            transport.ack(queue, [m.receipt for m in batch])
-            deadline = time.monotonic() + quiet
-        else:
-            time.sleep(0.02)
-    return got
+    """`collect` for a queue a slow consumer empties (a receive per message, on a loaded machine): it gives up
+    only once `quiet` seconds pass with nothing received."""
+    return collect(transport, queue, expected, quiet, rearm=True)

@@ -42,6 +42,8 @@ from typing import Any
 import httpx
 import psutil
 
+from tests import waiting
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
 #: The PostgreSQL server (no database in the URL): every run gets a database of its own there.
@@ -140,6 +142,11 @@ class TaskTimes:
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
+    """tests.waiting.wait_for at the pace a deployment's REST API and database are read at."""
+    return waiting.wait_for(predicate, timeout, what, interval=poll)
 
 
 def parse_time(value: str | None) -> datetime | None:

@@ -6,7 +6,6 @@ the outage out: each message starts exactly one DAG run, none is lost."""
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from datetime import timedelta
 
@@ -15,6 +14,7 @@ from sqlalchemy import select
 
 from airflow_delay_provider.core.message import DelayedMessage
 from tests.conftest import PG_URL
+from tests.deployment.rig import wait_for
 from tests.faults.proxy import TcpProxy
 from tests.helpers import store_connection
 
@@ -65,15 +65,6 @@ def airflow(proxy, deployment, tmp_path_factory, pg_schema, store):  # the proxy
     return rig
 
 
-def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(poll)
 
 
 def _holder(store, message_id: str) -> str | None:

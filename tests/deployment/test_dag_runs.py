@@ -17,7 +17,7 @@ import pytest
 
 from airflow_delay_provider.core.message import DelayedMessage
 from tests.conftest import PG_URL, ROOT
-from tests.deployment.rig import RestError, parse_time, utcnow
+from tests.deployment.rig import RestError, parse_time, utcnow, wait_for
 from tests.helpers import store_connection
 
 TARGET, SCHEDULER = "delay_dag_run_target", "delay_dag_run_scheduler"
@@ -55,15 +55,6 @@ def airflow(deployment, dags, pg_schema, store):
     return rig
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.5)
 
 
 def target_runs(airflow, since: datetime) -> list[dict]:
