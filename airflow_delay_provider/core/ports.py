@@ -216,9 +216,9 @@ class Transport(ABC):
         `complete` (bool), `missing` and `different` (lists of names), and transport-specific details."""
         raise InvalidInputError(f"verify is not supported by transport {self.name!r}")
 
-    def describe_delay(self, seconds: int) -> str | None:
-        """How this transport carries a delay of `seconds` natively (and what it costs), for the send
-        task's log; None when there is nothing worth saying."""
+    def describe_delay(self, seconds: int, destination: str | None = None) -> str | None:
+        """How this transport carries a delay of `seconds` to `destination` natively (and what it costs), for the
+        send task's log; None when there is nothing worth saying."""
         return None
 
     #: True when the transport holds not-yet-due messages itself (native delays) and can hand them back:

@@ -67,6 +67,6 @@ def send_natively(ids: SentIds, transport: Transport, batch: Sequence[DelayedMes
         sending.failure(next(iter(failures.values())))
     now = transport.clock()
     for m in batch[:20]:
-        if (how := transport.describe_delay(seconds_until(m.due_at, now))) is not None:
+        if (how := transport.describe_delay(seconds_until(m.due_at, now), m.destination)) is not None:
             log.info("%s: %s", m.message_id, how)
     return len(fresh)

@@ -158,7 +158,11 @@ def delay_plan(delay_seconds: int | float, queue_delay: int = NATIVE_MAX_DELAY) 
     return DelayPlan(delay, False, cycles, delay - cycles * q)
 
 
-def estimate_cost(delay_seconds: int | float, price_per_request: float = 0.0000005,
+#: USD per SQS request (a FIFO request's list price), for the relay's cost estimates.
+PRICE_PER_REQUEST = 0.0000005
+
+
+def estimate_cost(delay_seconds: int | float, price_per_request: float = PRICE_PER_REQUEST,
                   queue_delay: int = NATIVE_MAX_DELAY) -> float:
     """USD the relay spends on one message: two FIFO requests per cycle (long polling not counted)."""
     if isinstance(price_per_request, bool) or not isinstance(price_per_request, (int, float)) or price_per_request < 0:
@@ -290,7 +294,14 @@ class SqsTransport(Transport):
     def __repr__(self) -> str:
         return f"SqsTransport(endpoint={self.client.meta.endpoint_url!r}, prefix={self.prefix!r})"
 
-    def describe_delay(self, seconds: int) -> str:
+    def describe_delay(self, seconds: int, destination: str | None = None) -> str:
+        if destination is not None and _is_fifo(destination):  # no per-message delay: all of it in the delay queue
+            if seconds <= 0:
+                return f"{seconds} s = straight to the FIFO queue"
+            hops = math.ceil(seconds / self.queue_delay)
+            return (f"{seconds} s = {hops} hop(s) of at most {self.queue_delay} s through "
+                    f"{delay_queue_name(destination, self.prefix)!r}, then handed over with no delay; "
+                    f"relay cost about ${2 * hops * PRICE_PER_REQUEST:.6f}")
         plan = delay_plan(seconds, self.queue_delay)
         how = ("native DelaySeconds" if plan.native
                else f"{plan.fifo_cycles} cycle(s) through the delay queue, then {plan.final_delay} s")

@@ -67,6 +67,17 @@ def test_worked_examples_and_the_cost_of_a_year():
         delay_plan(10, queue_delay=1000)
 
 
+def test_the_send_log_says_how_each_destination_carries_a_delay():
+    t = SqsTransport(client=None, queue_delay=900)
+    assert t.describe_delay(845, "orders").startswith("845 s = native DelaySeconds")
+    assert t.describe_delay(1925, "orders").startswith("1925 s = 2 cycle(s) through the delay queue, then 125 s")
+    # A FIFO queue takes no per-message delay: even a short one waits in the endpoint's delay queue.
+    assert t.describe_delay(30, "orders.fifo") == ("30 s = 1 hop(s) of at most 900 s through 'orders-fifo-delay', "
+                                                   "then handed over with no delay; relay cost about $0.000001")
+    assert t.describe_delay(1925, "orders.fifo").startswith("1925 s = 3 hop(s)")
+    assert t.describe_delay(0, "orders.fifo") == "0 s = straight to the FIFO queue"
+
+
 class ScriptedRelay(SqsTransport):
     """A relay whose delay queue shows `visible` messages, and whose each poll relays one of them."""
 
