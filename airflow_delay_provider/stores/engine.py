@@ -59,8 +59,9 @@ class SqlDatabase:
 
     def clock(self) -> datetime:
         """Now on the database's clock: due times and visibility times are stored and compared on it, so
-        hosts whose clocks disagree never deliver early. The offset to this host's clock is measured (to
-        within half a round trip) and re-measured every few minutes; SQLite is this host."""
+        hosts whose clocks disagree never deliver early. The offset to this host's clock is measured (never
+        ahead of the database's: behind it by at most a round trip) and re-measured every few minutes; SQLite
+        is this host."""
         local = self._local_clock()
         if not self.is_postgres:
             return local
@@ -75,11 +76,13 @@ class SqlDatabase:
         return local + (self._offset or timedelta(0))
 
     def _measure_offset(self) -> timedelta:
+        # The database read its clock at some moment of the round trip, which may be lopsided (a request that
+        # left late): taken as read at the end of it, the estimate can only lag the database's clock, never lead
+        # it, so no message is taken for due before the database says it is.
         with self._errors("read the database clock"), self.engine.connect() as conn:
-            before = self._local_clock()
             database = conn.execute(select(func.clock_timestamp())).scalar()
             after = self._local_clock()
-        return database - (before + (after - before) / 2)
+        return database - after
 
     def _errors(self, action: str):
         return translate_errors(self.url, action)

@@ -15,7 +15,7 @@ from sqlalchemy import func, select
 
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.message import DelayedMessage
-from airflow_delay_provider.stores.sql import from_us
+from airflow_delay_provider.stores.sql import SqlDelayedMessageStore, from_us
 from airflow_delay_provider.transports.sql import SqlTableTransport
 from tests.helpers import collect, make_store, messages
 
@@ -148,3 +148,32 @@ def test_the_sql_transport_keeps_its_times_on_its_database_clock_whatever_use_cl
     assert plain.receive("orders") == []
     [again] = receive_within(plain, timeout=15)
     assert 1.5 <= time.monotonic() - hidden <= 2 + TOLERANCE and again.message_id == taken.message_id
+
+
+class SluggishWhileMeasured:
+    """This host's clock, as a busy host reads it: each reading is taken, then the process is held up for a while
+    before it goes on (so a request sent right after a reading leaves late), while `measuring`."""
+
+    def __init__(self, hold: float = 0.05) -> None:
+        self.hold, self.measuring = hold, True
+
+    def __call__(self) -> datetime:
+        now = utcnow()
+        if self.measuring:
+            time.sleep(self.hold)
+        return now
+
+
+def test_the_database_clock_is_never_read_ahead_of_the_database(pg):
+    """The offset to the database's clock is measured over a round trip that may be lopsided (a request that left
+    late, a reply read at once): taking the middle of the round trip then reads the database's clock ahead of
+    itself, and a pump would claim, and a broker deliver, a message before it is due. Whatever the round trip,
+    the store's clock may run behind the database's, never ahead."""
+    url, schema, table = pg
+    host = SluggishWhileMeasured()
+    store = SqlDelayedMessageStore(url, table=table, schema=schema, local_clock=host)
+    store.clock()  # measures the offset, each reading held up for 50 ms
+    host.measuring = False
+    for _ in range(20):
+        estimate = store.clock()
+        assert estimate <= database_now(store), "the store's clock ran ahead of the database's"
