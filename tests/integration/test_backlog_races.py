@@ -87,9 +87,11 @@ def test_a_sweep_leaves_a_paused_destination_and_cancel_cannot_take_what_it_hold
     transport = make_transport(*pg, "orders", "refunds", "error")
     store.store(due_messages(2000, "orders") + due_messages(500, "refunds", prefix="r"))
     store.set_paused(["refunds"], True)
-    # Throttled (2,000/s: about a second for all of them), so the partitions lease the rows and send them
-    # through their Pump rather than moving them by statement (the next test).
-    store.set_policies({"orders": {"throttlePolicy": {"maxReceivesPerSecond": 2000}}})
+    # Throttled, so the partitions lease the rows and send them through their Pump rather than moving them by
+    # statement (the next test); at 500/s (one bucket for both partitions) the last partition's 1,000 take two
+    # seconds after it leased them: the moment every message is leased lasts long enough to be seen on a loaded
+    # machine (at 2,000/s it lasted half a second, and was missed).
+    store.set_policies({"orders": {"throttlePolicy": {"maxReceivesPerSecond": 500}}})
 
     def leased() -> bool:  # by both partitions: every stored message of orders is held
         totals = store.backlog("orders")["totals"]
