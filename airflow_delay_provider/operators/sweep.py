@@ -20,12 +20,15 @@ from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.operators.base import DelayOperatorBase
 from airflow_delay_provider.spark import sweep as sweep_app
 from airflow_delay_provider.spark.setup import (
+    SecretFile,
     SparkSetupError,
     application_args,
     check_machine,
-    ensure_master,
+    check_master_reachable,
+    check_reachable_hosts,
+    executor_setup,
     finished_summary,
-    submit_env,
+    resolve_target,
 )
 
 __all__ = ["APPLICATION", "READERS", "BulkSweepOperator", "SparkSetupError"]  # SparkSetupError: its old home
@@ -47,8 +50,11 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
 
     Store and transport arguments are those of the other operators (`delay_store_conn_id`, `table`,
     `db_schema`, `transport`, `transport_conn_id`, `transport_options`); the other SparkSubmitOperator
-    arguments (`jars`, `conf`, `executor_memory`, ...) pass through. Connection secrets reach Spark in
-    an environment variable, never in its arguments.
+    arguments (`jars`, `conf`, `env_vars`, `archives`, `executor_memory`, ...) pass through, and what
+    they set for the Pythons wins over `executor_env`. Connection secrets reach the driver in a file
+    only its owner can read, deleted when the task ends, never in an argument or environment variable
+    of any command line; executors connect to the store and the broker themselves, so their hosts must
+    be reachable from the cluster's nodes.
 
     :param due_before: the end of the window, exclusive: an aware datetime or ISO string (templated);
         required.
@@ -74,9 +80,16 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
         data source over SQLAlchemy.
     :param jdbc_jar: the PostgreSQL JDBC driver jar for `reader="jdbc"` (default
         /usr/share/java/postgresql.jar, from Debian's libpostgresql-jdbc-java).
-    :param master: the Spark master to run on when the connection `conn_id` does not exist (default
-        `local[2]`).
+    :param master: the Spark master to run on when no secrets backend defines the connection `conn_id`
+        (default `local[2]`; None: fail instead); a connection a backend fails to read fails the task.
     :param conn_id: the Spark connection spark-submit uses (default `spark_default`).
+    :param executor_env: the Python environment the executors run in: `"auto"` (default) ships an archive
+        of this environment's sweep code and drivers (no Airflow; built once and cached) when the master
+        is not local, so nodes need only Java and a Python of this minor version; on a local master the
+        executors run this Python. A path or URL ships that archive (built with `python -m
+        airflow_delay_provider.spark.environment`); None ships nothing (the nodes have it installed).
+    :param allow_loopback_hosts: run on a cluster even though the store's or broker's host is a loopback
+        address or a local socket or file, which executors on other machines cannot reach (default: refuse).
     """
 
     template_fields: Sequence[str] = (*SparkSubmitOperator.template_fields, "due_before", "due_from")
@@ -97,8 +110,10 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
         max_duration: float | timedelta | None = None,
         reader: str = "auto",
         jdbc_jar: str = sweep_app.DEFAULT_JDBC_JAR,
-        master: str = "local[2]",
+        master: str | None = "local[2]",
         conn_id: str = "spark_default",
+        executor_env: str | None = "auto",
+        allow_loopback_hosts: bool = False,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("name", "airflow-delay-sweep")
@@ -131,6 +146,9 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
         self.reader = reader
         self.jdbc_jar = jdbc_jar
         self.master = master
+        self.executor_env = executor_env
+        self.allow_loopback_hosts = allow_loopback_hosts
+        self._secret: SecretFile | None = None
 
     def execute(self, context: Context) -> dict:
         due_before = parse_moment(self.due_before, "due_before")
@@ -138,22 +156,41 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
             raise InvalidInputError("due_before is required: the end of the window to sweep")
         due_from = parse_moment(self.due_from, "due_from")
         store = self.hook.get_store()
+        try:
+            claim_id = self._submit(context, store, due_before, due_from)
+        finally:
+            store.close()
+        summary = finished_summary(store.sweep_record(claim_id), claim_id, self.max_duration)
+        metrics.count_dispatch(summary)
+        self.log.info("Sweep %s: %s", claim_id, json.dumps(summary))
+        return summary
+
+    def _submit(self, context: Context, store, due_before, due_from) -> str:
+        """Check where the sweep goes, set spark-submit up and run it; returns the claim id."""
         reader = sweep_app.resolve_reader(self.reader, store)
         bin_dir = check_machine(uses_jdbc=reader == "jdbc", jdbc_jar=self.jdbc_jar)
-        local = ensure_master(self._conn_id, self.master)
+        target = resolve_target(self._conn_id, self.master, self._deploy_mode)
+        check_master_reachable(target, self._conn_id)
+        store_spec, transport_spec = self.hook.store_spec(), self.transport_spec()
+        check_reachable_hosts(target, store_spec, transport_spec, self.allow_loopback_hosts)
+        pythons = executor_setup(target, self.executor_env, bin_dir, conf=self.conf, env_vars=self.env_vars,
+                                 archives=self._archives, with_arrow=reader != "direct")
+        self.conf, self.env_vars, self._archives = pythons.conf, pythons.env_vars, pythons.archives
+        self.log.info("Spark: %s", pythons.description)
+        if reader == "jdbc":
+            self.jars = ",".join(filter(None, [self.jars, self.jdbc_jar]))
 
         claim_id = self._claim_id = uuid.uuid4().hex
-        # Set after templates were rendered, so the secret is never stored as a rendered field.
+        secret = self._secret = SecretFile({"store": store_spec, "transport": transport_spec}, claim_id)
+        if target.cluster_mode:  # the driver runs on a node: the file goes with the application
+            self.files = ",".join(filter(None, [self.files, secret.path]))
+        # Set after templates were rendered, so nothing here is stored as a rendered field.
         self.application_args = application_args(
             claim_id, due_before, due_from, reader=reader, lease_seconds=self.lease_seconds,
             partitions=self.partitions, batch_size=self.batch_size, number_of_retries=self.number_of_retries,
-            error_queue=self.error_queue, max_seconds=self.max_duration,
+            error_queue=self.error_queue, max_seconds=self.max_duration, secret_file=secret.argument(target),
             destination_policies={d: p.to_dict() for d, p in self.destination_policies.items()},
             delivery_policy=None if self.delivery_policy is None else self.delivery_policy.to_dict())
-        if reader == "jdbc":
-            self.jars = ",".join(filter(None, [self.jars, self.jdbc_jar]))
-        secret = sweep_app.encode_secret(self.hook.store_spec(), self.transport_spec())
-        self.env_vars = submit_env(bin_dir, local, {**(self.env_vars or {}), sweep_app.SECRET_ENV: secret})
         self.log.info("Sweeping messages due in [%s, %s) from %r through %s, claim %s",
                       due_from.isoformat() if due_from else "-", due_before.isoformat(), store, self.transport,
                       claim_id)
@@ -163,11 +200,8 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
             self._log_record(store, claim_id)
             raise
         finally:
-            store.close()
-        summary = finished_summary(store.sweep_record(claim_id), claim_id, self.max_duration)
-        metrics.count_dispatch(summary)
-        self.log.info("Sweep %s: %s", claim_id, json.dumps(summary))
-        return summary
+            secret.remove()
+        return claim_id
 
     def on_kill(self) -> None:
         """Stop spark-submit, then release the sweep's rows now rather than when its lease expires.
@@ -175,6 +209,8 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
         A row a partition is still sending stays locked by it until that batch settles; the release
         waits for it (up to the store's lock_timeout), so no row is both sent and released."""
         super().on_kill()
+        if self._secret is not None:
+            self._secret.remove()
         if self._claim_id is None:
             return
         store = self.hook.get_store()

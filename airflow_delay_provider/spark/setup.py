@@ -8,15 +8,21 @@ calls these, and so can a script that submits `sweep_app.py` by hand.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
 import shutil
+import socket
 import sys
+import tempfile
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
+from urllib.parse import urlsplit
 
-from airflow_delay_provider.core.errors import DelayProviderError
+from airflow_delay_provider.core.errors import DelayProviderError, InvalidInputError
+from airflow_delay_provider.spark import environment
 from airflow_delay_provider.spark.sweep import DEFAULT_JDBC_JAR
 
 log = logging.getLogger(__name__)
@@ -52,32 +58,251 @@ def check_machine(uses_jdbc: bool, jdbc_jar: str = DEFAULT_JDBC_JAR) -> str:
     return os.path.dirname(found)
 
 
-def ensure_master(conn_id: str, master: str) -> bool:
-    """Define the Spark connection `conn_id` (in this process's environment) on `master` if it does not
-    exist: a missing connection makes the Spark provider fall back to YARN. Returns True when Spark runs
-    locally (then the driver only listens on loopback)."""
+@dataclass(frozen=True)
+class SparkTarget:
+    """Where spark-submit sends the sweep: the master as the Spark provider passes it, and the deploy mode."""
+
+    master: str
+    deploy_mode: str = "client"
+
+    @property
+    def local(self) -> bool:
+        return self.master.startswith("local")
+
+    @property
+    def cluster_mode(self) -> bool:
+        return self.deploy_mode == "cluster"
+
+    @property
+    def kind(self) -> str:
+        if self.local:
+            return "local"
+        if self.master.startswith("spark://"):
+            return "standalone"
+        if self.master.startswith("k8s://"):
+            return "kubernetes"
+        return "yarn" if self.master.startswith("yarn") else "other"
+
+    def master_hosts(self) -> list[tuple[str, int]]:
+        """(host, port) of each master of a standalone cluster (several with ZooKeeper recovery)."""
+        if self.kind != "standalone":
+            return []
+        hosts = []
+        for part in self.master[len("spark://"):].split(","):
+            host, _, port = part.strip().rpartition(":")
+            hosts.append((host.strip("[]"), int(port or 7077)) if host else (part.strip(), 7077))
+        return hosts
+
+    @property
+    def one_host(self) -> bool:
+        """Every executor runs on this machine: a local master, or a standalone master on loopback."""
+        return self.local or bool(self.master_hosts()) and all(is_loopback(h) for h, _ in self.master_hosts())
+
+
+def resolve_target(conn_id: str, master: str | None, deploy_mode: str | None = None) -> SparkTarget:
+    """The Spark connection `conn_id` as spark-submit will use it. When no secrets backend defines it, it is
+    defined (in this process's environment) on `master`: a missing connection makes the Spark provider fall
+    back to YARN. A connection a backend fails to read (a secrets backend down, a malformed value) fails the
+    task, as does a missing one when `master` is None: running a cluster's sweep on this machine instead
+    would be a surprise, and a slow one."""
+    from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
     from airflow.sdk import BaseHook
+    from airflow.sdk.exceptions import AirflowNotFoundException
 
     try:
-        conn = BaseHook.get_connection(conn_id)
-    except Exception:
+        BaseHook.get_connection(conn_id)
+    except AirflowNotFoundException:
+        # Airflow reports a backend that failed as a connection not found: ask each backend again.
+        failed = _failing_backends(conn_id)
+        if failed:
+            raise SparkSetupError(
+                f"the Spark connection {conn_id!r} could not be read ({'; '.join(failed)}): fix the connection "
+                f"or its secrets backend; the sweep runs on a local master only when no connection {conn_id!r} "
+                f"is defined") from None
+        if master is None:
+            raise SparkSetupError(f"the Spark connection {conn_id!r} is not defined (and master=None: no "
+                                  f"fallback): define it, or pass master='local[2]' to run on this machine") from None
         log.info("No Spark connection %r: running on %s", conn_id, master)
         os.environ[f"AIRFLOW_CONN_{conn_id.upper()}"] = json.dumps({"conn_type": "spark", "host": master})
-        return master.startswith("local")
-    return str(conn.host or "").startswith("local")
+    # The master and deploy mode exactly as the provider's hook builds spark-submit's command from them.
+    resolved = SparkSubmitHook(conn_id=conn_id, deploy_mode=deploy_mode)._connection
+    return SparkTarget(resolved["master"], resolved["deploy_mode"] or "client")
 
 
-def submit_env(bin_dir: str, local: bool, env_vars: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of spark-submit: `env_vars`, with spark-submit's directory first on PATH and
-    executors running this Python (where the provider is installed)."""
-    env = {
-        **(env_vars or {}),
-        "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
-        "PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable),
-    }
-    if local and "SPARK_LOCAL_IP" not in os.environ:
-        env["SPARK_LOCAL_IP"] = "127.0.0.1"  # executors on other hosts must reach the driver
-    return env
+def _failing_backends(conn_id: str) -> list[str]:
+    """The secrets backends that raise when asked for `conn_id`, by name and error type (an error's text
+    could quote the value, which may hold a secret)."""
+    try:
+        from airflow.sdk.execution_time.supervisor import ensure_secrets_backend_loaded
+
+        backends = ensure_secrets_backend_loaded()
+    except Exception:  # an Airflow without this entry point: nothing more to learn
+        return []
+    failed = []
+    for backend in backends:
+        try:
+            backend.get_connection(conn_id=conn_id)
+        except Exception as exc:
+            failed.append(f"{type(backend).__name__} raised {type(exc).__name__}")
+    return failed
+
+
+def check_master_reachable(target: SparkTarget, conn_id: str, timeout: float = 5.0) -> None:
+    """Fail at once, saying so, when no master of a standalone cluster accepts connections (spark-submit
+    would retry for a minute, then fail with a stack trace)."""
+    hosts = target.master_hosts()
+    errors = []
+    for host, port in hosts:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            return
+        except OSError as exc:
+            errors.append(f"{host}:{port}: {exc.strerror or exc}")
+    if hosts:
+        raise SparkSetupError(
+            f"the Spark master {target.master} (connection {conn_id!r}) is unreachable ({'; '.join(errors)}): "
+            f"start it, or point the connection at a running master")
+
+
+LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"}
+
+
+def is_loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def unreachable_hosts(store: dict, transport: dict) -> list[str]:
+    """What in the store's and transport's specs only this machine reaches: loopback hosts, Unix sockets,
+    SQLite files. Executors connect to the store and the broker themselves, from the cluster's nodes."""
+    from sqlalchemy.engine import make_url
+
+    found = []
+
+    def database(what: str, raw: str) -> None:
+        url = make_url(raw)
+        if url.get_backend_name() == "sqlite":
+            found.append(f"the {what} is a SQLite file on this machine ({url.database})")
+        elif not url.host:
+            found.append(f"the {what} connects through a Unix socket on this machine (its URL has no host)")
+        elif is_loopback(url.host):
+            found.append(f"the {what}'s host {url.host!r} is a loopback address")
+
+    database("store", store["url"])
+    kind = transport.get("kind")
+    if kind == "sql":
+        database("SQL transport", transport["url"])
+    elif kind == "rabbitmq" and (is_loopback(transport.get("host")) or not transport.get("host")):
+        default = "" if transport.get("host") else " (the default)"
+        found.append(f"the RabbitMQ host {transport.get('host') or '127.0.0.1'!r}{default} is a loopback address")
+    elif kind == "sqs":
+        endpoint = (transport.get("client") or {}).get("endpoint_url")
+        if endpoint and is_loopback(urlsplit(endpoint).hostname):
+            found.append(f"the SQS endpoint {endpoint!r} is a loopback address")
+    return found
+
+
+def check_reachable_hosts(target: SparkTarget, store: dict, transport: dict, allow_loopback_hosts: bool) -> None:
+    """Refuse a cluster sweep whose executors could not reach the store or broker (see unreachable_hosts)."""
+    if target.one_host or allow_loopback_hosts:
+        return
+    found = unreachable_hosts(store, transport)
+    if found:
+        raise InvalidInputError(
+            f"the sweep runs on {target.master}, whose executors connect to the store and the broker from other "
+            f"machines, but {'; '.join(found)}: give the connections host names the cluster's nodes can reach, "
+            f"or pass allow_loopback_hosts=True if every executor runs on this machine")
+
+
+@dataclass
+class ExecutorSetup:
+    """What spark-submit gets so that the driver and the executors run a Python that has the sweep."""
+
+    conf: dict[str, str]
+    archives: str | None
+    env_vars: dict[str, str]
+    description: str
+
+
+def _user_python(conf: dict, env_vars: dict, key: str, env: str) -> str | None:
+    return conf.get(key) or env_vars.get(env) or os.environ.get(env)
+
+
+def executor_setup(target: SparkTarget, executor_env: str | None, bin_dir: str, *, conf: dict | None = None,
+                   env_vars: dict | None = None, archives: str | None = None, with_arrow: bool = False,
+                   cache: str | None = None) -> ExecutorSetup:
+    """The Pythons of the driver and executors, and the archive shipped for them.
+
+    `executor_env`: "auto" ships the archive of this environment (built once, then cached) unless the master
+    is local, where executors run this Python; a path or URL ships that archive (see
+    `airflow_delay_provider.spark.environment`); None ships nothing. What the user set wins: a
+    `spark.pyspark.python` / `spark.pyspark.driver.python` in `conf`, PYSPARK_PYTHON / PYSPARK_DRIVER_PYTHON
+    in `env_vars` or this process's environment."""
+    conf, env_vars = dict(conf or {}), dict(env_vars or {})
+    if target.kind in ("local", "standalone"):  # the provider hands env_vars to spark-submit's own process
+        env_vars["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+        if target.one_host and "SPARK_LOCAL_IP" not in os.environ and "SPARK_LOCAL_IP" not in env_vars:
+            env_vars["SPARK_LOCAL_IP"] = "127.0.0.1"  # all on this machine: nothing listens beyond loopback
+    else:  # elsewhere they become the driver's environment on the cluster: spark-submit finds itself on PATH
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    shipped = None
+    if executor_env == "auto" and not target.local:
+        built = environment.cached_archive(with_arrow=with_arrow, directory=cache)
+        shipped = str(built.path)
+        how = (f"built in {built.build_seconds:.1f} s" if built.build_seconds else "cached") + \
+            f", {built.size_bytes / 2**20:.1f} MiB"
+    elif executor_env not in (None, "auto"):
+        shipped = str(executor_env)
+        if "://" not in shipped and not os.path.isfile(shipped):
+            raise InvalidInputError(
+                f"executor_env {shipped!r} does not exist: build it with `python -m "
+                f"airflow_delay_provider.spark.environment -o {shipped}`, pass its URL, or use executor_env='auto'")
+        how = "given"
+    if shipped is not None:
+        archives = ",".join(filter(None, [archives, f"{shipped}#{environment.ALIAS}"]))
+    shipped_python = f"./{environment.ALIAS}/bin/python"
+    executors = _user_python(conf, env_vars, "spark.pyspark.python", "PYSPARK_PYTHON")
+    if executors is None:
+        executors = shipped_python if shipped is not None else sys.executable if target.local else None
+        if executors is not None:
+            conf["spark.pyspark.python"] = executors
+    driver = _user_python(conf, env_vars, "spark.pyspark.driver.python", "PYSPARK_DRIVER_PYTHON")
+    if driver is None:
+        # In client mode the driver runs here, in this Python, which has the package; in cluster mode on a node.
+        driver = shipped_python if target.cluster_mode and shipped is not None else sys.executable
+        if not target.cluster_mode or shipped is not None:
+            conf["spark.pyspark.driver.python"] = driver
+    description = (f"executors run {executors or 'the cluster default Python (PYSPARK_PYTHON on its nodes)'}"
+                   + (f" from the archive {shipped} ({how})" if shipped is not None else "")
+                   + f"; the driver ({target.deploy_mode} mode on {target.master}) runs {driver}")
+    return ExecutorSetup(conf, archives, env_vars, description)
+
+
+class SecretFile:
+    """The store's and transport's specs in a file only its owner can read, deleted by `remove()`.
+
+    The sweep gets its path as an argument (a path is no secret); in cluster mode spark-submit ships it
+    with `--files` (`ship`), to the driver's node only through the cluster's own staging."""
+
+    def __init__(self, secret: dict, claim_id: str) -> None:
+        self.directory = tempfile.mkdtemp(prefix="adp-sweep-")  # 0700
+        self.path = os.path.join(self.directory, f"sweep-{claim_id}.json")
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(secret, f)
+
+    def argument(self, target: SparkTarget) -> str:
+        """What `--secret-file` says: the path here, or in cluster mode the name spark-submit ships it under."""
+        return os.path.basename(self.path) if target.cluster_mode else self.path
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def application_args(
@@ -94,9 +319,11 @@ def application_args(
     destination_policies: dict[str, dict],
     delivery_policy: dict | None = None,
     max_seconds: float | None = None,
+    secret_file: str | None = None,
 ) -> list[str]:
     """The command line of `sweep_app.py` (see `airflow_delay_provider.spark.sweep.parse_args`); policies
-    as dicts. No secret goes here: spark-submit and Airflow log the arguments."""
+    as dicts. No secret goes here, only the path of the file that holds them: spark-submit and Airflow
+    log the arguments, and `ps` shows them."""
     args = ["--claim-id", claim_id, "--due-before", due_before.isoformat(), "--reader", reader,
             "--lease-seconds", str(lease_seconds), "--partitions", str(partitions),
             "--batch-size", str(batch_size), "--number-of-retries", str(number_of_retries),
@@ -107,6 +334,8 @@ def application_args(
         args += ["--max-seconds", str(max_seconds)]
     if delivery_policy is not None:
         args += ["--delivery-policy", json.dumps(delivery_policy)]
+    if secret_file is not None:
+        args += ["--secret-file", secret_file]
     return args
 
 

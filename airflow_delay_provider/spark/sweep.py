@@ -20,8 +20,12 @@ The JDBC and Python-data-source readers instead lease the whole window in the dr
 Pump through mapInArrow: JDBC on PostgreSQL (the driver jar from Debian's libpostgresql-jdbc-java),
 the Python data source below over SQLAlchemy.
 
-Secrets (the store's URL, broker credentials) come in the environment variable named by SECRET_ENV
-(base64 JSON), never in arguments, which spark-submit and Airflow log.
+Secrets (the store's URL, broker credentials) come in a file readable by its owner only, named by
+`--secret-file` (BulkSweepOperator writes it and deletes it when the sweep ends), or in the environment
+variable named by SECRET_ENV (base64 JSON) when the application is run by hand; never in arguments,
+which spark-submit and Airflow log and `ps` shows. The driver reads them and hands them to the partitions
+inside their tasks, over Spark's own connections: encrypt those (`spark.network.crypto.enabled`) on a
+network others can read.
 """
 
 from __future__ import annotations
@@ -74,12 +78,36 @@ def encode_secret(store: dict, transport: dict) -> str:
     return base64.b64encode(json.dumps({"store": store, "transport": transport}).encode()).decode()
 
 
-def load_secret() -> dict:
+def secret_file_path(name: str) -> str:
+    """Where the driver finds the secret file: the path itself (client mode: the operator's own file), or,
+    in cluster mode, the copy spark-submit's `--files` put in the driver's working directory or SparkFiles."""
+    if os.path.isfile(name):
+        return name
+    local = os.path.basename(name)
+    if os.path.isfile(local):
+        return local
+    from pyspark import SparkFiles
+
+    return SparkFiles.get(local)
+
+
+def load_secret(secret_file: str | None = None) -> dict:
+    """The store and transport specs: from `secret_file` (JSON), else from the SECRET_ENV variable."""
+    if secret_file:
+        path = secret_file_path(secret_file)
+        try:
+            with open(path, "rb") as f:
+                return json.load(f)
+        except FileNotFoundError:
+            raise InvalidInputError(f"the secret file {secret_file} was not found (looked for {path})") from None
+        except ValueError:
+            raise InvalidInputError(f"the secret file {secret_file} is not JSON") from None
     raw = os.environ.get(SECRET_ENV)
     if not raw:
         raise InvalidInputError(
-            f"the environment variable {SECRET_ENV} is not set: it carries the store and transport "
-            "connections (BulkSweepOperator sets it; by hand, see airflow_delay_provider.spark.sweep.encode_secret)"
+            f"no --secret-file and the environment variable {SECRET_ENV} is not set: one of them carries the "
+            "store and transport connections (BulkSweepOperator writes the file; by hand, see "
+            "airflow_delay_provider.spark.sweep.encode_secret)"
         )
     try:
         return json.loads(base64.b64decode(raw))
@@ -109,7 +137,7 @@ def _data_source():
     class DelayStoreReader(DataSourceReader):
         def __init__(self, options: dict) -> None:
             # Read where the reader is planned (the driver's side); the instance travels to the executors.
-            self.store_spec = load_secret()["store"]
+            self.store_spec = load_secret(options.get("secret_file"))["store"]
             self.claim_id = check_claim_id(options["claim_id"])
             self.ranges = json.loads(options["ranges"])
 
@@ -135,11 +163,22 @@ def _data_source():
     return DelayStoreDataSource
 
 
-def read_claim(spark, store: SqlDelayedMessageStore, claim_id: str, ranges: list[tuple[int, int]], reader: str):
+def jdbc_url(url) -> str:
+    """The JDBC URL of a PostgreSQL store's SQLAlchemy URL. JDBC connects over TCP only: a URL without a
+    host (a Unix socket) is refused rather than read as localhost, which an executor elsewhere is not."""
+    if not url.host:
+        raise InvalidInputError(
+            "the store's URL has no host (it connects through a Unix socket), and the JDBC reader connects over "
+            "TCP from every executor: give the store's connection a host name the executors can reach, or use "
+            "reader='direct'")
+    return f"jdbc:postgresql://{url.host}:{url.port or 5432}/{url.database}"
+
+
+def read_claim(spark, store: SqlDelayedMessageStore, claim_id: str, ranges: list[tuple[int, int]], reader: str,
+               secret_file: str | None = None):
     """The claimed rows as a DataFrame with one partition per id range."""
     if reader == "jdbc":
         url = store.url
-        jdbc_url = f"jdbc:postgresql://{url.host or 'localhost'}:{url.port or 5432}/{url.database}"
         table = ".".join(f'"{part}"' for part in filter(None, (store.schema, store.table_name)))  # checked identifiers
         predicates = [f"claim_id = '{claim_id}' AND id >= {low} AND id <= {high}" for low, high in ranges]
         properties = {"driver": "org.postgresql.Driver", "fetchsize": "10000"}
@@ -147,10 +186,13 @@ def read_claim(spark, store: SqlDelayedMessageStore, claim_id: str, ranges: list
             properties["user"] = url.username
         if url.password:
             properties["password"] = str(url.password)
-        return spark.read.jdbc(jdbc_url, table, predicates=predicates, properties=properties).select(*SWEEP_COLUMNS)
+        frame = spark.read.jdbc(jdbc_url(url), table, predicates=predicates, properties=properties)
+        return frame.select(*SWEEP_COLUMNS)
     spark.dataSource.register(_data_source())
-    return (spark.read.format(DATA_SOURCE)
-            .option("claim_id", claim_id).option("ranges", json.dumps(ranges)).load())
+    reading = spark.read.format(DATA_SOURCE).option("claim_id", claim_id).option("ranges", json.dumps(ranges))
+    if secret_file:
+        reading = reading.option("secret_file", secret_file)  # a path: the options show in Spark's UI
+    return reading.load()
 
 
 # -- dispatching a partition (runs in the executors) -------------------------------------------
@@ -335,6 +377,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="delivery-policy JSON or a built-in name (sqs, smtp, ...)")
     parser.add_argument("--destination-policies", default="{}", help="JSON: destination -> policy")
     parser.add_argument("--progress-seconds", type=float, default=10.0)
+    parser.add_argument("--secret-file", default=None,
+                        help=f"JSON file of the store and transport connections (default: ${SECRET_ENV})")
     return parser.parse_args(argv)
 
 
@@ -406,7 +450,7 @@ def sweep(spark, secret: dict, args: argparse.Namespace) -> dict:
                 results = (context.parallelize(ranges, len(ranges))
                            .mapPartitions(sweep_ranges(secret, claim_id, settings)).collect())
             else:
-                frame = read_claim(spark, store, claim_id, ranges, reader)
+                frame = read_claim(spark, store, claim_id, ranges, reader, args.secret_file)
                 results = [row["stats"] for row in
                            frame.mapInArrow(dispatch_partitions(secret, claim_id, settings), "stats string").collect()]
             for result in results:
@@ -443,7 +487,6 @@ def resolve_reader(reader: str, store: SqlDelayedMessageStore) -> str:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    secret = load_secret()
     name = f"airflow-delay-sweep-{args.claim_id or 'adhoc'}"
     if args.reader in ("auto", "direct"):
         # The direct reader only runs functions over id ranges: a SparkContext, without a SQL session's start-up
@@ -456,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
 
         spark = SparkSession.builder.appName(name).getOrCreate()
     try:
-        summary = sweep(spark, secret, args)
+        # Read once the context runs: in cluster mode the file may be one of SparkFiles.
+        summary = sweep(spark, load_secret(args.secret_file), args)
     finally:
         spark.stop()
     print(SUMMARY_MARKER + json.dumps(summary), flush=True)

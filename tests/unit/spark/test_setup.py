@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from datetime import UTC, datetime
@@ -54,22 +55,144 @@ def test_java_home_stands_in_for_java_on_path(machine, monkeypatch, tmp_path):
 def test_a_missing_spark_connection_is_defined_on_the_given_master(monkeypatch):
     monkeypatch.delenv("AIRFLOW_CONN_SPARK_UNIT", raising=False)
     monkeypatch.delenv("AIRFLOW_CONN_SPARK_UNIT_YARN", raising=False)
-    assert setup.ensure_master("spark_unit", "local[2]") is True
+    assert setup.resolve_target("spark_unit", "local[2]") == setup.SparkTarget("local[2]", "client")
     assert json.loads(os.environ["AIRFLOW_CONN_SPARK_UNIT"]) == {"conn_type": "spark", "host": "local[2]"}
-    assert setup.ensure_master("spark_unit", "spark://elsewhere:7077") is True  # it exists now: its host wins
-    monkeypatch.setenv("AIRFLOW_CONN_SPARK_UNIT_YARN", json.dumps({"conn_type": "spark", "host": "yarn"}))
-    assert setup.ensure_master("spark_unit_yarn", "local[2]") is False
+    # It exists now: its master wins.
+    assert setup.resolve_target("spark_unit", "spark://elsewhere:7077").master == "local[2]"
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_UNIT_YARN",
+                       json.dumps({"conn_type": "spark", "host": "yarn", "extra": {"deploy-mode": "cluster"}}))
+    target = setup.resolve_target("spark_unit_yarn", "local[2]")
+    assert (target.kind, target.cluster_mode, target.one_host) == ("yarn", True, False)
+    assert setup.resolve_target("spark_unit_yarn", None, deploy_mode="client").deploy_mode == "client"
 
 
-def test_the_environment_puts_spark_submit_first_and_runs_executors_on_this_python(monkeypatch):
-    monkeypatch.delenv("SPARK_LOCAL_IP", raising=False)
-    monkeypatch.delenv("PYSPARK_PYTHON", raising=False)
-    env = setup.submit_env("/opt/spark/bin", True, {"SECRET": "s", "PATH": "ignored"})
-    assert env["SECRET"] == "s" and env["PATH"].startswith("/opt/spark/bin" + os.pathsep)
-    assert env["PYSPARK_PYTHON"] == sys.executable and env["SPARK_LOCAL_IP"] == "127.0.0.1"
-    assert "SPARK_LOCAL_IP" not in setup.submit_env("/opt/spark/bin", False)
-    monkeypatch.setenv("SPARK_LOCAL_IP", "10.0.0.5")  # the deployment's own choice stays
-    assert "SPARK_LOCAL_IP" not in setup.submit_env("/opt/spark/bin", True)
+def test_no_fallback_when_the_connection_cannot_be_read_or_master_is_none(monkeypatch):
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_UNIT_BAD", "{not json")
+    with pytest.raises(SparkSetupError, match="could not be read .*EnvironmentVariablesBackend raised"):
+        setup.resolve_target("spark_unit_bad", "local[2]")
+    assert os.environ["AIRFLOW_CONN_SPARK_UNIT_BAD"] == "{not json"  # not replaced by a local master
+    monkeypatch.delenv("AIRFLOW_CONN_SPARK_UNIT_NONE", raising=False)
+    with pytest.raises(SparkSetupError, match="is not defined .*master=None"):
+        setup.resolve_target("spark_unit_none", None)
+    assert "AIRFLOW_CONN_SPARK_UNIT_NONE" not in os.environ
+
+
+@pytest.mark.parametrize(("master", "one_host"), [
+    ("local[2]", True), ("spark://127.0.0.1:7077", True), ("spark://localhost:7077,127.0.0.2:7078", True),
+    ("spark://10.0.0.5:7077", False), ("spark://127.0.0.1:7077,node2:7077", False), ("yarn", False),
+    ("k8s://https://127.0.0.1:6443", False)])
+def test_a_master_runs_every_executor_here_only_when_it_is_local_or_a_loopback_standalone(master, one_host):
+    assert setup.SparkTarget(master).one_host is one_host
+
+
+def test_an_unreachable_standalone_master_is_named(monkeypatch):
+    from airflow_delay_provider.spark.local_cluster import free_port
+
+    port = free_port()
+    with pytest.raises(SparkSetupError, match=rf"spark://127.0.0.1:{port} \(connection 'c'\) is unreachable"):
+        setup.check_master_reachable(setup.SparkTarget(f"spark://127.0.0.1:{port}"), "c", timeout=2)
+    setup.check_master_reachable(setup.SparkTarget("yarn"), "c")  # nothing to check: spark-submit asks YARN
+
+
+STORE = {"url": "postgresql+psycopg://u:pw@127.0.0.1:5432/db", "table": "t", "schema": None}
+
+
+@pytest.mark.parametrize(("store", "transport", "said"), [
+    (STORE, {"kind": "sql", "url": STORE["url"]}, "the store's host '127.0.0.1' is a loopback address"),
+    ({"url": "postgresql+psycopg://u@/db"}, {"kind": "sqs", "client": {}}, "Unix socket"),
+    ({"url": "sqlite:////tmp/store.db"}, {"kind": "sqs", "client": {}}, "SQLite file on this machine"),
+    ({"url": "postgresql+psycopg://u@db.internal/db"}, {"kind": "rabbitmq", "host": "localhost"},
+     "the RabbitMQ host 'localhost' is a loopback address"),
+    ({"url": "postgresql+psycopg://u@db.internal/db"}, {"kind": "rabbitmq", "host": None}, "'127.0.0.1' (the default)"),
+    ({"url": "postgresql+psycopg://u@db.internal/db"},
+     {"kind": "sqs", "client": {"endpoint_url": "http://127.0.0.1:5000"}}, "SQS endpoint"),
+])
+def test_a_cluster_sweep_refuses_hosts_only_this_machine_reaches(store, transport, said):
+    from airflow_delay_provider.core.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=re.escape(said)) as raised:
+        setup.check_reachable_hosts(setup.SparkTarget("yarn"), store, transport, allow_loopback_hosts=False)
+    assert "allow_loopback_hosts=True" in str(raised.value) and ":pw@" not in str(raised.value)
+    setup.check_reachable_hosts(setup.SparkTarget("yarn"), store, transport, allow_loopback_hosts=True)
+    setup.check_reachable_hosts(setup.SparkTarget("spark://127.0.0.1:7077"), store, transport, False)
+    reachable = {"url": "postgresql+psycopg://u:pw@db.internal/db"}
+    setup.check_reachable_hosts(setup.SparkTarget("yarn"), reachable, {"kind": "rabbitmq", "host": "mq"}, False)
+
+
+@pytest.fixture
+def no_python_settings(monkeypatch, tmp_path):
+    for name in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "SPARK_LOCAL_IP"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PATH", "/usr/bin")
+    monkeypatch.setenv("AIRFLOW_DELAY_EXECUTOR_ENV_CACHE", str(tmp_path / "cache"))
+
+
+def test_on_a_local_master_both_sides_run_this_python_and_nothing_is_shipped(no_python_settings):
+    got = setup.executor_setup(setup.SparkTarget("local[2]"), "auto", "/opt/spark/bin", env_vars={"PATH": "x"})
+    assert got.archives is None
+    assert got.conf == {"spark.pyspark.python": sys.executable, "spark.pyspark.driver.python": sys.executable}
+    assert got.env_vars["PATH"].startswith("/opt/spark/bin" + os.pathsep)
+    assert got.env_vars["SPARK_LOCAL_IP"] == "127.0.0.1"
+
+
+def test_on_a_cluster_the_executors_run_the_shipped_archive_and_the_driver_this_python(no_python_settings):
+    got = setup.executor_setup(setup.SparkTarget("spark://10.0.0.5:7077"), "auto", "/opt/spark/bin",
+                               archives="hdfs:///other.zip#other", conf={"spark.executor.memory": "1g"})
+    shipped, alias = got.archives.split(",")[1].split("#")
+    assert got.archives.startswith("hdfs:///other.zip#other,") and alias == "environment"
+    assert os.path.isfile(shipped) and shipped.startswith(os.environ["AIRFLOW_DELAY_EXECUTOR_ENV_CACHE"])
+    assert got.conf == {"spark.executor.memory": "1g", "spark.pyspark.python": "./environment/bin/python",
+                        "spark.pyspark.driver.python": sys.executable}
+    assert "SPARK_LOCAL_IP" not in got.env_vars  # executors elsewhere must reach the driver
+    assert f"from the archive {shipped} (built in" in got.description
+    again = setup.executor_setup(setup.SparkTarget("spark://10.0.0.5:7077"), "auto", "/opt/spark/bin")
+    assert again.archives == f"{shipped}#environment" and "(cached" in again.description
+
+
+def test_in_cluster_mode_the_driver_runs_the_archive_too_and_env_vars_stay_clean(no_python_settings, tmp_path):
+    archive = tmp_path / "env.tar.gz"
+    archive.write_bytes(b"")
+    got = setup.executor_setup(setup.SparkTarget("yarn", "cluster"), str(archive), "/opt/spark/bin")
+    assert got.archives == f"{archive}#environment"
+    assert got.conf == {"spark.pyspark.python": "./environment/bin/python",
+                        "spark.pyspark.driver.python": "./environment/bin/python"}
+    assert got.env_vars == {}  # on YARN they become the application master's environment
+    assert os.environ["PATH"].startswith("/opt/spark/bin" + os.pathsep)  # spark-submit found by the hook
+
+
+def test_what_the_user_sets_for_the_pythons_wins(no_python_settings, monkeypatch):
+    target = setup.SparkTarget("spark://10.0.0.5:7077")
+    got = setup.executor_setup(target, "auto", "/b", env_vars={"PYSPARK_PYTHON": "/opt/py/bin/python"})
+    assert "spark.pyspark.python" not in got.conf and got.archives.endswith("#environment")
+    assert "executors run /opt/py/bin/python" in got.description
+    got = setup.executor_setup(target, None, "/b", conf={"spark.pyspark.python": "/x/python",
+                                                          "spark.pyspark.driver.python": "/y/python"})
+    assert got.archives is None and got.conf == {"spark.pyspark.python": "/x/python",
+                                                 "spark.pyspark.driver.python": "/y/python"}
+    monkeypatch.setenv("PYSPARK_DRIVER_PYTHON", "/z/python")
+    got = setup.executor_setup(target, None, "/b")
+    assert got.conf == {} and "the cluster default Python" in got.description and "runs /z/python" in got.description
+
+
+def test_a_missing_archive_is_named_with_how_to_build_it(no_python_settings, tmp_path):
+    from airflow_delay_provider.core.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="python -m airflow_delay_provider.spark.environment -o"):
+        setup.executor_setup(setup.SparkTarget("yarn"), str(tmp_path / "none.tar.gz"), "/b")
+    assert setup.executor_setup(setup.SparkTarget("yarn"), "s3a://bucket/env.tar.gz", "/b").archives == \
+        "s3a://bucket/env.tar.gz#environment"
+
+
+def test_the_secret_file_is_its_owners_only_and_goes_away(tmp_path):
+    secret = setup.SecretFile({"store": {"url": "postgresql://u:pw@h/db"}, "transport": {}}, "c1")
+    assert os.stat(secret.path).st_mode & 0o777 == 0o600 and os.stat(secret.directory).st_mode & 0o777 == 0o700
+    assert secret.argument(setup.SparkTarget("local[2]")) == secret.path
+    assert secret.argument(setup.SparkTarget("yarn", "cluster")) == "sweep-c1.json"
+    from airflow_delay_provider.spark.sweep import load_secret
+
+    assert load_secret(secret.path)["store"]["url"] == "postgresql://u:pw@h/db"
+    secret.remove()
+    assert not os.path.exists(secret.directory)
 
 
 def test_the_arguments_are_what_the_application_parses():

@@ -1,0 +1,217 @@
+"""The executors' Python environment for a sweep on a cluster, packed as an archive Spark ships.
+
+A partition of the sweep runs in a Python worker on an executor, on a node that may have nothing of
+this project: it needs the sweep's code and its drivers (SQLAlchemy, psycopg, pika, boto3), not
+Airflow. `build_archive` copies those distributions out of this Python's environment (the Airflow
+worker's, so the executors run exactly the versions the driver runs) into a tar.gz whose
+`bin/python` is a launcher: it runs the node's own Python of the same minor version with the
+archive's packages first on its path. This is Spark's documented way of shipping a Python
+environment (`spark.archives=<archive>#environment`, `spark.pyspark.python=./environment/bin/python`),
+with a launcher instead of a venv's interpreter symlink, so nodes need not have Python at the same path.
+
+Compiled packages (psycopg's binary, SQLAlchemy's and greenlet's extensions, pyarrow) are built for this
+machine's platform and Python: the nodes need the same OS family and CPU architecture, and a Python of
+the same minor version. Build on a machine like the nodes when they differ from the Airflow worker.
+
+    python -m airflow_delay_provider.spark.environment -o sweep-env.tar.gz [--arrow]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata as metadata
+import io
+import json
+import logging
+import os
+import platform
+import re
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: The name Spark unpacks the archive under, in each executor's working directory.
+ALIAS = "environment"
+#: What executors import: the drivers of the store and of each transport.
+EXECUTOR_REQUIREMENTS = ("sqlalchemy", "psycopg[binary]", "pika", "boto3")
+#: The "jdbc" and "python" readers hand rows to partitions as Arrow batches (mapInArrow); 170 MB.
+ARROW_REQUIREMENTS = ("pyarrow",)
+#: A node's Python, chosen before the launcher looks on PATH.
+PYTHON_ENV = "AIRFLOW_DELAY_EXECUTOR_PYTHON"
+#: Where archives built for sweeps are kept, keyed by what they hold (default ~/.cache/airflow-delay-provider).
+CACHE_ENV = "AIRFLOW_DELAY_EXECUTOR_ENV_CACHE"
+PACKAGE = "airflow_delay_provider"
+
+_LAUNCHER = """#!/bin/sh
+# Runs a Python {version} of this node with the packages of this archive first on its path
+# (built by airflow-delay-provider for the executors of a Spark sweep).
+here=$(CDPATH= cd -- "$(dirname -- "$0")/.." && pwd)
+for candidate in "${{{python_env}:-}}" python{version} python3 python; do
+    [ -n "$candidate" ] || continue
+    found=$(command -v "$candidate" 2>/dev/null) || continue
+    if [ "$("$found" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)" = "{version}" ]; then
+        PYTHONPATH="$here/site-packages${{PYTHONPATH:+:$PYTHONPATH}}" exec "$found" "$@"
+    fi
+done
+echo "airflow-delay-provider executor environment: no Python {version} on this node (tried \\${python_env}," \\
+     "python{version}, python3 and python on PATH=$PATH); install Python {version} or set {python_env}" >&2
+exit 127
+"""
+
+
+@dataclass(frozen=True)
+class Archive:
+    """A built archive: its path, size, how long it took (0 when it came from the cache) and what it holds."""
+
+    path: Path
+    size_bytes: int
+    build_seconds: float
+    python: str
+    distributions: tuple[str, ...]
+
+    def describe(self) -> str:
+        return (f"{self.path} ({self.size_bytes / 2**20:.1f} MiB, Python {self.python}, "
+                f"{len(self.distributions)} distributions)")
+
+
+def _name(requirement: str) -> tuple[str, set[str]]:
+    match = re.match(r"\s*([A-Za-z0-9._-]+)\s*(?:\[([^\]]*)\])?", requirement)
+    if match is None:
+        raise ValueError(f"not a requirement: {requirement!r}")
+    extras = {e.strip() for e in (match.group(2) or "").split(",") if e.strip()}
+    return re.sub(r"[-_.]+", "-", match.group(1)).lower(), extras
+
+
+def distributions(requirements: Iterable[str]) -> list[metadata.Distribution]:
+    """The installed distributions `requirements` need, their dependencies included (markers evaluated
+    for this Python, extras followed)."""
+    from packaging.requirements import Requirement
+
+    found: dict[str, metadata.Distribution] = {}
+    pending = [(_name(r)) for r in requirements]
+    while pending:
+        name, extras = pending.pop()
+        if name not in found:
+            try:
+                found[name] = metadata.distribution(name)
+            except metadata.PackageNotFoundError:
+                raise RuntimeError(f"{name} is not installed in {sys.prefix}: the executors need it; "
+                                   f"pip install {name}") from None
+        for line in found[name].requires or ():
+            requirement = Requirement(line)
+            if requirement.marker is None or any(requirement.marker.evaluate({"extra": e}) for e in extras | {""}):
+                pending.append((_name(str(requirement.name))[0], set(requirement.extras)))
+    return sorted(found.values(), key=lambda d: d.metadata["Name"].lower())
+
+
+def _distribution_files(dist: metadata.Distribution) -> Iterator[tuple[Path, str]]:
+    """(file, path in site-packages) of an installed distribution, without scripts or bytecode."""
+    for entry in dist.files or ():
+        parts = Path(entry).parts
+        if not parts or parts[0] == ".." or "__pycache__" in parts or entry.suffix == ".pyc":
+            continue
+        source = Path(dist.locate_file(entry))
+        if source.is_file():
+            yield source, str(entry)
+
+
+def _package_files() -> Iterator[tuple[Path, str]]:
+    """This package's own files, from where it is imported (an editable install lists none)."""
+    root = Path(__file__).resolve().parent.parent
+    for source in sorted(root.rglob("*")):
+        relative = source.relative_to(root.parent)
+        if source.is_file() and "__pycache__" not in relative.parts and source.suffix != ".pyc":
+            yield source, str(relative)
+
+
+def _contents(with_arrow: bool) -> tuple[list[tuple[Path, str]], list[str], str]:
+    requirements = EXECUTOR_REQUIREMENTS + (ARROW_REQUIREMENTS if with_arrow else ())
+    dists = distributions(requirements)
+    files = list(_package_files())
+    for dist in dists:
+        files.extend(_distribution_files(dist))
+    names = [f"{d.metadata['Name']}=={d.version}" for d in dists]
+    digest = hashlib.sha256()
+    digest.update(json.dumps([python_version(), platform.machine(), sys.platform, names]).encode())
+    for source, _ in _package_files():  # the distributions are named by version; this package may be a checkout
+        digest.update(source.read_bytes())
+    return files, names, digest.hexdigest()[:16]
+
+
+def python_version() -> str:
+    return f"{sys.version_info[0]}.{sys.version_info[1]}"
+
+
+def build_archive(output: str | Path, with_arrow: bool = False, compresslevel: int = 1) -> Archive:
+    """Write the executors' environment to `output` (a .tar.gz): site-packages/ with this package and
+    EXECUTOR_REQUIREMENTS (and pyarrow `with_arrow`), and bin/python, the launcher. Written to a
+    temporary file first and renamed, so a reader never sees half an archive."""
+    started = time.monotonic()
+    files, names, _ = _contents(with_arrow)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(prefix=output.name + ".", suffix=".partial", dir=output.parent)
+    try:
+        with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz", compresslevel=compresslevel) as tar:
+            launcher = _LAUNCHER.format(version=python_version(), python_env=PYTHON_ENV).encode()
+            info = tarfile.TarInfo("bin/python")
+            info.size, info.mode, info.mtime = len(launcher), 0o755, int(time.time())
+            tar.addfile(info, io.BytesIO(launcher))
+            manifest = json.dumps({"python": python_version(), "platform": f"{sys.platform}-{platform.machine()}",
+                                   "distributions": names}, indent=1).encode()
+            info = tarfile.TarInfo("manifest.json")
+            info.size, info.mtime = len(manifest), int(time.time())
+            tar.addfile(info, io.BytesIO(manifest))
+            for source, relative in files:
+                tar.add(source, arcname=f"site-packages/{relative}", recursive=False)
+        os.replace(partial, output)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
+    return Archive(output, output.stat().st_size, time.monotonic() - started, python_version(), tuple(names))
+
+
+def cache_dir() -> Path:
+    configured = os.environ.get(CACHE_ENV)
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "airflow-delay-provider"
+
+
+def cached_archive(with_arrow: bool = False, directory: str | Path | None = None) -> Archive:
+    """The archive of this environment, built once per content (this package's files, the distributions'
+    versions, the Python and platform) and kept in `directory` (default: cache_dir())."""
+    _, names, key = _contents(with_arrow)
+    path = Path(directory or cache_dir()) / f"sweep-executor-env-py{python_version()}-{key}.tar.gz"
+    if path.is_file():
+        return Archive(path, path.stat().st_size, 0.0, python_version(), tuple(names))
+    log.info("Building the executors' environment %s (%d distributions)", path, len(names))
+    return build_archive(path, with_arrow=with_arrow)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m airflow_delay_provider.spark.environment",
+        description="Build the archive a sweep's executors run in: pass it as BulkSweepOperator(executor_env=...) "
+                    "or spark-submit --archives <archive>#environment --conf "
+                    "spark.pyspark.python=./environment/bin/python.")
+    parser.add_argument("-o", "--output", required=True, help="the .tar.gz to write")
+    parser.add_argument("--arrow", action="store_true",
+                        help="include pyarrow, which the 'jdbc' and 'python' readers need (the default does not)")
+    args = parser.parse_args(argv)
+    archive = build_archive(args.output, with_arrow=args.arrow)
+    print(f"built {archive.describe()} in {archive.build_seconds:.1f} s")
+    print("executors need Java, and Python", archive.python, f"on PATH (or in ${PYTHON_ENV}), on {sys.platform}-"
+          f"{platform.machine()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
