@@ -3,9 +3,12 @@
 One run, PostgreSQL store, two destinations: the SQL-table transport and RabbitMQ. For each: the
 pump in its own process, the sweep with each reader (direct: partitions lease and read their rows
 themselves; jdbc: the driver leases the window and Spark reads it) on local[1] and local[2] (SQL) or
-local[2] (RabbitMQ), and the raw limit (a bare batched claim for the database, pika with windowed
+local[2] (RabbitMQ), the direct reader on a Spark standalone cluster on this machine (a master and two
+1-core workers as their own JVMs, whose executors run the shipped executor archive on a Python with
+nothing of ours), and the raw limit (a bare batched claim for the database, pika with windowed
 confirms for the broker).
-Wall time includes Spark's start-up; peak memory is sampled over the spark-submit process tree.
+Wall time includes Spark's start-up (the application's, not the cluster's); peak memory is sampled over
+the spark-submit process tree and, on the cluster, the executors the workers start.
 `make bench` runs it with 1,000,000 messages; --messages makes it smaller.
 """
 
@@ -16,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -35,6 +39,8 @@ from machine import describe, machine  # noqa: E402
 
 from airflow_delay_provider.core.pump import Pump, PumpConfig  # noqa: E402
 from airflow_delay_provider.spark import sweep as sweep_app  # noqa: E402
+from airflow_delay_provider.spark.environment import ALIAS, Archive, build_archive  # noqa: E402
+from airflow_delay_provider.spark.local_cluster import LocalCluster  # noqa: E402
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore  # noqa: E402
 from airflow_delay_provider.transports.registry import from_spec  # noqa: E402
 
@@ -42,6 +48,9 @@ SPARK_SUBMIT = Path(sys.executable).with_name("spark-submit")
 APP = Path(sweep_app.__file__).with_name("sweep_app.py")
 #: The readers compared: the direct one, whose rows never cross the JVM, and JDBC, which reads them through Spark.
 READERS = ("direct", "jdbc")
+#: The standalone cluster's workers: as many cores in all as local[2], each worker a node of its own.
+WORKERS, CORES = 2, 1
+CLUSTER = f"standalone cluster ({WORKERS} workers x {CORES} core, shipped archive)"
 
 
 def fill(url: str, qualified: str, n: int) -> None:
@@ -72,12 +81,17 @@ def run_pump(url: str, schema: str, table: str, transport: dict) -> dict:
 
 class TreeMemory(threading.Thread):
     """Peak RSS of a process tree, split into the JVM (Spark's driver and, in local mode, executors),
-    the Python driver and the Python workers (summed)."""
+    the Python driver and the Python workers (summed). On a cluster, the executors are the children of
+    `daemons` (the master and workers) and count with the tree; the daemons' own JVMs, which stand
+    whatever runs, are summed apart."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, daemons: tuple[int, ...] = ()) -> None:
         super().__init__(daemon=True)
         self.root = psutil.Process(pid)
+        self.daemons = [psutil.Process(daemon) for daemon in daemons]
         self.peak = {"jvm_mb": 0.0, "python_driver_mb": 0.0, "python_workers_mb": 0.0}
+        if daemons:
+            self.peak["cluster_daemons_mb"] = 0.0
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -85,6 +99,9 @@ class TreeMemory(threading.Thread):
             groups = dict.fromkeys(self.peak, 0.0)
             try:
                 procs = [self.root, *self.root.children(recursive=True)]
+                for daemon in self.daemons:
+                    groups["cluster_daemons_mb"] += daemon.memory_info().rss / 2**20
+                    procs += daemon.children(recursive=True)
             except psutil.NoSuchProcess:
                 return
             for proc in procs:
@@ -103,16 +120,18 @@ class TreeMemory(threading.Thread):
                 self.peak[key] = max(self.peak[key], value)
 
 
-def run_sweep(url: str, schema: str, table: str, transport: dict, master: str, reader: str) -> dict:
+def run_sweep(url: str, schema: str, table: str, transport: dict, master: str, reader: str,
+              options: tuple[str, ...] = (), daemons: tuple[int, ...] = ()) -> dict:
+    """spark-submit of the sweep; `options` go before the application, `daemons` are a cluster's (TreeMemory)."""
     env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
                **{sweep_app.SECRET_ENV: sweep_app.encode_secret({"url": url, "table": table, "schema": schema},
                                                                 transport)})
     command = [str(SPARK_SUBMIT), "--master", master, "--jars", sweep_app.DEFAULT_JDBC_JAR, "--driver-memory", "2g",
-               "--conf", "spark.ui.enabled=false", str(APP), "--due-before", "9999-01-01T00:00:00+00:00",
+               "--conf", "spark.ui.enabled=false", *options, str(APP), "--due-before", "9999-01-01T00:00:00+00:00",
                "--reader", reader]
     started = time.perf_counter()
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    memory = TreeMemory(proc.pid)
+    memory = TreeMemory(proc.pid, daemons)
     memory.start()
     output, _ = proc.communicate()
     wall = time.perf_counter() - started
@@ -124,6 +143,27 @@ def run_sweep(url: str, schema: str, table: str, transport: dict, master: str, r
     summary = json.loads(lines[-1][len(sweep_app.SUMMARY_MARKER):])
     return {"dispatched": summary["dispatched"], "seconds": wall, "sweep_seconds": summary["seconds"],
             "partitions": summary["partitions"], **memory.peak}
+
+
+def bare_python(where: Path) -> Path:
+    """The bin of a venv of this Python with nothing installed: what a cluster node has."""
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(where)], check=True)
+    return where / "bin"
+
+
+def run_on_cluster(url: str, schema: str, table: str, transport: dict, archive: Archive, bare_bin: Path) -> dict:
+    """The direct reader on a standalone cluster started for this run alone, its executors on the shipped archive
+    and the bare Python (first on the workers' PATH, where the archive's launcher looks). The cluster's start-up
+    is timed apart, not in the wall time: a cluster stands before a sweep is submitted to it."""
+    started = time.perf_counter()
+    with LocalCluster(workers=WORKERS, cores=CORES, memory="1g", path=f"{bare_bin}:/usr/bin:/bin") as cluster:
+        start_seconds = time.perf_counter() - started
+        # spark.pyspark.python points the driver's Python too: it runs here, on this venv's.
+        options = ("--archives", f"{archive.path}#{ALIAS}", "--conf", f"spark.pyspark.python=./{ALIAS}/bin/python",
+                   "--conf", f"spark.pyspark.driver.python={sys.executable}", "--conf", "spark.executor.memory=512m")
+        result = run_sweep(url, schema, table, transport, cluster.master_url, "direct", options,
+                           tuple(proc.pid for proc in cluster.processes))
+    return {**result, "cluster_start_seconds": start_seconds}
 
 
 def main() -> None:
@@ -139,6 +179,11 @@ def main() -> None:
         return
     n, url = args.messages, args.url
     header = describe(machine(url, rabbitmq=True))
+    scratch = tempfile.TemporaryDirectory(prefix="bench-spark-")
+    # Built here, not taken from the cache, so the report says what building it costs.
+    archive = build_archive(Path(scratch.name) / "sweep-executor-env.tar.gz")
+    log(f"executor archive: {archive.describe()}, built in {archive.build_seconds:.1f} s")
+    bare_bin = bare_python(Path(scratch.name) / "bare")
     schema, table, vhost = f"bench_spark_{uuid.uuid4().hex[:8]}", "dm", f"bench_spark_{uuid.uuid4().hex[:8]}"
     store = SqlDelayedMessageStore(url, table=table, schema=schema)
     store.create_schema()
@@ -169,17 +214,24 @@ def main() -> None:
         runs += [("sql", f"sweep {master}, {reader} reader",
                   lambda master=master, reader=reader: run_sweep(url, schema, table, sql, master, reader))
                  for master in ("local[1]", "local[2]") for reader in READERS]
+        # The direct reader alone on the cluster: the others need pyarrow in the archive (170 MB more).
+        runs.append(("sql", f"sweep {CLUSTER}, direct reader",
+                     lambda: run_on_cluster(url, schema, table, sql, archive, bare_bin)))
         runs.append(("rabbitmq", "pump (1 process)", lambda: run_pump(url, schema, table, rabbit)))
         runs += [("rabbitmq", f"sweep local[2], {reader} reader",
                   lambda reader=reader: run_sweep(url, schema, table, rabbit, "local[2]", reader))
                  for reader in READERS]
+        runs.append(("rabbitmq", f"sweep {CLUSTER}, direct reader",
+                     lambda: run_on_cluster(url, schema, table, rabbit, archive, bare_bin)))
         for destination, name, run in runs:
             fill(url, qualified, n)
             log(f"{n} due messages stored; {destination}: {name}")
             result = run()
             assert result["dispatched"] == n, result
             results[f"{destination}: {name}"] = result
-            log(f"  {result['dispatched'] / result['seconds']:,.0f} msg/s over {result['seconds']:.1f} s")
+            log(f"  {result['dispatched'] / result['seconds']:,.0f} msg/s over {result['seconds']:.1f} s"
+                + (f" (the cluster started in {result['cluster_start_seconds']:.1f} s before)"
+                   if "cluster_start_seconds" in result else ""))
             if destination == "rabbitmq":
                 purge()
         raw_n = min(n, 200_000)
@@ -191,12 +243,15 @@ def main() -> None:
         with psycopg.connect(libpq(url), autocommit=True) as conn:
             conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
         rabbitmqctl("delete_vhost", vhost)
+        scratch.cleanup()
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"messages": n, "results": results}, indent=2))
-    report(n, results, header)
+    args.json.write_text(json.dumps({"messages": n, "archive": {"size_bytes": archive.size_bytes,
+                                                                "build_seconds": archive.build_seconds},
+                                     "results": results}, indent=2))
+    report(n, results, header, archive)
 
 
-def report(n: int, results: dict[str, dict], header: str) -> None:
+def report(n: int, results: dict[str, dict], header: str, archive: Archive) -> None:
     def mb(r: dict, key: str) -> str:
         return f"{r[key]:,.0f}" if key in r else "-"
 
@@ -219,6 +274,28 @@ def report(n: int, results: dict[str, dict], header: str) -> None:
         print(f"\nSQL, direct reader: local[2] against the pump {wall:.2f}x by wall time, {own:.2f}x by the sweep's "
               f"own time; local[1] -> local[2] {scale_wall:.2f}x by wall time, {scale_own:.2f}x by the sweep's "
               "own time.")
+    clusters = {}
+    for destination, title in (("sql", "SQL"), ("rabbitmq", "RabbitMQ")):
+        pump = results.get(f"{destination}: pump (1 process)")
+        local = results.get(f"{destination}: sweep local[2], direct reader")
+        cluster = results.get(f"{destination}: sweep {CLUSTER}, direct reader")
+        if pump and local and cluster:
+            clusters[destination] = cluster
+            print(f"{title}, direct reader: the standalone cluster against local[2] "
+                  f"{local['seconds'] / cluster['seconds']:.2f}x by wall time, "
+                  f"{local['sweep_seconds'] / cluster['sweep_seconds']:.2f}x by the sweep's own time; against the "
+                  f"pump {pump['seconds'] / cluster['seconds']:.2f}x by wall time, "
+                  f"{pump['seconds'] / cluster['sweep_seconds']:.2f}x by the sweep's own time.")
+    if clusters:
+        starts = ", ".join(f"{r['cluster_start_seconds']:.1f}" for r in clusters.values())
+        daemons = max(r["cluster_daemons_mb"] for r in clusters.values())
+        print(f"\nThe standalone cluster is a master and {WORKERS} workers of {CORES} core and 1g as their own JVMs, "
+              f"all on this one {os.cpu_count()}-CPU machine with the driver, PostgreSQL and RabbitMQ: its figures "
+              "are for that case, not for a cluster of machines. Started anew for each of its runs, in "
+              f"{starts} s, which the wall time leaves out; its memory columns count the driver and the executors, "
+              f"not the master's and workers' own JVMs ({daemons:,.0f} MB together at peak). Its executors ran the "
+              f"shipped archive ({archive.size_bytes / 2**20:.1f} MiB, built in {archive.build_seconds:.1f} s, "
+              "without pyarrow, so the direct reader only) on a Python with nothing of this project.")
 
 
 if __name__ == "__main__":

@@ -42,20 +42,39 @@ class SqsDelayHook(SqsHook):
                             large_body_bucket=large_body_bucket, s3_client=s3, **options)
 
     def transport_spec(self, **options: Any) -> dict:
-        """The connection's resolved credentials and the transport options as plain data, for a process
-        without Airflow (a Spark sweep); holds secrets."""
-        credentials = self.get_credentials()
-        return {
-            **options,
-            "kind": "sqs",
-            "client": {
-                "region_name": self.conn_region_name,
-                "endpoint_url": self.conn_config.endpoint_url,
-                "aws_access_key_id": credentials.access_key,
-                "aws_secret_access_key": credentials.secret_key,
-                "aws_session_token": credentials.token,
-            },
-        }
+        """The connection as plain data for a process without Airflow (a Spark sweep's executors), with the
+        transport options; holds secrets.
+
+        Credentials travel so that they never expire mid-sweep: a connection's own keys as they are; a
+        `role_arn` (assume_role) as the role, which the executors assume themselves and botocore refreshes
+        before expiry; none at all when the connection has neither, so that executors use their own
+        node's credentials (instance profile, IRSA, environment), which refresh themselves. Only roles
+        assumed another way (SAML, web identity) or a profile go as the credentials of the moment, with
+        a warning that they expire."""
+        conn = self.conn_config
+        client: dict[str, Any] = {"region_name": self.conn_region_name, "endpoint_url": conn.endpoint_url}
+        keys = {"aws_access_key_id": conn.aws_access_key_id, "aws_secret_access_key": conn.aws_secret_access_key,
+                "aws_session_token": conn.aws_session_token}
+        spec: dict[str, Any] = {**options, "kind": "sqs", "client": client}
+        if conn.role_arn and conn.assume_role_method in (None, "assume_role"):
+            client.update({k: v for k, v in keys.items() if v})
+            spec["assume_role"] = {
+                "role_arn": conn.role_arn,
+                "kwargs": {"RoleSessionName": f"airflow-delay-sweep-{conn.conn_id}"[:64], **conn.assume_role_kwargs},
+                "sts_endpoint_url": conn.get_service_endpoint_url("sts", sts_connection_assume=True),
+            }
+        elif conn.aws_access_key_id:
+            client.update(keys)
+        elif conn.role_arn or conn.profile_name:
+            credentials = self.get_credentials()
+            client.update(aws_access_key_id=credentials.access_key, aws_secret_access_key=credentials.secret_key,
+                          aws_session_token=credentials.token)
+            self.log.warning(
+                "The connection %s gets its credentials by %s: the executors get the temporary credentials of this "
+                "moment, which expire (commonly after an hour). Give it a role_arn with assume_role, or give the "
+                "cluster's nodes credentials of their own and the connection none.",
+                conn.conn_id, conn.assume_role_method if conn.role_arn else f"profile {conn.profile_name!r}")
+        return spec
 
     def test_connection(self) -> tuple[bool, str]:
         """Reach SQS with the connection's credentials and list the queues the provider can use."""

@@ -29,6 +29,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -282,12 +283,17 @@ class SqsTransport(Transport):
     @classmethod
     def from_spec(cls, spec: dict) -> SqsTransport:
         """A transport from plain data (a Spark sweep has no Airflow): `client` holds boto3 client
-        arguments (region_name, endpoint_url, credentials); the rest are this class's options."""
+        arguments (region_name, endpoint_url, credentials: none means this machine's own), `assume_role`
+        a role to assume from them (see `assumed_role_session`); the rest are this class's options."""
         import boto3  # botocore alone cannot build clients
 
-        session = boto3.session.Session()
         client_args = {k: v for k, v in (spec.get("client") or {}).items() if v is not None}
-        options = {k: v for k, v in spec.items() if k not in ("kind", "client")}
+        options = {k: v for k, v in spec.items() if k not in ("kind", "client", "assume_role")}
+        if spec.get("assume_role"):
+            session = assumed_role_session(client_args, spec["assume_role"])
+            client_args = {k: v for k, v in client_args.items() if k in ("region_name", "endpoint_url")}
+        else:
+            session = boto3.session.Session()
         s3 = session.client("s3", **client_args) if options.get("large_body_bucket") else None
         return cls(session.client("sqs", **client_args), s3_client=s3, **options)
 
@@ -1041,3 +1047,25 @@ def _received(endpoint: str, m: dict, body: bytes | None = None, receipt: str | 
         due_at=datetime.fromisoformat(due) if due else None,
         receive_count=int(attrs.get("ApproximateReceiveCount", "1")),
     )
+
+
+def assumed_role_session(client_args: dict, role: dict):
+    """A boto3 session whose credentials come from assuming `role["role_arn"]` (with `role["kwargs"]`, through
+    `role["sts_endpoint_url"]`) from the base credentials in `client_args` (or this machine's own when it has
+    none), refreshed by botocore before they expire: a sweep outlives any one set of them."""
+    import boto3
+    import botocore.session
+    from botocore.credentials import AssumeRoleCredentialFetcher, DeferredRefreshableCredentials
+
+    region = client_args.get("region_name")
+    base = boto3.session.Session(region_name=region, **{k: v for k, v in client_args.items() if k.startswith("aws_")})
+    fetcher = AssumeRoleCredentialFetcher(
+        client_creator=partial(base._session.create_client, region_name=region,
+                               endpoint_url=role.get("sts_endpoint_url")),
+        source_credentials=base._session.get_credentials(),
+        role_arn=role["role_arn"],
+        extra_args=dict(role.get("kwargs") or {}),
+    )
+    core = botocore.session.get_session()
+    core._credentials = DeferredRefreshableCredentials(method="assume-role", refresh_using=fetcher.fetch_credentials)
+    return boto3.session.Session(botocore_session=core, region_name=region)
