@@ -292,10 +292,12 @@ def report(n: int, results: dict[str, dict], header: str, archive: Archive) -> N
         print(f"\nThe standalone cluster is a master and {WORKERS} workers of {CORES} core and 1g as their own JVMs, "
               f"all on this one {os.cpu_count()}-CPU machine with the driver, PostgreSQL and RabbitMQ: its figures "
               "are for that case, not for a cluster of machines. Started anew for each of its runs, in "
-              f"{starts} s, which the wall time leaves out; its memory columns count the driver and the executors, "
-              f"not the master's and workers' own JVMs ({daemons:,.0f} MB together at peak). Its executors ran the "
-              f"shipped archive ({archive.size_bytes / 2**20:.1f} MiB, built in {archive.build_seconds:.1f} s, "
-              "without pyarrow, so the direct reader only) on a Python with nothing of this project.")
+              f"{starts} s, which the wall time leaves out; the sweep's own time includes launching the executors "
+              "and unpacking the archive in each (local mode has its executor from its start-up). Its memory "
+              "columns count the driver and the executors (a JVM each), not the master's and workers' own JVMs "
+              f"({daemons:,.0f} MB together at peak). Its executors ran the shipped archive "
+              f"({archive.size_bytes / 2**20:.1f} MiB, built in {archive.build_seconds:.1f} s, without pyarrow, so "
+              "the direct reader only) on a Python with nothing of this project.")
 
 
 if __name__ == "__main__":

@@ -24,13 +24,17 @@ Each run dispatches the messages due in its data interval (`due_from = data_inte
 
 1. the rows are claimed under a lease (the pump and other sweeps leave them alone; a crashed
    sweep's rows are taken over when its lease expires);
-2. Spark reads them in parallel partitions (JDBC on PostgreSQL, the Python data source on SQLite);
+2. parallel partitions each lease their own id range of the window and read it with their own
+   connections (the direct reader, the default); rows bound for SQL-table queues of the store's
+   database are moved batch by batch in one statement, never read;
 3. each partition sends its messages through the transport with the delivery policy
    (delivered: removed; failed: rescheduled; exhausted: the `error` queue);
 4. the task returns counts per destination and outcome, and rows/s.
 
-The Spark connection `spark_default` says where it runs (`local[2]` when it does not exist; a
-`spark://` master, `k8s://` or `yarn` otherwise). Unpausing sweeps the latest hour only
+The Spark connection `spark_default` says where it runs: `local[2]` when no connection of that name
+is defined; a `spark://` master, `k8s://` or `yarn` otherwise. On a cluster the nodes need only Java
+and a Python of the Airflow worker's minor version (the task ships the executors an archive of what
+they run), and must reach the store and the broker by the connections' host names. Unpausing sweeps the latest hour only
 (`catchup=False`); past hours are swept with `airflow backfill create --dag-id spark_bulk_sweep
 --from-date ... --to-date ...`, one run per hour, which is safe: delivered messages are gone from the
 store, so a re-run of a window dispatches nothing twice. A manual run (no data interval) sweeps
