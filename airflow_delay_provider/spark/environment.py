@@ -21,11 +21,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.metadata as metadata
+import importlib.util
 import io
 import json
 import logging
 import os
 import platform
+import py_compile
 import re
 import sys
 import tarfile
@@ -111,11 +113,23 @@ def distributions(requirements: Iterable[str]) -> list[metadata.Distribution]:
     return sorted(found.values(), key=lambda d: d.metadata["Name"].lower())
 
 
+#: botocore's models of the services the SQS transport uses; the other 400-odd are most of the archive.
+AWS_SERVICES = ("sqs", "s3", "sts")
+#: Sources of compiled extensions: the built modules are what is imported.
+_SOURCES = (".c", ".cpp", ".h", ".pyx", ".pxd", ".pyc")
+
+
+def _needed(parts: tuple[str, ...], suffix: str) -> bool:
+    if not parts or parts[0] == ".." or "__pycache__" in parts or suffix in _SOURCES:
+        return False
+    return not (parts[:2] == ("botocore", "data") and len(parts) > 3 and parts[2] not in AWS_SERVICES)
+
+
 def _distribution_files(dist: metadata.Distribution) -> Iterator[tuple[Path, str]]:
-    """(file, path in site-packages) of an installed distribution, without scripts or bytecode."""
+    """(file, path in site-packages) of an installed distribution, without scripts, bytecode, extension
+    sources or the AWS service models no transport uses."""
     for entry in dist.files or ():
-        parts = Path(entry).parts
-        if not parts or parts[0] == ".." or "__pycache__" in parts or entry.suffix == ".pyc":
+        if not _needed(Path(entry).parts, entry.suffix):
             continue
         source = Path(dist.locate_file(entry))
         if source.is_file():
@@ -169,13 +183,29 @@ def build_archive(output: str | Path, with_arrow: bool = False, compresslevel: i
             info = tarfile.TarInfo("manifest.json")
             info.size, info.mtime = len(manifest), int(time.time())
             tar.addfile(info, io.BytesIO(manifest))
-            for source, relative in files:
-                tar.add(source, arcname=f"site-packages/{relative}", recursive=False)
+            with tempfile.TemporaryDirectory() as scratch:
+                for source, relative in files:
+                    tar.add(source, arcname=f"site-packages/{relative}", recursive=False)
+                    if source.suffix == ".py":
+                        _add_bytecode(tar, source, relative, scratch)
         os.replace(partial, output)
     except BaseException:
         Path(partial).unlink(missing_ok=True)
         raise
     return Archive(output, output.stat().st_size, time.monotonic() - started, python_version(), tuple(names))
+
+
+def _add_bytecode(tar: tarfile.TarFile, source: Path, relative: str, scratch: str) -> None:
+    """The module's bytecode beside it, valid whatever the unpacked files' times: each executor's Python
+    workers would otherwise compile every module they import (seconds of CPU on each executor's first
+    task). Modules that do not compile on this Python (a vendored file for another version) are left out."""
+    compiled = os.path.join(scratch, "module.pyc")
+    try:
+        py_compile.compile(str(source), cfile=compiled, dfile=relative, doraise=True,
+                           invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    except py_compile.PyCompileError:
+        return
+    tar.add(compiled, arcname=f"site-packages/{importlib.util.cache_from_source(relative)}", recursive=False)
 
 
 def cache_dir() -> Path:

@@ -40,6 +40,14 @@ def test_the_archive_holds_the_drivers_and_not_airflow(unpacked):
     assert json.loads((root / "manifest.json").read_text())["python"] == VERSION
     assert (root / "site-packages" / "airflow_delay_provider" / "spark" / "sweep.py").is_file()
     assert not (root / "site-packages" / "airflow").exists()
+    # Only the AWS models the transport uses; compiled modules without their sources.
+    assert sorted(p.name for p in (root / "site-packages" / "botocore" / "data").iterdir() if p.is_dir()) == \
+        ["s3", "sqs", "sts"]
+    assert not list((root / "site-packages" / "sqlalchemy").rglob("*.pyx"))
+    # Bytecode that holds whatever times the files get when unpacked (hash-based, never checked).
+    cache = root / "site-packages" / "airflow_delay_provider" / "spark" / "__pycache__"
+    pyc = cache / f"sweep.{sys.implementation.cache_tag}.pyc"
+    assert int.from_bytes(pyc.read_bytes()[4:8], "little") == 0b01
     assert archive.size_bytes == archive.path.stat().st_size
 
 
