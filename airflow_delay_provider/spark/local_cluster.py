@@ -6,7 +6,7 @@ process's, so their executors see what a cluster node would: Java and a Python, 
 venv. Starts from the Spark that PySpark installed (its `bin/spark-class`).
 
     with LocalCluster(workers=2) as cluster:
-        BulkSweepOperator(..., conf={"spark.master": cluster.master_url})  # or a spark connection
+        ...  # a `spark` connection whose host is cluster.master_url, as BulkSweepOperator's conn_id
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -26,6 +27,7 @@ from pathlib import Path
 
 
 def free_port() -> int:
+    """A port nothing listens on now (for tests that need a refused connection)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -50,8 +52,10 @@ class LocalCluster:
         self.extra_env = env or {}
         self.start_timeout = start_timeout
         self.directory = Path(tempfile.mkdtemp(prefix="adp-spark-cluster-"))
-        self.port, self.ui_port = free_port(), free_port()
-        self.master_url = f"spark://127.0.0.1:{self.port}"
+        #: Known once started: every port is chosen by the system (a port picked free here could be taken by
+        #: another process before Spark binds it).
+        self.master_url = ""
+        self.ui_port = 0
         self.processes: list[subprocess.Popen] = []
 
     def _environment(self) -> dict[str, str]:
@@ -60,6 +64,8 @@ class LocalCluster:
             "PATH": self.path, "HOME": os.environ.get("HOME", "/tmp"), "SPARK_HOME": str(home),
             "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_LOG_DIR": str(self.directory / "logs"),
             "SPARK_WORKER_DIR": str(self.directory / "work"), "LANG": "C.UTF-8",
+            # No REST submission server: it binds a fixed port (6066) that another cluster may hold.
+            "SPARK_MASTER_OPTS": "-Dspark.master.rest.enabled=false",
         }
         java_home = os.environ.get("JAVA_HOME")
         if not java_home and shutil.which("java"):
@@ -85,24 +91,37 @@ class LocalCluster:
         except OSError:
             return 0
 
-    def start(self) -> LocalCluster:
-        (self.directory / "work").mkdir()
-        self._start("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                    "--port", str(self.port), "--webui-port", str(self.ui_port))
-        for i in range(self.workers):
-            self._start(f"worker-{i}", "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
-                        "--cores", str(self.cores), "--memory", self.memory, "--webui-port", str(free_port()),
-                        "--work-dir", str(self.directory / "work"), self.master_url)
-        deadline = time.monotonic() + self.start_timeout
-        while self.alive_workers() < self.workers:
+    def _wait(self, until, what: str, deadline: float) -> None:
+        while not until():
             dead = [p.args[1] for p in self.processes if p.poll() is not None]
             if dead or time.monotonic() > deadline:
                 logs = "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-2000:]}"
                                  for f in sorted(self.directory.glob("*.log")))
                 self.stop()
-                raise RuntimeError(f"the local Spark cluster did not start ({len(dead)} process(es) exited, "
-                                   f"{self.alive_workers()} of {self.workers} workers alive):\n{logs}")
+                raise RuntimeError(f"the local Spark cluster did not start: {what} ({len(dead)} process(es) exited):"
+                                   f"\n{logs}")
             time.sleep(0.2)
+
+    def _master_bound(self) -> bool:
+        """Whether the master has said where it listens (its log), reading its URL and web UI's port."""
+        text = (self.directory / "master.log").read_text(errors="replace")
+        url = re.search(r"Starting Spark master at (spark://\S+)", text)
+        ui = re.search(r"Successfully started service 'MasterUI' on port (\d+)", text)
+        if url and ui:
+            self.master_url, self.ui_port = url.group(1), int(ui.group(1))
+        return bool(url and ui)
+
+    def start(self) -> LocalCluster:
+        (self.directory / "work").mkdir()
+        deadline = time.monotonic() + self.start_timeout
+        self._start("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                    "--port", "0", "--webui-port", "0")
+        self._wait(self._master_bound, "the master did not say where it listens", deadline)
+        for i in range(self.workers):
+            self._start(f"worker-{i}", "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
+                        "--cores", str(self.cores), "--memory", self.memory, "--webui-port", "0",
+                        "--work-dir", str(self.directory / "work"), self.master_url)
+        self._wait(lambda: self.alive_workers() >= self.workers, f"fewer than {self.workers} workers alive", deadline)
         return self
 
     def stop(self) -> None:
