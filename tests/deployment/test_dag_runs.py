@@ -21,7 +21,8 @@ from tests.deployment.rig import RestError, parse_time, utcnow, wait_for
 from tests.helpers import store_connection
 
 TARGET, SCHEDULER = "delay_dag_run_target", "delay_dag_run_scheduler"
-DEST = f"airflow.asset.delayed_dag_run.{TARGET}"
+ASSET = f"delayed_dag_run.{TARGET}"
+DEST = f"airflow.asset.{ASSET}"
 
 
 @pytest.fixture(scope="module")
@@ -57,31 +58,33 @@ def airflow(deployment, dags, pg_schema, store):
 
 
 
-def target_runs(airflow, since: datetime) -> list[dict]:
-    """The target's asset-triggered runs created since `since`, finished, each with its handled payloads."""
+def target_runs(airflow, since: datetime) -> list[dict] | None:
+    """The target's asset-triggered runs created since `since`, each with its handled payloads; None while one
+    has not finished."""
     runs = [r for r in airflow.dag_runs(TARGET, run_type="asset_triggered")
             if parse_time(r["queued_at"]) >= since]
+    if any(r["state"] not in ("success", "failed") for r in runs):
+        return None
     for run in runs:
-        airflow.wait_run(TARGET, run["dag_run_id"], timeout=120)
-        run["handled"] = airflow.xcom(TARGET, run["dag_run_id"], "cancel_if_unpaid")
+        run["handled"] = (airflow.xcom(TARGET, run["dag_run_id"], "cancel_if_unpaid") or []
+                          if run["state"] == "success" else [])
     return runs
 
 
-def wait_for_messages(airflow, since: datetime, ids: set[str], timeout: float) -> list[dict]:
-    """Target runs until every id in `ids` was handled by one, plus a few seconds for duplicates to show."""
-    deadline = time.monotonic() + timeout
-    while True:
-        runs = [r for r in airflow.dag_runs(TARGET, run_type="asset_triggered")
-                if parse_time(r["queued_at"]) >= since and r["state"] in ("success", "failed")]
-        done = set()
-        for run in runs:
-            value = airflow.xcom(TARGET, run["dag_run_id"], "cancel_if_unpaid") if run["state"] == "success" else []
-            done |= {p["message_id"] for p in value or []}
-        if ids <= done or time.monotonic() > deadline:
-            break
-        time.sleep(2)
-    time.sleep(8)  # a second run for a message would be created right after
-    return target_runs(airflow, since)
+def wait_for_messages(airflow, store, since: datetime, ids: set[str], timeout: float) -> list[dict]:
+    """The target's runs once every message of `ids` was acknowledged (removed from the store only after its event
+    was recorded, so every event that will ever be recorded for them is) and every such event was handled by a
+    finished run: a message handed over twice shows as a second event, and its run is waited for too."""
+    wait_for(lambda: all(store.get(i) is None for i in ids), timeout, "every message to be acknowledged")
+    events = sorted(m for e in airflow.asset_events(ASSET)
+                    if (m := ((e.get("extra") or {}).get("payload") or {}).get("message_id")) in ids)
+
+    def all_handled() -> list[dict] | None:
+        runs = target_runs(airflow, since)
+        handled = None if runs is None else sorted(m for m in _handled(runs) if m in ids)
+        return runs if handled == events else None
+
+    return wait_for(all_handled, timeout, f"a finished run for each of the {len(events)} events")
 
 
 def _handled(runs: list[dict]) -> list[str]:
@@ -106,7 +109,7 @@ def test_each_due_message_starts_one_run_with_its_payload_never_early(airflow, s
     paid = airflow.xcom(SCHEDULER, cancelled, "schedule_timeout")
     assert airflow.xcom(SCHEDULER, cancelled, "cancel_timeout")["cancelled"] == [paid]
     expected = {m.message_id for m in messages} | {via_form}
-    runs = wait_for_messages(airflow, since, expected, timeout=150)
+    runs = wait_for_messages(airflow, store, since, expected, timeout=150)
     handled = _handled(runs)
     assert sorted(handled) == sorted(expected), (handled, expected)  # each once; the cancelled one never
     assert all(len(r["handled"]) == 1 for r in runs), [r["handled"] for r in runs]  # one run per message
@@ -130,15 +133,17 @@ def test_a_triggerer_killed_with_events_pending_loses_no_run(airflow, store):
     messages = [DelayedMessage(DEST, json.dumps({"order_id": f"k-{i}"}).encode(), now + timedelta(seconds=4 + 3 * i),
                                {}, f"kill-{i}-{uuid.uuid4().hex[:6]}") for i in range(8)]
     store.store(messages)
-    # Kill the triggerer while messages are falling due: some handed over (maybe not yet acknowledged),
-    # some leased, the rest still waiting.
-    time.sleep(9)
+    ids = {m.message_id for m in messages}
+    # Kill the triggerer while messages are falling due: a few handed over and acknowledged, the next perhaps
+    # handed over and not yet acknowledged, or leased, the rest still waiting.
+    wait_for(lambda: sum(store.get(i) is None for i in ids) >= 3, 120, "three messages to be acknowledged")
     before_kill = store.clock()
     airflow.kill("triggerer")
-    time.sleep(2)
+    time.sleep(2)  # down for a moment, as a crashed container is before its restart
     airflow.restart("triggerer")
-    runs = wait_for_messages(airflow, since, {m.message_id for m in messages}, timeout=240)
-    handled = _handled(runs)
+    # Those the killed triggerer held are handed over again once their lease runs out.
+    runs = wait_for_messages(airflow, store, since, ids, timeout=240)
+    handled = [m for m in _handled(runs) if m in ids]  # the last run of the test before may start in `since`
     assert set(handled) == {m.message_id for m in messages}  # every message started a run
     twice = {m for m in handled if handled.count(m) > 1}
     handed_before_kill = {m.message_id for m in messages if m.due_at <= before_kill}
