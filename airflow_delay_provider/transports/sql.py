@@ -182,8 +182,7 @@ class SqlTableTransport(SqlDatabase, Transport):
                    .cte("claimed"))
         # Enqueued when inserted, on the database's clock, and never before the claim's moment (so never before
         # a moved message's due time, whatever the offset between this host's clock and the database's).
-        inserted_us = cast(func.extract("epoch", func.clock_timestamp()) * 1_000_000, BigInteger)
-        enqueued = func.greatest(literal(to_us(now), BigInteger), inserted_us)
+        enqueued = func.greatest(literal(to_us(now), BigInteger), _database_now_us())
         rows = select(claimed.c.destination, claimed.c.message_id, claimed.c.body, claimed.c.headers,
                       claimed.c.due_at_us, enqueued, enqueued).order_by(claimed.c.due_at_us, claimed.c.id)
         # Queue order (seq) is due order, as when the pump inserts a claimed batch itself.
@@ -223,12 +222,22 @@ class SqlTableTransport(SqlDatabase, Transport):
             conn.execute(insert(self.messages), [dict(zip(_COPY_COLUMNS, row, strict=False)) for row in rows])
         return failures
 
+    def _now_us(self, now: datetime):
+        """Now, for comparing visibility times. On PostgreSQL the database's clock as the statement starts: a move
+        stamps rows with the database's clock, and this process's estimate of it lags by up to a round trip."""
+        if self.is_postgres:
+            return cast(func.extract("epoch", func.statement_timestamp()) * 1_000_000, BigInteger)
+        return to_us(now)
+
+    def _visible_now(self, now: datetime):
+        return self.messages.c.visible_at_us <= self._now_us(now)
+
     def receive(self, endpoint: str, max_messages: int = 10, visibility_timeout: float = 30.0) -> list[ReceivedMessage]:
         t = self.messages
         now = self.clock()
         query = (
             select(t)
-            .where(t.c.queue == endpoint, t.c.visible_at_us <= to_us(now))
+            .where(t.c.queue == endpoint, self._visible_now(now))
             .order_by(t.c.seq)
             .limit(max_messages)
             .with_for_update(skip_locked=True)
@@ -249,7 +258,7 @@ class SqlTableTransport(SqlDatabase, Transport):
     def peek(self, endpoint: str, max_messages: int = 10) -> list[ReceivedMessage]:
         """A plain SELECT of the visible messages, oldest first: nothing is locked, hidden or counted."""
         t = self.messages
-        query = (select(t).where(t.c.queue == endpoint, t.c.visible_at_us <= to_us(self.clock()))
+        query = (select(t).where(t.c.queue == endpoint, self._visible_now(self.clock()))
                  .order_by(t.c.seq).limit(max_messages))
         with self._errors(f"peek at queue {endpoint!r}"), self.engine.connect() as conn:
             rows = conn.execute(query).all()
@@ -276,7 +285,7 @@ class SqlTableTransport(SqlDatabase, Transport):
     def depth(self, endpoint: str) -> dict[str, int]:
         """Messages in the queue by lifecycle state: visible, and in flight (received, not yet acked)."""
         t = self.messages
-        now = to_us(self.clock())
+        now = self._now_us(self.clock())
         query = select(
             func.count(case((t.c.visible_at_us <= now, 1))),
             func.count(case((t.c.visible_at_us > now, 1))),
@@ -297,3 +306,8 @@ def _received(r: Any, receipt: Any, receive_count: int) -> ReceivedMessage:
         due_at=None if r.due_at_us is None else from_us(r.due_at_us),
         receive_count=receive_count,
     )
+
+
+def _database_now_us():
+    """PostgreSQL's clock at the moment the statement reads it, in microseconds."""
+    return cast(func.extract("epoch", func.clock_timestamp()) * 1_000_000, BigInteger)

@@ -177,3 +177,27 @@ def test_the_database_clock_is_never_read_ahead_of_the_database(pg):
     for _ in range(20):
         estimate = store.clock()
         assert estimate <= database_now(store), "the store's clock ran ahead of the database's"
+
+
+def test_a_moved_message_is_visible_at_once_though_this_hosts_estimate_of_the_database_clock_lags(pg):
+    """A move stamps rows with the database's clock; the transport's estimate of that clock may lag it by a whole
+    round trip of its measurement (a busy host), so comparing visibility times with the estimate hid rows just
+    moved until the estimate caught up. Visibility is compared with the database's own clock."""
+    url, schema, table = pg
+    store = make_store(url, schema, table)
+    measuring = [True]
+
+    def read_late() -> datetime:  # a busy host reads the reply of the measurement half a second late
+        if measuring[0]:
+            time.sleep(0.5)
+        return utcnow()
+
+    transport = SqlTableTransport(url, schema=schema, table_prefix=f"{table}_", local_clock=read_late)
+    transport.provision("orders")
+    assert transport.clock() < database_now(transport) - timedelta(seconds=0.4)  # the estimate lags
+    measuring[0] = False
+    store.store(messages(1))
+    assert [(d, n) for d, _, n in transport.move_due(store, store.clock(), 10)] == [("orders", 1)]
+    assert transport.depth("orders") == {"visible": 1, "in_flight": 0}
+    assert [m.message_id for m in transport.peek("orders")] == ["m-0"]
+    assert [m.message_id for m in transport.receive("orders")] == ["m-0"]
