@@ -58,6 +58,8 @@ DAG_RUN_ASSET_PREFIX = "delayed_dag_run."
 #: The default delivery policy of an event destination: 3 retries, 20 s apart (SNS's HTTP default).
 DEFAULT_POLICY = DeliveryPolicy()
 _MAX_BACKOFF_SECONDS = 30.0
+#: After a failed renewal of the event claim's lease.
+_RENEW_RETRY_SECONDS = 1.0
 
 
 def asset_destination(asset_name: str) -> str:
@@ -394,14 +396,18 @@ class DueMessageProducer(SharedStreamProducer):
 
     async def _renew(self) -> None:
         t = self.trigger
+        wait = t.lease_seconds / 3
         while True:
-            await asyncio.sleep(t.lease_seconds / 3)
+            await asyncio.sleep(wait)
             try:
                 if not await asyncio.to_thread(self.store.renew_lease, self.claim_id, t.lease_seconds):
                     log.error("the event claim %s of %s was ended elsewhere; its messages will be handed over again",
                               self.claim_id, t.destination)
+                wait = t.lease_seconds / 3
             except Exception as exc:  # noqa: BLE001 - keep renewing: the lease still has two thirds left
-                log.warning("could not renew the lease of %s (%s)", self.claim_id, exc)
+                # Again soon, not a third later: an outage may meet that attempt too, and the lease would lapse.
+                wait = min(t.lease_seconds / 3, _RENEW_RETRY_SECONDS)
+                log.warning("could not renew the lease of %s (%s); trying again in %.0f s", self.claim_id, exc, wait)
 
     # -- settling -----------------------------------------------------------------------------------
     async def advance(self, batch: Sequence[AdvanceItem]) -> None:

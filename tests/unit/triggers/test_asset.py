@@ -414,6 +414,36 @@ def test_a_claim_never_takes_back_rows_it_handed_over_when_its_lease_ran_out(sto
     assert store.ack_events("events-a", ["run-1"]) == 1
 
 
+def test_a_failed_renewal_is_tried_again_within_a_second_not_a_third_of_the_lease_later(store_conn):
+    """Outages of a few seconds each may meet two renewals a third of the lease apart, and the claim would lapse
+    (another producer could take its rows over); after a failure the renewer tries again within a second."""
+    conn_id, store, _ = store_conn
+    producer = DueMessageProducer(_trigger(conn_id, lease_seconds=15))
+    producer.store = store
+    store.open_event_claim(producer.claim_id, DEST, 15)
+    attempts: list[float] = []
+    renew = store.renew_lease
+
+    def failing_twice(claim_id, lease_seconds):
+        attempts.append(time.monotonic())
+        if len(attempts) <= 2:
+            raise UnavailableError("the store is down")
+        return renew(claim_id, lease_seconds)
+
+    store.renew_lease = failing_twice
+
+    async def scenario() -> None:
+        renewer = asyncio.create_task(producer._renew())
+        await _until(lambda: len(attempts) >= 3, timeout=30)
+        renewer.cancel()
+
+    asyncio.run(scenario())
+    # The first a third of the lease after the claim opened, then retries a second apart: renewed 7 s into a 15 s
+    # lease, where a third of it between attempts would have come at its very end.
+    assert all(later - earlier < 3 for earlier, later in zip(attempts, attempts[1:], strict=False)), attempts
+    assert store.event_claims(DEST)  # renewed: live
+
+
 async def _until(predicate, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
