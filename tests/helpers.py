@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from datetime import datetime, timedelta
+from pathlib import Path
 
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.message import DelayedMessage
@@ -93,3 +96,10 @@ def collect_while_arriving(transport, queue: str, expected: int, quiet: float) -
     """`collect` for a queue a slow consumer empties (a receive per message, on a loaded machine): it gives up
     only once `quiet` seconds pass with nothing received."""
     return collect(transport, queue, expected, quiet, rearm=True)
+
+
+def bare_python(where: Path) -> Path:
+    """A venv at `where` of this Python's minor version with nothing installed, as a cluster node has; its bin/."""
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(where)],
+                   check=True)
+    return where / "bin"

@@ -145,30 +145,39 @@ def _package_files() -> Iterator[tuple[Path, str]]:
             yield source, str(relative)
 
 
-def _contents(with_arrow: bool) -> tuple[list[tuple[Path, str]], list[str], str]:
+@dataclass(frozen=True)
+class _Contents:
+    files: list[tuple[Path, str]]
+    names: list[str]
+    key: str
+
+
+def _contents(with_arrow: bool) -> _Contents:
+    """What an archive holds: (file, path in site-packages), the distributions, and a key of both."""
     requirements = EXECUTOR_REQUIREMENTS + (ARROW_REQUIREMENTS if with_arrow else ())
     dists = distributions(requirements)
-    files = list(_package_files())
-    for dist in dists:
-        files.extend(_distribution_files(dist))
+    package = list(_package_files())
     names = [f"{d.metadata['Name']}=={d.version}" for d in dists]
     digest = hashlib.sha256()
     digest.update(json.dumps([python_version(), platform.machine(), sys.platform, names]).encode())
-    for source, _ in _package_files():  # the distributions are named by version; this package may be a checkout
+    for source, _ in package:  # the distributions are named by version; this package may be a checkout
         digest.update(source.read_bytes())
-    return files, names, digest.hexdigest()[:16]
+    files = package + [entry for dist in dists for entry in _distribution_files(dist)]
+    return _Contents(files, names, digest.hexdigest()[:16])
 
 
 def python_version() -> str:
     return f"{sys.version_info[0]}.{sys.version_info[1]}"
 
 
-def build_archive(output: str | Path, with_arrow: bool = False, compresslevel: int = 1) -> Archive:
+def build_archive(output: str | Path, with_arrow: bool = False, compresslevel: int = 1,
+                  contents: _Contents | None = None) -> Archive:
     """Write the executors' environment to `output` (a .tar.gz): site-packages/ with this package and
     EXECUTOR_REQUIREMENTS (and pyarrow `with_arrow`), and bin/python, the launcher. Written to a
     temporary file first and renamed, so a reader never sees half an archive."""
     started = time.monotonic()
-    files, names, _ = _contents(with_arrow)
+    contents = contents or _contents(with_arrow)
+    files, names = contents.files, contents.names
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(prefix=output.name + ".", suffix=".partial", dir=output.parent)
@@ -218,12 +227,12 @@ def cache_dir() -> Path:
 def cached_archive(with_arrow: bool = False, directory: str | Path | None = None) -> Archive:
     """The archive of this environment, built once per content (this package's files, the distributions'
     versions, the Python and platform) and kept in `directory` (default: cache_dir())."""
-    _, names, key = _contents(with_arrow)
-    path = Path(directory or cache_dir()) / f"sweep-executor-env-py{python_version()}-{key}.tar.gz"
+    contents = _contents(with_arrow)
+    path = Path(directory or cache_dir()) / f"sweep-executor-env-py{python_version()}-{contents.key}.tar.gz"
     if path.is_file():
-        return Archive(path, path.stat().st_size, 0.0, python_version(), tuple(names))
-    log.info("Building the executors' environment %s (%d distributions)", path, len(names))
-    return build_archive(path, with_arrow=with_arrow)
+        return Archive(path, path.stat().st_size, 0.0, python_version(), tuple(contents.names))
+    log.info("Building the executors' environment %s (%d distributions)", path, len(contents.names))
+    return build_archive(path, with_arrow=with_arrow, contents=contents)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,20 +17,12 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
-
-
-def free_port() -> int:
-    """A port nothing listens on now (for tests that need a refused connection)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def spark_home() -> Path:

@@ -21,6 +21,7 @@ import pytest
 
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.spark.local_cluster import LocalCluster
+from tests import helpers
 from tests.conftest import RABBIT_HOST, RABBIT_PORT, _rabbitmqctl
 from tests.helpers import collect, drain, make_store
 from tests.integration.test_airflow import _pg_conn
@@ -36,9 +37,7 @@ SHIPPED = ("airflow_delay_provider", "sqlalchemy", "psycopg", "pika", "boto3")
 def bare_python(tmp_path_factory) -> Path:
     """A Python of this minor version with nothing installed: what a cluster node has."""
     where = tmp_path_factory.mktemp("bare")
-    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(where)],
-                   check=True)
-    python = where / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    python = helpers.bare_python(where) / f"python{sys.version_info[0]}.{sys.version_info[1]}"
     for module in SHIPPED:
         found = subprocess.run([str(python), "-c", f"import {module}"], capture_output=True, cwd=where)
         assert found.returncode != 0, f"the bare Python can import {module}: the test would prove nothing"
@@ -184,8 +183,8 @@ def test_the_sweep_sends_100000_at_least_once_to_rabbitmq_from_executors_without
 
 
 def test_an_unreachable_master_fails_the_task_and_claims_nothing(pg, monkeypatch):
-    from airflow_delay_provider.spark.local_cluster import free_port
     from airflow_delay_provider.spark.setup import SparkSetupError
+    from tests.services import free_port
 
     url, schema, table = pg
     store = make_store(*pg)

@@ -10,6 +10,7 @@ import tarfile
 import pytest
 
 from airflow_delay_provider.spark import environment
+from tests.helpers import bare_python
 
 VERSION = f"{sys.version_info[0]}.{sys.version_info[1]}"
 
@@ -26,10 +27,7 @@ def unpacked(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bare(tmp_path_factory):
     """A Python of this minor version with nothing installed, as a node has."""
-    where = tmp_path_factory.mktemp("bare")
-    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(where)],
-                   check=True)
-    return where / "bin"
+    return bare_python(tmp_path_factory.mktemp("bare"))
 
 
 def test_the_archive_holds_the_drivers_and_not_airflow(unpacked):

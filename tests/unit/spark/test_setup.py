@@ -86,7 +86,7 @@ def test_a_master_runs_every_executor_here_only_when_it_is_local_or_a_loopback_s
 
 
 def test_an_unreachable_standalone_master_is_named(monkeypatch):
-    from airflow_delay_provider.spark.local_cluster import free_port
+    from tests.services import free_port
 
     port = free_port()
     with pytest.raises(SparkSetupError, match=rf"spark://127.0.0.1:{port} \(connection 'c'\) is unreachable"):
