@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import time
 import uuid
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -25,12 +28,27 @@ HEADER_FIRST_FAILED_AT = "x-delay-first-failed-at"
 
 
 def new_message_id() -> str:
-    return str(uuid.uuid4())
+    """A time-ordered UUID (version 7: Unix milliseconds, then 74 random bits). New ids sort after older
+    ones, so the store's unique indexes on message ids grow at their right edge; random ids land on a
+    random page of an index of millions, which PostgreSQL writes whole to its WAL once after every
+    checkpoint (a third of the store rate lost at 3M stored; bench/bench_scale.py)."""
+    rand = int.from_bytes(os.urandom(10), "big")  # 80 bits: 12 for rand_a, 62 for rand_b
+    ms = time.time_ns() // 1_000_000
+    return str(uuid.UUID(int=ms << 80 | 0x7 << 76 | (rand >> 68) << 64 | 0b10 << 62 | rand & (1 << 62) - 1))
 
 
-def stable_message_id(*parts: object) -> str:
-    """A message id derived from its origin, so a retried task stores the same ids again, not new ones."""
-    return str(uuid.uuid5(uuid.NAMESPACE_URL, "airflow-delay-provider:" + "/".join(map(str, parts))))
+def stable_message_id(*parts: object, at: datetime | None = None) -> str:
+    """A message id derived from its origin, so a retried task stores the same ids again, not new ones.
+
+    With `at` (a time every retry sees alike, such as its DAG run's), the id starts with that time's
+    milliseconds, as `new_message_id`'s do, and the rest comes from the origin (a UUID of version 8): the ids
+    of one run sit together in the store's indexes instead of on random pages of them."""
+    name = "airflow-delay-provider:" + "/".join(map(str, parts))
+    if at is None:
+        return str(uuid.uuid5(uuid.NAMESPACE_URL, name))
+    digest = int.from_bytes(hashlib.sha1(name.encode()).digest()[:10], "big")  # 80 bits, as new_message_id
+    ms = max(0, int(at.timestamp() * 1000)) & (1 << 48) - 1
+    return str(uuid.UUID(int=ms << 80 | 0x8 << 76 | (digest >> 68) << 64 | 0b10 << 62 | digest & (1 << 62) - 1))
 
 
 def check_destination(destination: object) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from airflow.sdk import BaseOperator
@@ -61,3 +62,11 @@ class DelayOperatorBase(DelayStoreMixin, BaseOperator):
     def transport_spec(self) -> dict:
         """The transport as plain data (with its secrets), for a process without Airflow."""
         return self._transport_hook().transport_spec(**self._options())
+
+
+def run_time(context: Any) -> datetime | None:
+    """The time a task's DAG run was due to run (the same for every try of the task), for message ids that
+    sort by it; None when the context has no DAG run (a test calling execute with a bare context)."""
+    dag_run = context.get("dag_run") if hasattr(context, "get") else None
+    moment = getattr(dag_run, "run_after", None) or getattr(dag_run, "logical_date", None)
+    return moment if isinstance(moment, datetime) else None

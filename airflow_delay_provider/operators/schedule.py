@@ -16,6 +16,7 @@ from airflow_delay_provider.core.errors import InvalidInputError, UnavailableErr
 from airflow_delay_provider.core.message import stable_message_id
 from airflow_delay_provider.core.requests import build_message, check_conf, parse_moment
 from airflow_delay_provider.hooks.delay_store import DelayStoreMixin
+from airflow_delay_provider.operators.base import run_time
 from airflow_delay_provider.triggers.asset import asset_destination, dag_run_asset_name
 
 #: Headers every scheduled run's message carries.
@@ -140,7 +141,7 @@ class ScheduleDagRunOperator(DelayStoreMixin, BaseOperator):
             headers[HEADER_DAG_ID] = target_dag
         message = self._build(guarded(store.clock), destination=destination,
                               body=json.dumps(conf, separators=(",", ":")), headers=headers,
-                              default_id=stable_message_id(*origin, "dag-run"))
+                              default_id=stable_message_id(*origin, "dag-run", at=run_time(context)))
         stored = guarded(lambda: store.store([message]))
         what = f"DAG {target_dag!r}" if target_dag else f"the DAGs scheduled on asset {asset_name!r}"
         if stored:

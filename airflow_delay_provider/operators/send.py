@@ -18,7 +18,7 @@ from airflow_delay_provider.core.requests import build_batch, destinations_of, p
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.core.sending import send_natively
 from airflow_delay_provider.hooks.transport import check_transport
-from airflow_delay_provider.operators.base import DelayOperatorBase
+from airflow_delay_provider.operators.base import DelayOperatorBase, run_time
 
 
 class SendDelayedMessageOperator(DelayOperatorBase):
@@ -112,8 +112,10 @@ class SendDelayedMessageOperator(DelayOperatorBase):
         # Relative delays count from the store's clock (the database's), which its dispatchers compare due
         # times on; a broker's own delays are the due time minus now on that same clock (use_clock below).
         now = guarded(store.clock)
-        batch = build_batch(items, defaults, now, self.queue_delay_seconds, lambda n: stable_message_id(*origin, n),
-                            queue_delays, batch=self.messages is not None)
+        ran = run_time(context)
+        batch = build_batch(items, defaults, now, self.queue_delay_seconds,
+                            lambda n: stable_message_id(*origin, n, at=ran), queue_delays,
+                            batch=self.messages is not None)
         if self.message_group_id not in (None, ""):
             # Only a group needs the SQS module (and botocore).
             from airflow_delay_provider.transports.sqs import HEADER_MESSAGE_GROUP, check_message_group_id

@@ -1,9 +1,10 @@
+import uuid
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
 from airflow_delay_provider.core.errors import DelayError, InvalidInputError, InvalidMessageError
-from airflow_delay_provider.core.message import MAX_HEADERS_BYTES, DelayedMessage, stable_message_id
+from airflow_delay_provider.core.message import MAX_HEADERS_BYTES, DelayedMessage, new_message_id, stable_message_id
 from airflow_delay_provider.core.requests import build_message
 
 NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
@@ -104,3 +105,20 @@ def test_delay_errors_name_the_argument_the_user_set(item, where, named):
 def test_queue_delay_errors_name_queue_delay_seconds():
     with pytest.raises(DelayError, match="queue_delay_seconds must be in 0..604800"):
         build_message({"destination": "q"}, NOW, queue_delay_seconds=10**7)
+
+
+def test_ids_sort_by_time_so_the_store_indexes_grow_at_their_edge():
+    first = new_message_id()
+    assert uuid.UUID(first).version == 7 and uuid.UUID(first).variant == uuid.RFC_4122
+    later = [new_message_id() for _ in range(100)]
+    assert all(first[:13] <= m[:13] for m in later)  # the millisecond prefix never goes back
+    assert len(set(later)) == 100
+    run = datetime(2026, 11, 25, 4, 0, tzinfo=UTC)
+    mid = stable_message_id("d", "r", "t", -1, 0, at=run)
+    assert mid == stable_message_id("d", "r", "t", -1, 0, at=run)  # a retried task stores the same id
+    assert mid != stable_message_id("d", "r", "t", -1, 1, at=run)
+    assert uuid.UUID(mid).version == 8 and uuid.UUID(mid).variant == uuid.RFC_4122
+    assert mid < stable_message_id("d", "r2", "t", -1, 0, at=run + timedelta(milliseconds=1))
+    assert int(mid.replace("-", "")[:12], 16) == int(run.timestamp() * 1000)
+    assert stable_message_id("d", "r", "t", -1, 0) == str(uuid.uuid5(
+        uuid.NAMESPACE_URL, "airflow-delay-provider:d/r/t/-1/0"))  # without a time: the ids of before
