@@ -44,6 +44,10 @@ class DelayedMessageStore(ABC):
     #: its own connection from a thread-safe pool).
     threaded_claims: bool = False
 
+    def upkeep(self) -> None:  # noqa: B027 - optional: a store in memory has no tables to look after
+        """Look after the store's tables (statistics, dead rows) if it is time; called by pumps between
+        batches, so it must return at once. Nothing to do by default."""
+
     @abstractmethod
     def store(self, messages: Sequence[DelayedMessage], deduplicate: bool = True) -> int:
         """Store messages atomically (all or none); ids already stored, or (with `deduplicate`) accepted

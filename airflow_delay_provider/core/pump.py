@@ -486,6 +486,7 @@ class Pump:
         # A pump starts on a backlog in full batches; after sleeping, a burst falls due and its head goes first.
         ramp = self.config.batch_size
         while True:
+            self.store.upkeep()
             now = self._clock()
             in_flight = len(self._inflight.messages) if self._inflight else 0
             if deadline is not None and now >= deadline:

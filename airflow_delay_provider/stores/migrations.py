@@ -4,8 +4,9 @@ Each change to the store's tables is a numbered SQL file in `schema/` (`0001_mes
 applied in order and recorded in `<table>_schema`, so a store created by any earlier release is brought
 up to date by `create_schema()` and the record says what was applied and when. The files are templates:
 the runner fills in the (checked, quoted) table names and the two types SQLite and PostgreSQL spell
-differently. A store made before versioning existed has tables but no record: it is adopted by looking
-at its columns, then migrated from there.
+differently; a statement that starts with `/* postgresql */` runs on PostgreSQL only. A store made before
+versioning existed has tables but no record: it is adopted by looking at its columns, then migrated from
+there.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from airflow_delay_provider.stores.tables import to_us
 log = logging.getLogger(__name__)
 
 _FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+_POSTGRES_ONLY = "/* postgresql */"
 
 
 @dataclass(frozen=True)
@@ -33,9 +35,27 @@ class Migration:
     name: str
     template: str
 
-    def statements(self, names: dict[str, str]) -> list[str]:
+    def statements(self, names: dict[str, str], postgres: bool) -> list[str]:
+        """The statements with the names filled in; those marked `/* postgresql */` only on PostgreSQL."""
         lines = [line for line in self.template.splitlines() if not line.lstrip().startswith("--")]
-        return [s.strip() for s in "\n".join(lines).format(**names).split(";") if s.strip()]
+        found = [s.strip() for s in _split("\n".join(lines).format(**names)) if s.strip()]
+        return [s.removeprefix(_POSTGRES_ONLY).strip() for s in found if postgres or not s.startswith(_POSTGRES_ONLY)]
+
+
+def _split(script: str) -> list[str]:
+    """Statements split at semicolons, except inside a $$-quoted function body."""
+    statements, quoted = [""], False
+    for i, part in enumerate(script.split("$$")):
+        if i:
+            statements[-1] += "$$"
+            quoted = not quoted
+        if quoted:
+            statements[-1] += part
+            continue
+        first, *rest = part.split(";")
+        statements[-1] += first
+        statements.extend(rest)
+    return statements
 
 
 @cache
@@ -87,6 +107,8 @@ class SchemaMigrations:
             return []
         with self._errors("migrate the delay store"), self.engine.begin() as conn:
             self._lock_schema(conn)
+            if self.is_postgres:
+                self.stop_upkeep(conn)  # its VACUUM would hold the migration's table locks for minutes
             applied = self._applied(conn)
             if applied == 0:
                 self._check_existing_shape(conn)
@@ -96,7 +118,7 @@ class SchemaMigrations:
             names = self._template_names()
             done = []
             for migration in migrations()[applied:target]:
-                for statement in migration.statements(names):
+                for statement in migration.statements(names, self.is_postgres):
                     conn.exec_driver_sql(statement)
                 conn.execute(insert(self.versions), {"version": migration.version, "name": migration.name,
                                                      "applied_at_us": to_us(self.clock())})
@@ -138,9 +160,11 @@ class SchemaMigrations:
         return {
             "messages": qualified(t), "policies": qualified(f"{t}_policies"), "sweeps": qualified(f"{t}_sweeps"),
             "ids": qualified(f"{t}_ids"), "throttle": qualified(f"{t}_throttle"), "delays": qualified(f"{t}_delays"),
-            "dests": qualified(f"{t}_dests"),
+            "dests": qualified(f"{t}_dests"), "counts": qualified(f"{t}_counts"),
+            "count_fn": qualified("delay_counts_" + hashlib.sha1(f"{self.schema}.{t}".encode()).hexdigest()[:16]),
             # Index names live in the table's schema on PostgreSQL and may not be qualified there.
             "ix_due": preparer.quote_identifier(f"ix_{t}_due"), "ix_ids": preparer.quote_identifier(ids_index),
+            "ix_leased": preparer.quote_identifier(ids_index.replace("ix_ids_", "ix_leased_")),
             "id_type": "BIGSERIAL" if self.is_postgres else "INTEGER",  # SQLite's INTEGER key is the rowid
             "bytes_type": "BYTEA" if self.is_postgres else "BLOB",
         }

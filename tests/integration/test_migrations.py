@@ -15,11 +15,13 @@ from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.stores.migrations import latest_version, migrations
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
 from airflow_delay_provider.stores.tables import to_us
-from tests.helpers import messages
+from tests.helpers import drain, messages
+from tests.waiting import wait_for
 
 
 def _tables(store):
-    return tuple(store.table.metadata.tables.values())
+    """The tables the store creates: the backlog counts only on PostgreSQL."""
+    return tuple(t for t in store.table.metadata.tables.values() if store.is_postgres or t is not store.counts)
 
 
 def _insert_v1_row(store, message_id: str, due) -> None:
@@ -44,7 +46,9 @@ def test_fresh_store_records_every_version_and_matches_the_table_definitions(db)
             found = {c["name"]: c["nullable"] for c in inspector.get_columns(t.name, schema=schema)}
             assert found == {c.name: c.nullable for c in t.columns}, t.name
         indexes = [ix for ix in inspector.get_indexes(table, schema=schema) if not ix.get("duplicates_constraint")]
-        assert [(ix["name"], ix["column_names"]) for ix in indexes] == [(f"ix_{table}_due", ["due_at_us", "id"])]
+        leased = [(store._template_names()["ix_leased"].strip('"'), ["claim_id"])] if store.is_postgres else []
+        assert sorted((ix["name"], ix["column_names"]) for ix in indexes) == sorted(
+            [(f"ix_{table}_due", ["due_at_us", "id"]), *leased])
     assert sorted(rows) == [(m.version, m.name) for m in migrations()]
     assert store.migrate() == []  # up to date: nothing applied twice
 
@@ -147,3 +151,59 @@ def test_migrating_to_a_version_that_does_not_exist_is_refused(db, up_to):
     with pytest.raises(InvalidInputError, match=f"up_to must be a schema version from 1 to {latest_version()}"):
         store.migrate(up_to=up_to)
     assert store.schema_version() == 0
+
+
+def test_upgrade_from_version_4_runs_under_pumps_and_loses_nothing(pg):
+    """Version 5 sets table options (no lock that blocks writes); version 6 holds writes for as long as it
+    counts the rows: a store at version 4 is upgraded while two pumps deliver messages due before, during and
+    after the upgrade, each exactly once and none early, and the counts start right."""
+    from airflow_delay_provider.core.pump import Pump
+    from airflow_delay_provider.transports.sql import SqlTableTransport
+
+    url, schema, table = pg
+    old = SqlDelayedMessageStore(url, table=table, schema=schema)
+    assert old.migrate(up_to=4) == [1, 2, 3, 4]
+    batches = [messages(100, "orders", delay=d, start=100 * i) for i, d in enumerate((-1.0, 1.0, 2.5))]
+    for batch in batches:
+        old.store(batch)
+    last_due = max(m.due_at for batch in batches for m in batch)
+    transport = SqlTableTransport(url, schema=schema, table_prefix=f"{table}_")
+    transport.provision("orders")
+    results, errors = [], []
+
+    def pump() -> None:
+        try:
+            store = SqlDelayedMessageStore(url, table=table, schema=schema)
+            results.append(Pump(store, SqlTableTransport(url, schema=schema, table_prefix=f"{table}_"))
+                           .run(due_before=last_due + timedelta(microseconds=1)))
+        except Exception as exc:  # noqa: BLE001 - collected for the assertion below
+            errors.append(exc)
+
+    pumps = [threading.Thread(target=pump) for _ in range(2)]
+    for t in pumps:
+        t.start()
+    received = []
+    try:
+        # Upgraded once the pumps are delivering: the first batch is gone and the later ones wait.
+        wait_for(lambda: not old.count_scheduled(due_before=utcnow() - timedelta(seconds=0.5)), 30,
+                 "the pumps to deliver the messages that were due before the upgrade")
+        upgraded = SqlDelayedMessageStore(url, table=table, schema=schema)
+        assert upgraded.migrate() == list(range(5, latest_version() + 1))
+        assert upgraded.count_scheduled(), "the upgrade must have run while messages were still waiting"
+        for t in pumps:
+            t.join(timeout=60)
+        assert errors == [] and not any(t.is_alive() for t in pumps)
+        received = drain(transport, "orders")
+    finally:
+        for t in pumps:
+            t.join(timeout=60)
+    ids = [m.message_id for m in received]
+    assert sorted(ids) == sorted(m.message_id for batch in batches for m in batch)  # each once
+    due = {m.message_id: m.due_at for batch in batches for m in batch}
+    assert all(m.enqueued_at >= due[m.message_id] for m in received)  # none early
+    assert sum(r.stats.dispatched for r in results) == 300
+    with upgraded.engine.connect() as conn:
+        options = conn.execute(text("SELECT reloptions FROM pg_class WHERE oid = to_regclass(:t)"),
+                               {"t": upgraded._template_names()["messages"]}).scalar()
+    assert "autovacuum_vacuum_scale_factor=0.02" in options
+    assert upgraded.backlog()["totals"]["scheduled"] == 0

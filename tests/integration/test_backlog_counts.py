@@ -1,0 +1,181 @@
+"""The backlog's hourly counts on the real PostgreSQL: whatever writes the messages table (sends, claims, retries,
+moves, sweeps, cancels, reschedules, purges, a TRUNCATE), the counts give what counting the rows gives."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+from sqlalchemy import func, select
+
+from airflow_delay_provider.core.backlog import Selector
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.core.pump import Pump
+from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
+from airflow_delay_provider.stores.tables import to_us
+from airflow_delay_provider.testing import InMemoryTransport
+from airflow_delay_provider.transports.sql import SqlTableTransport
+
+#: Due times over a week, around every bucket's limit and across hour boundaries.
+OFFSETS = [-120, -1, 0, 1, 59, 61, 3_599, 3_601, 86_399, 86_401, 5 * 86_400, 6.5 * 86_400]
+
+
+def _store(pg) -> SqlDelayedMessageStore:
+    url, schema, table = pg
+    store = SqlDelayedMessageStore(url, table=table, schema=schema)
+    store.create_schema()
+    assert store._counted()
+    return store
+
+
+def _spread(n: int, destination: str, start: float = 0.0) -> list[DelayedMessage]:
+    now = utcnow()
+    return [DelayedMessage(destination, b"x", now + timedelta(seconds=start + OFFSETS[i % len(OFFSETS)]))
+            for i in range(n)]
+
+
+def assert_counts_match(store: SqlDelayedMessageStore) -> None:
+    now_us = to_us(store.clock())
+    with store.engine.connect() as conn:
+        counted = sorted(store._from_counts(conn, now_us, None))
+    with store.engine.connect() as conn:
+        scanned = sorted(store._from_rows(conn, now_us, None))
+    assert counted == scanned
+    for destination, *_ in scanned:
+        with store.engine.connect() as conn:
+            one = store._from_counts(conn, now_us, destination)
+        assert one == [row for row in scanned if row[0] == destination]
+
+
+def test_sends_claims_and_retries_keep_the_counts(pg):
+    store = _store(pg)
+    store.store(_spread(300, "orders") + _spread(50, "billing"))  # COPY
+    store.store(_spread(10, "orders"))
+    assert_counts_match(store)
+    again = _spread(1, "orders")
+    store.store(again)
+    assert store.store([*_spread(5, "orders"), *again]) == 5  # an id already there: the ON CONFLICT path
+    assert_counts_match(store)
+
+    transport = InMemoryTransport()
+    transport.provision("billing")  # "orders" is missing: its due messages are retried, then dead-lettered
+    transport.provision("error")
+    Pump(store, transport).run(stop_when_idle=True)
+    assert_counts_match(store)
+    assert store.backlog()["totals"]["scheduled"] == sum(store.count_scheduled().values())
+
+
+def test_moves_into_sql_queues_keep_the_counts(pg):
+    url, schema, table = pg
+    store = _store(pg)
+    queue = SqlTableTransport(url, schema=schema, table_prefix=f"{table}_")
+    queue.provision("orders")
+    store.store(_spread(200, "orders"))
+    Pump(store, queue).run(stop_when_idle=True)
+    assert_counts_match(store)
+    assert store.backlog("orders")["destinations"]["orders"]["due"] == 0
+
+
+def test_backlog_controls_keep_the_counts(pg):
+    store = _store(pg)
+    messages = _spread(240, "orders") + _spread(24, "billing")
+    store.store(messages)
+    store.cancel(Selector.build(message_ids=[m.message_id for m in messages[:30]]))
+    assert_counts_match(store)
+    store.reschedule(Selector.build(destination="orders", due_from=utcnow() + timedelta(days=4)),
+                     utcnow() + timedelta(minutes=30))  # across hours and buckets
+    assert_counts_match(store)
+    store.purge("billing", dry_run=False)
+    assert_counts_match(store)
+    assert "billing" not in [row[0] for row in _scan(store)]
+
+
+def test_sweep_leases_count_in_flight(pg):
+    store = _store(pg)
+    store.store(_spread(120, "orders", start=-600_000))  # all due
+    store.start_sweep("sweep-1", due_before=utcnow())
+    assert_counts_match(store)
+    assert store.backlog()["destinations"]["orders"]["in_flight"] == 120
+
+
+def test_truncate_empties_the_counts(pg):
+    store = _store(pg)
+    store.store(_spread(50, "orders"))
+    with store.engine.begin() as conn:
+        conn.exec_driver_sql(f"TRUNCATE {store._quoted(store.table)}")
+    assert store.backlog()["totals"]["scheduled"] == 0
+    assert_counts_match(store)
+
+
+def test_upkeep_sums_the_rows_of_changes_up(pg):
+    store = _store(pg)
+    for _ in range(20):
+        store.store(_spread(24, "orders"))
+    before = store.backlog()
+    rows = _count_rows(store)
+    store._upkeep_now()
+    with store.engine.connect() as conn:
+        groups = conn.execute(select(func.count()).select_from(
+            select(store.counts.c.hour).group_by(store.counts.c.destination, store.counts.c.hour).subquery())).scalar()
+    assert _count_rows(store) == groups < rows  # one row per destination and hour
+    assert store.backlog()["destinations"] == before["destinations"]
+    Pump(store, _provisioned("orders")).run(stop_when_idle=True)  # its upkeep sums up the claims' rows too
+    assert_counts_match(store)
+
+
+def test_concurrent_pumps_and_senders_keep_the_counts(pg):
+    url, schema, table = pg
+    store = _store(pg)
+    errors = []
+
+    def send() -> None:
+        try:
+            sender = SqlDelayedMessageStore(url, table=table, schema=schema)
+            for _ in range(10):
+                sender.store(_spread(50, "orders", start=-3_600))
+        except Exception as exc:  # noqa: BLE001 - collected for the assertion below
+            errors.append(exc)
+
+    def pump() -> None:
+        try:
+            own = SqlDelayedMessageStore(url, table=table, schema=schema)
+            Pump(own, _provisioned("orders")).run(stop_when_idle=True)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=f) for f in (send, send, pump, pump)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == []
+    assert_counts_match(store)
+
+
+def test_a_store_upgraded_with_rows_starts_with_their_counts(pg):
+    url, schema, table = pg
+    old = SqlDelayedMessageStore(url, table=table, schema=schema)
+    old.migrate(up_to=5)
+    old.store(_spread(100, "orders") + _spread(7, "billing"))
+    assert not old._counted()
+    store = SqlDelayedMessageStore(url, table=table, schema=schema)
+    assert store.migrate() == [6]
+    assert_counts_match(store)
+    assert store.backlog()["totals"]["scheduled"] == 107
+
+
+def _provisioned(destination: str) -> InMemoryTransport:
+    transport = InMemoryTransport()
+    transport.provision(destination)
+    return transport
+
+
+def _scan(store):
+    with store.engine.connect() as conn:
+        return store._from_rows(conn, to_us(store.clock()), None)
+
+
+def _count_rows(store) -> int:
+    with store.engine.connect() as conn:
+        return conn.execute(select(func.count()).select_from(store.counts)).scalar()

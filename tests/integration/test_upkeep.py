@@ -1,0 +1,190 @@
+"""The store's own upkeep on the real PostgreSQL: ANALYZE after a bulk load, VACUUM after deliveries, one
+process at a time, never in a pump's way."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import psycopg
+from sqlalchemy import text
+
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.core.pump import Pump
+from airflow_delay_provider.stores import upkeep
+from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
+from airflow_delay_provider.stores.upkeep import Thresholds
+from airflow_delay_provider.testing import InMemoryStore, InMemoryTransport
+from tests.waiting import wait_for
+
+SMALL = Thresholds(analyze_base=500, analyze_fraction=0.0, vacuum_base=500, vacuum_fraction=0.0)
+
+
+def _bulk(store: SqlDelayedMessageStore, n: int, delay: float) -> None:
+    due = utcnow() + timedelta(seconds=delay)
+    for start in range(0, n, 1000):
+        store.store([DelayedMessage("orders", b"x", due) for _ in range(min(1000, n - start))])
+
+
+def _loaded(pg) -> SqlDelayedMessageStore:
+    """A store with the small thresholds and 1,000 rows whose inserts the statistics views already show."""
+    url, schema, table = pg
+    store = SqlDelayedMessageStore(url, table=table, schema=schema)
+    store.create_schema()
+    store.upkeep_thresholds = SMALL
+    _bulk(store, 1000, delay=60)
+    wait_for(lambda: (_counters(store)[1] or 0) >= 1000, 10, "the insert counters")
+    return store
+
+
+def _transport() -> InMemoryTransport:
+    transport = InMemoryTransport()
+    transport.provision("orders")
+    return transport
+
+
+def _counters(store: SqlDelayedMessageStore) -> tuple:
+    with store.engine.connect() as conn:
+        return conn.execute(text("SELECT n_dead_tup, n_mod_since_analyze, last_vacuum, last_analyze "
+                                 "FROM pg_stat_user_tables WHERE relid = to_regclass(:t)"),
+                            {"t": store._quoted(store.table)}).first()
+
+
+def test_a_bulk_load_is_analysed_and_deliveries_are_vacuumed(pg):
+    url, schema, table = pg
+    store = SqlDelayedMessageStore(url, table=table, schema=schema)
+    store.create_schema()
+    store.upkeep_thresholds = SMALL
+    _bulk(store, 2000, delay=-1)
+    # The statistics counters reach the views when the writing backend flushes them (within a second or so).
+    wait_for(lambda: (_counters(store)[1] or 0) >= 2000, 10, "the insert counters")
+    done = store._upkeep_now()
+    assert (table, "analyze") in [(t, w) for t, w, _ in done]
+    assert _counters(store)[3] is not None  # last_analyze
+
+    Pump(store, _transport()).run(stop_when_idle=True)  # claims delete every row
+    wait_for(lambda: (_counters(store)[0] or 0) >= 2000, 10, "the dead-row counters")
+    done = store._upkeep_now()
+    assert (table, "vacuum") in [(t, w) for t, w, _ in done]
+    # (How many dead rows it could remove depends on the oldest snapshot of the whole server: other tests'.)
+    assert _counters(store)[2] is not None  # last_vacuum
+
+
+def test_a_store_with_nothing_to_do_does_nothing(pg):
+    url, schema, table = pg
+    store = SqlDelayedMessageStore(url, table=table, schema=schema)
+    store.create_schema()
+    _bulk(store, 100, delay=60)
+    assert store._upkeep_now() == []  # 100 rows: far below the default thresholds
+
+
+def test_one_process_at_a_time(pg):
+    url, _, table = pg
+    store = _loaded(pg)
+    with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as other:
+        assert other.execute("SELECT pg_try_advisory_lock(%s)", [store._upkeep_key()]).fetchone()[0]
+        assert store._upkeep_now() == []  # the other holder is at it
+    assert [w for t, w, _ in store._upkeep_now() if t == table] == ["analyze"]
+
+
+def test_upkeep_never_waits_for_a_lock(pg):
+    """A migration or an administrator holding the table: the upkeep gives up at once instead of queueing
+    behind it (and making every claim queue behind itself)."""
+    url, _, table = pg
+    store = _loaded(pg)
+    with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")) as other:
+        other.execute(f"LOCK TABLE {store._quoted(store.table)} IN SHARE UPDATE EXCLUSIVE MODE")
+        # SKIP_LOCKED: nothing done to the held table, nothing waited for (its ids table is analysed).
+        assert [w for t, w, _ in store._upkeep_now() if t == table] == []
+        other.rollback()
+    assert [w for t, w, _ in store._upkeep_now() if t == table] == ["analyze"]
+
+
+def test_upkeep_starts_in_the_background_at_most_every_check_interval(pg, monkeypatch):
+    url, schema, table = pg
+    store = SqlDelayedMessageStore(url, table=table, schema=schema)
+    store.create_schema()
+    started = []
+    monkeypatch.setattr(SqlDelayedMessageStore, "_upkeep_now", lambda self: started.append(1))
+    store.upkeep()
+    wait_for(lambda: started, 10, "the first check")
+    store._upkeep_thread.join(10)
+    store.upkeep()  # within the interval: nothing
+    assert store._upkeep_thread is None or not store._upkeep_thread.is_alive()
+    assert started == [1]
+    monkeypatch.setattr(upkeep, "UPKEEP_CHECK_SECONDS", 0.0)
+    store.upkeep()
+    wait_for(lambda: len(started) == 2, 10, "the next check")
+
+
+def test_sqlite_stores_have_no_upkeep(tmp_path, monkeypatch):
+    store = SqlDelayedMessageStore(f"sqlite:///{tmp_path}/s.db")
+    store.create_schema()
+    store.upkeep()
+    assert store._upkeep_thread is None
+
+
+def test_pumps_call_upkeep_between_batches():
+    calls = []
+
+    class Store(InMemoryStore):
+        def upkeep(self) -> None:
+            calls.append(1)
+
+    store = Store()
+    store.store([DelayedMessage("orders", b"x", utcnow()) for _ in range(5)])
+    Pump(store, _transport()).run(stop_when_idle=True)
+    assert len(calls) >= 2
+
+
+def test_upkeep_leaves_its_connection_as_it_found_it(pg):
+    """Its lock timeout, name and vacuum pacing must not follow the pooled connection to a claim or a cancel."""
+    settings = text("SELECT current_setting('lock_timeout'), current_setting('vacuum_cost_delay'), "
+                    "current_setting('application_name')")
+    store = _loaded(pg)
+    with store.engine.connect() as conn:
+        before = conn.execute(settings).one()
+    assert store._upkeep_now()
+    for _ in range(store.engine.pool.size() + 2):  # whichever pooled connection it used
+        with store.engine.connect() as conn:
+            assert conn.execute(settings).one() == before
+
+
+def test_a_migration_cancels_the_upkeep_instead_of_waiting_for_it(pg):
+    """A VACUUM of millions of rows runs for minutes with a lock the migration's DDL needs, and every claim would
+    queue behind the waiting DDL: the migration cancels it (as autovacuum yields), the upkeep runs again later."""
+    url, schema, table = pg
+    store = SqlDelayedMessageStore(url, table=table, schema=schema)
+    store.migrate(up_to=5)
+    outcome = []
+    holding = threading.Event()
+
+    def upkeep_at_work() -> None:  # what a long VACUUM looks like to the migration: its lock, its name, its query
+        with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"),
+                             application_name=upkeep.APPLICATION_NAME) as conn:
+            conn.execute(f"LOCK TABLE {store._quoted(store.table)} IN SHARE UPDATE EXCLUSIVE MODE")
+            holding.set()
+            try:
+                conn.execute(f"SELECT pg_sleep(120), '{store._quoted(store.table)}'")
+                outcome.append("finished")
+            except psycopg.errors.QueryCanceled:
+                outcome.append("cancelled")
+
+    worker = threading.Thread(target=upkeep_at_work)
+    worker.start()
+    try:
+        assert holding.wait(30)
+
+        def at_work():  # a new transaction each time: pg_stat_activity is read once per transaction
+            with store.engine.connect() as conn:
+                return conn.execute(text(
+                    "SELECT 1 FROM pg_stat_activity WHERE application_name = :app AND state = 'active' "
+                    "AND query LIKE 'SELECT pg_sleep%'"), {"app": upkeep.APPLICATION_NAME}).first()
+
+        wait_for(at_work, 30, "the stand-in upkeep to be at work")
+        assert store.migrate() == [6]
+    finally:
+        worker.join(timeout=150)
+    assert outcome == ["cancelled"]
+    assert store._counted()
