@@ -47,6 +47,9 @@ bench: $(STAMP) $(JDBC_JAR)
 	$(BIN)/python bench/bench_store.py --plot docs/bench_store.png
 	$(BIN)/python bench/bench_rabbitmq.py
 	$(BIN)/python bench/bench_throughput.py --plot docs/bench_throughput.png
+	$(BIN)/python bench/bench_scale.py --plot docs/bench_scale.png
+	$(BIN)/python bench/bench_soak.py --minutes 3 --prefill 200000
+	$(BIN)/python bench/bench_dispatchers.py
 	$(BIN)/python bench/profile_pump.py --plot docs/profile_pump.png
 	$(BIN)/python bench/bench_sqs.py
 	$(BIN)/python bench/bench_spark.py

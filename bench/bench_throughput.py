@@ -217,8 +217,8 @@ class Children:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, spec: dict, stdin: bool = False) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], stdout=subprocess.PIPE,
+    def start(self, spec: dict, stdin: bool = False, script: str = __file__) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, script, "--child", json.dumps(spec)], stdout=subprocess.PIPE,
                                 stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, text=True)
         self.procs.append(proc)
         line = proc.stdout.readline().strip()

@@ -1,0 +1,368 @@
+"""Soak benchmark: hours of continuous churn on one PostgreSQL store, minute by minute.
+
+One run, one PostgreSQL schema of its own (dropped at the end, also on Ctrl-C or an error). It measures the
+pump's maximum rate (a burst into the SQL-table queue while the consumer drains it), then runs, for --minutes,
+three processes: a sender storing messages at half that rate with mixed delays (80% 1-60 s, 15% 1-60 min,
+5% 1 h-1 day), the pump (exactly once into the SQL-table queue, as a dispatch task runs it, with the store's
+own upkeep) and a consumer that receives and acks. Before it starts, the store is filled (COPY) with the
+backlog those sends would have built up over the previous day, so the backlog stays level while it runs.
+
+Every minute it prints and records: messages claimed, lateness p50/p99 (the queue row's enqueued time minus
+its due time, both on the database's clock), rows and dead rows of the messages table, table plus index size,
+and the vacuums and analyses of the table so far (by autovacuum or the store's upkeep). At the end it checks
+that every message sent was delivered once or is still stored, and none early, and prints the first ten
+minutes against the last ten.
+
+    .venv/bin/python bench/bench_soak.py --minutes 60 --plot docs/bench_soak.png   # the README's figures
+    .venv/bin/python bench/bench_soak.py                                          # 3 minutes (make bench)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_store import libpq, peak_rss_mb  # noqa: E402
+from bench_throughput import interrupt, log, percentile, save_figure  # noqa: E402
+from machine import describe, machine  # noqa: E402
+
+from airflow_delay_provider.core.delays import utcnow  # noqa: E402
+from airflow_delay_provider.core.message import DelayedMessage  # noqa: E402
+from airflow_delay_provider.core.pump import Pump, PumpConfig  # noqa: E402
+from airflow_delay_provider.stores.sql import SqlDelayedMessageStore, to_us  # noqa: E402
+from airflow_delay_provider.transports.sql import SqlTableTransport  # noqa: E402
+
+QUEUE = "orders"
+BODY = b"x" * 200
+PREFIX = "soak_"
+#: (share, low, high, log-uniform?) of the delays in seconds.
+DELAYS = ((0.80, 1, 60, False), (0.15, 60, 3_600, False), (0.05, 3_600, 86_400, True))
+MEAN_DELAY = sum(share * ((high - low) / math.log(high / low) if logu else (low + high) / 2)
+                 for share, low, high, logu in DELAYS)
+
+
+def delay(rng: random.Random) -> float:
+    pick = rng.random()
+    for share, low, high, logu in DELAYS:
+        if pick < share:
+            return math.exp(rng.uniform(math.log(low), math.log(high))) if logu else rng.uniform(low, high)
+        pick -= share
+    return DELAYS[-1][2]
+
+
+def pending_delay(rng: random.Random) -> float:
+    """How long until a message stored by the steady sends of the past day is due: the class by its share of
+    the backlog (share x mean delay), then the time left, whose density falls as P(delay > x)."""
+    weights = [share * ((high - low) / math.log(high / low) if logu else (low + high) / 2)
+               for share, low, high, logu in DELAYS]
+    _, low, high, logu = rng.choices(DELAYS, weights)[0]
+    # A delay drawn in proportion to its length, then a uniform point of it.
+    length = rng.uniform(low, high) if logu else math.sqrt(rng.uniform(low * low, high * high))
+    return rng.uniform(0, length)
+
+
+# -- children ------------------------------------------------------------------------------------------
+def child(spec: dict) -> None:
+    {"send": send, "pump": pump, "consume": consume}[spec["role"]](spec)
+
+
+def send(spec: dict) -> None:
+    """Store `rate` messages a second in batches of 100, ids numbered (they sort by time, as default ids do)."""
+    store = SqlDelayedMessageStore(spec["url"], schema=spec["schema"])
+    rng = random.Random(1)
+    deadline = time.monotonic() + spec["seconds"]
+    started = time.monotonic()
+    sent = 0
+    print("ready", flush=True)
+    while time.monotonic() < deadline:
+        now = store.clock()
+        batch = [DelayedMessage(QUEUE, BODY, now + timedelta(seconds=delay(rng)), {}, f"soak-{sent + i:012d}")
+                 for i in range(100)]
+        store.store(batch)
+        sent += len(batch)
+        ahead = sent / spec["rate"] - (time.monotonic() - started)
+        if ahead > 0:
+            time.sleep(ahead)
+    print(json.dumps({"sent": sent}), flush=True)
+
+
+def pump(spec: dict) -> None:
+    store = SqlDelayedMessageStore(spec["url"], schema=spec["schema"])
+    transport = SqlTableTransport(spec["url"], schema=spec["schema"], table_prefix=PREFIX)
+    print("ready", flush=True)
+    result = Pump(store, transport, PumpConfig(batch_size=1000)).run(
+        deadline=datetime.fromtimestamp(spec["deadline"], UTC))
+    print(json.dumps({"dispatched": result.stats.dispatched, "peak_rss_mb": peak_rss_mb()}), flush=True)
+
+
+def consume(spec: dict) -> None:
+    """Receive and ack; every minute print the minute's count and lateness percentiles; track ids in a
+    bitmap (the sender numbers them) to count duplicates."""
+    transport = SqlTableTransport(spec["url"], schema=spec["schema"], table_prefix=PREFIX)
+    seen = bytearray(spec["max_ids"] // 8 + 1)
+    duplicates = early = received = 0
+    minute: list[float] = []
+    minute_end = time.monotonic() + 60
+    deadline = time.monotonic() + spec["seconds"]
+    print("ready", flush=True)
+    while time.monotonic() < deadline:
+        batch = transport.receive(QUEUE, max_messages=1000, visibility_timeout=600)
+        for m in batch:
+            n = int(m.message_id.removeprefix("soak-")) if m.message_id.startswith("soak-") else None
+            if n is not None:
+                if seen[n >> 3] & (1 << (n & 7)):
+                    duplicates += 1
+                seen[n >> 3] |= 1 << (n & 7)
+            late = (m.enqueued_at - m.due_at).total_seconds() * 1000
+            early += late < 0
+            minute.append(late)
+        received += len(batch)
+        if batch:
+            transport.ack(QUEUE, [m.receipt for m in batch])
+        else:
+            time.sleep(0.005)
+        if time.monotonic() >= minute_end:
+            minute.sort()
+            print(json.dumps({"minute": len(minute), "p50": percentile(minute, 0.5) if minute else None,
+                              "p99": percentile(minute, 0.99) if minute else None}), flush=True)
+            minute, minute_end = [], minute_end + 60
+    counted = sum(bin(b).count("1") for b in seen)
+    print(json.dumps({"received": received, "distinct_numbered": counted, "duplicates": duplicates,
+                      "early": early}), flush=True)
+
+
+# -- the run -------------------------------------------------------------------------------------------
+class Soak:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.schema = f"adp_soak_{uuid.uuid4().hex[:8]}"
+        self.procs: list[subprocess.Popen] = []
+        self.r: dict = {"minutes": args.minutes, "delays": [list(d) for d in DELAYS], "mean_delay_s": MEAN_DELAY}
+
+    def spec(self, **fields) -> dict:
+        return {"url": self.args.pg_url, "schema": self.schema, **fields}
+
+    def start(self, spec: dict) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], stdout=subprocess.PIPE,
+                                text=True)
+        self.procs.append(proc)
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"child {spec['role']} did not start (see its stderr above)")
+        return proc
+
+    def setup(self) -> None:
+        self.store = SqlDelayedMessageStore(self.args.pg_url, schema=self.schema)
+        self.store.create_schema()
+        self.queue = SqlTableTransport(self.args.pg_url, schema=self.schema, table_prefix=PREFIX)
+        self.queue.provision(QUEUE)
+        self.conn = psycopg.connect(libpq(self.args.pg_url), autocommit=True)
+
+    def teardown(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for close in (self.store.close, self.queue.close, self.conn.close):
+            with contextlib.suppress(Exception):
+                close()
+        with psycopg.connect(libpq(self.args.pg_url), autocommit=True) as conn:
+            # The store's upkeep (a VACUUM of millions of rows) may still run in a backend of its own.
+            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
+                         "AND position(%s in query) > 0", [self.schema])
+            conn.execute("SET lock_timeout = '60s'")
+            conn.execute(f"DROP SCHEMA IF EXISTS {self.schema} CASCADE")
+        log(f"dropped schema {self.schema}")
+
+    def max_rate(self) -> float:
+        """The pump's rate on a 20,000 burst into the SQL-table queue while the consumer drains it (on this
+        machine they share the CPUs, as they will in the soak)."""
+        due = utcnow() - timedelta(seconds=1)
+        messages = [DelayedMessage(QUEUE, BODY, due) for _ in range(20_000)]
+        for i in range(0, len(messages), 1000):
+            self.store.store(messages[i: i + 1000])
+        consumer = self.start(self.spec(role="consume", seconds=15, max_ids=8))
+        started = time.perf_counter()
+        done = Pump(self.store, self.queue).run(stop_when_idle=True)
+        rate = done.stats.dispatched / (time.perf_counter() - started)
+        consumer.communicate(timeout=120)
+        self.conn.execute(f"TRUNCATE {self.queue.messages.fullname}")
+        return rate
+
+    def prefill(self, rate: float) -> int:
+        """COPY the backlog a day of sends at `rate` would leave: rate x mean delay messages (or --prefill). The
+        farthest are written first and each chunk's due times count from when it is written, so none is overdue
+        by the time the soak starts."""
+        n = int(rate * MEAN_DELAY) if self.args.prefill is None else self.args.prefill
+        rng = random.Random(2)
+        offsets = sorted((int(pending_delay(rng) * 1_000_000) for _ in range(n)), reverse=True)
+        body = "\\\\x" + BODY.hex()
+        started = time.perf_counter()
+        table = self.store.table.fullname
+        with psycopg.connect(libpq(self.args.pg_url)) as conn:
+            for done in range(0, n, 100_000):
+                now = to_us(self.store.clock())
+                rows = io.StringIO()
+                for i in range(done, min(n, done + 100_000)):
+                    rows.write(f"fill-{i:012d}\t{QUEUE}\t{body}\t{{}}\t{now + offsets[i]}\t{now}\t0\n")
+                with conn.cursor().copy(f"COPY {table} (message_id, destination, body, headers, due_at_us, "
+                                        "stored_at_us, failures) FROM STDIN") as copy:
+                    copy.write(rows.getvalue())
+                conn.commit()
+        log(f"prefill: {n:,} messages in {time.perf_counter() - started:.0f} s")
+        return n
+
+    def sample(self) -> dict:
+        table = self.store.table.fullname
+        row = self.conn.execute(
+            "SELECT n_live_tup, n_dead_tup, vacuum_count + autovacuum_count, analyze_count + autoanalyze_count, "
+            "pg_total_relation_size(relid) FROM pg_stat_user_tables WHERE relid = %s::regclass", [table]).fetchone()
+        return {"rows": row[0], "dead": row[1], "vacuums": row[2], "analyses": row[3], "size_mb": row[4] / 2**20}
+
+    def run(self) -> None:
+        top = self.args.rate or self.max_rate() / 2
+        if not self.args.rate:
+            self.r["max_rate"] = top * 2
+            log(f"pump maximum {top * 2:,.0f} msg/s: sending at half, {top:,.0f} msg/s")
+        self.r["rate"] = top
+        self.r["prefilled"] = self.prefill(top)
+        seconds = self.args.minutes * 60
+        deadline = time.time() + seconds + 5
+        sent_max = int(top * (seconds + 60)) + 1000
+        consumer = self.start(self.spec(role="consume", seconds=seconds + 30, max_ids=sent_max))
+        pumper = self.start(self.spec(role="pump", deadline=deadline))
+        sender = self.start(self.spec(role="send", rate=top, seconds=seconds))
+        minutes = []
+        for m in range(self.args.minutes):
+            line = json.loads(consumer.stdout.readline())
+            row = {"minute": m + 1, "claimed": line["minute"], "rate": line["minute"] / 60,
+                   "p50_ms": line["p50"], "p99_ms": line["p99"], **self.sample()}
+            minutes.append(row)
+            log(f"minute {m + 1}: {row['rate']:,.0f} msg/s, lateness p50 {row['p50_ms'] or 0:.0f} ms p99 "
+                f"{row['p99_ms'] or 0:.0f} ms, {row['rows']:,} rows, {row['dead']:,} dead, {row['size_mb']:,.0f} MB, "
+                f"{row['vacuums']} vacuums, {row['analyses']} analyses")
+        sent = json.loads(sender.communicate(timeout=120)[0].splitlines()[-1])["sent"]
+        pumped = json.loads(pumper.communicate(timeout=120)[0].splitlines()[-1])
+        out = consumer.communicate(timeout=120)[0].splitlines()
+        got = json.loads(out[-1])
+        # Every numbered message was received or is still stored (not due yet) or waits in the queue.
+        stored = self.conn.execute(f"SELECT count(*) FROM {self.store.table.fullname} WHERE message_id LIKE "
+                                   "'soak-%%'").fetchone()[0]
+        queued = self.conn.execute(f"SELECT count(*) FROM {self.queue.messages.fullname} WHERE message_id LIKE "
+                                   "'soak-%%'").fetchone()[0]
+        self.r |= {"minutes_table": minutes, "sent": sent, "stored_at_end": stored, "queued_at_end": queued,
+                   "lost": sent - got["distinct_numbered"] - stored - queued, "duplicates": got["duplicates"],
+                   "early": got["early"], "pump_peak_rss_mb": pumped["peak_rss_mb"]}
+
+
+def report(r: dict) -> None:
+    print(f"\n{describe(r['machine'])}")
+    rows = r["minutes_table"]
+    print(f"{r['minutes']} minutes; sends at {r['rate']:,.0f} msg/s"
+          + (f" (half the pump's maximum with the consumer draining, {r['max_rate']:,.0f} msg/s)"
+             if "max_rate" in r else "")
+          + f"; delays 80% 1-60 s, 15% 1-60 min, 5% 1 h-1 day (mean {r['mean_delay_s']:,.0f} s); store prefilled "
+          f"with {r['prefilled']:,} messages (the backlog of a day of such sends: rate x mean delay, unless --prefill "
+          "said otherwise); PostgreSQL as shipped.\n")
+    print("| minute | claimed msg/s | lateness p50 | p99 | rows | dead rows | table + indexes | vacuums | analyses |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        print(f"| {row['minute']} | {row['rate']:,.0f} | {row['p50_ms'] or 0:.0f} ms | {row['p99_ms'] or 0:.0f} ms | "
+              f"{row['rows']:,} | {row['dead']:,} | {row['size_mb']:,.0f} MB | {row['vacuums']} | {row['analyses']} |")
+    span = min(10, max(1, len(rows) // 3))
+    first, last = rows[:span], rows[-span:]
+
+    def mean(part, key):
+        values = [x[key] for x in part if x[key] is not None]
+        return statistics.mean(values) if values else 0.0
+
+    print(f"\n| first {span} min vs last {span} | first | last | last / first |")
+    print("|---|---:|---:|---:|")
+    for row in rows:
+        row["bytes_per_row"] = row["size_mb"] * 2**20 / max(row["rows"], 1)
+    for key, label in (("rate", "claimed msg/s"), ("p99_ms", "lateness p99 (ms)"), ("size_mb", "table + indexes (MB)"),
+                       ("bytes_per_row", "table + indexes per stored message (bytes)")):
+        a, b = mean(first, key), mean(last, key)
+        print(f"| {label} | {a:,.1f} | {b:,.1f} | {b / a if a else 0:.2f} |")
+    print(f"\nsent {r['sent']:,}; lost {r['lost']}, duplicates {r['duplicates']}, early {r['early']}; "
+          f"{r['stored_at_end']:,} still stored (not due), {r['queued_at_end']:,} in the queue at the end; "
+          f"pump peak RSS {r['pump_peak_rss_mb']:.0f} MB")
+
+
+def plot(r: dict, path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("--plot needs matplotlib: .venv/bin/pip install matplotlib", file=sys.stderr)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = r["minutes_table"]
+    x = [row["minute"] for row in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+    axes[0].plot(x, [row["rate"] for row in rows])
+    axes[0].set_title("claimed msg/s")
+    axes[1].plot(x, [row["p50_ms"] for row in rows], label="p50")
+    axes[1].plot(x, [row["p99_ms"] for row in rows], label="p99")
+    axes[1].set_title("lateness (ms)")
+    axes[1].legend(fontsize=7)
+    axes[2].plot(x, [row["size_mb"] for row in rows], label="table + indexes (MB)")
+    axes[2].plot(x, [row["dead"] / 1000 for row in rows], label="dead rows (thousands)")
+    axes[2].set_title("size and dead rows")
+    axes[2].legend(fontsize=7)
+    for ax in axes:
+        ax.set_xlabel("minute")
+    save_figure(fig, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pg-url", default=os.environ.get("DELAY_BENCH_PG_URL",
+                                                           "postgresql+psycopg://postgres@127.0.0.1:5432/test"))
+    parser.add_argument("--minutes", type=int, default=3)
+    parser.add_argument("--rate", type=float, help="messages per second to send (default: half the pump's maximum)")
+    parser.add_argument("--prefill", type=int, help="messages stored before it starts (default: the backlog of a "
+                        "day of sends, rate x mean delay)")
+    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "soak.json")
+    parser.add_argument("--plot", type=Path)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(json.loads(args.child))
+    signal.signal(signal.SIGTERM, interrupt)
+    soak = Soak(args)
+    try:
+        soak.setup()
+        soak.r["machine"] = machine(args.pg_url)
+        soak.run()
+    finally:
+        soak.teardown()
+    report(soak.r)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(soak.r, indent=2, default=str))
+    log(f"wrote {args.json}")
+    if args.plot:
+        plot(soak.r, args.plot)
+
+
+if __name__ == "__main__":
+    main()
