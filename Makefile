@@ -36,7 +36,7 @@ demo: $(STAMP)
 test: $(STAMP) $(JDBC_JAR) $(CHROMIUM)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -n 3 --dist loadfile
+	$(BIN)/python -m pytest -n 3 --dist loadfile --durations=15
 
 # No services needed: unit and property tests, and the contract tests on the in-memory fakes and SQLite.
 test-fast: $(STAMP)
