@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_rabbitmq import rabbitmqctl  # noqa: E402
-from bench_store import libpq, peak_rss_mb  # noqa: E402
+from bench_store import libpq, peak_rss_mb, pyplot  # noqa: E402
 from bench_throughput import (  # noqa: E402
     BODY,
     QUEUE,
@@ -481,13 +481,9 @@ def _ratio(row: dict, key: str) -> str:
 
 
 def plot(r: dict, path: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print("--plot needs matplotlib: .venv/bin/pip install matplotlib", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for kind, marker in (("sql", "o"), ("rabbitmq", "s")):

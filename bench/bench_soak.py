@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_store import libpq, peak_rss_mb  # noqa: E402
+from bench_store import libpq, peak_rss_mb, pyplot  # noqa: E402
 from bench_throughput import interrupt, log, percentile, save_figure  # noqa: E402
 from machine import describe, machine  # noqa: E402
 
@@ -308,13 +308,9 @@ def report(r: dict) -> None:
 
 
 def plot(r: dict, path: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print("--plot needs matplotlib: .venv/bin/pip install matplotlib", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     rows = r["minutes_table"]
     x = [row["minute"] for row in rows]

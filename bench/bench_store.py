@@ -121,6 +121,19 @@ def reference_dispatch(conn: psycopg.Connection, table: str, queue_table: str) -
         done += 1
 
 
+def pyplot():
+    """matplotlib's pyplot drawing to files, or None (saying how to install it) when it is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("--plot needs matplotlib: .venv/bin/pip install matplotlib", file=sys.stderr)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def peak_rss_mb() -> float:
     """This process's own high-water mark (ru_maxrss would include the parent's: it survives exec)."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -235,15 +248,9 @@ def report(r: dict, args) -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(r, indent=2))
     if args.plot:
-        try:
-            import matplotlib
-        except ImportError:
-            print("--plot needs matplotlib: .venv/bin/pip install matplotlib", file=sys.stderr)
+        plt = pyplot()
+        if plt is None:
             return
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
         fig, ax = plt.subplots(figsize=(7, 3.5))
         labels = ["store", "dispatch"]
         for i, (key, name) in enumerate([(0, "reference"), (1, "ours"), (2, "raw limit")]):

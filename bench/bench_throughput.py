@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_rabbitmq import rabbitmqctl, raw_windowed  # noqa: E402
-from bench_store import libpq, peak_rss_mb, raw_claim  # noqa: E402
+from bench_store import libpq, peak_rss_mb, pyplot, raw_claim  # noqa: E402
 
 from airflow_delay_provider.core.delays import utcnow  # noqa: E402
 from airflow_delay_provider.core.message import DelayedMessage  # noqa: E402
@@ -559,13 +559,9 @@ def paired(r: dict, pump: str) -> str:
 
 
 def plot(r: dict, path: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print("--plot needs matplotlib: .venv/bin/pip install matplotlib", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     bars = [("raw pika -> quorum", r["raw_quorum"], "raw"), ("raw pika -> classic", r["raw_classic"], "raw"),
             ("raw pika -> quorum, endpoint args", r["raw_endpoint"], "raw"),

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_rabbitmq import rabbitmqctl  # noqa: E402
-from bench_store import libpq  # noqa: E402
+from bench_store import libpq, pyplot  # noqa: E402
 from bench_throughput import (  # noqa: E402
     BODY,
     QUEUE,
@@ -268,13 +268,9 @@ def report(results: dict) -> None:
 
 
 def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print("--plot needs matplotlib: .venv/bin/pip install matplotlib", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     names = list(results)
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -32,9 +32,7 @@ def new_message_id() -> str:
     ones, so the store's unique indexes on message ids grow at their right edge; random ids land on a
     random page of an index of millions, which PostgreSQL writes whole to its WAL once after every
     checkpoint (a third of the store rate lost at 3M stored; bench/bench_scale.py)."""
-    rand = int.from_bytes(os.urandom(10), "big")  # 80 bits: 12 for rand_a, 62 for rand_b
-    ms = time.time_ns() // 1_000_000
-    return str(uuid.UUID(int=ms << 80 | 0x7 << 76 | (rand >> 68) << 64 | 0b10 << 62 | rand & (1 << 62) - 1))
+    return _time_ordered(time.time_ns() // 1_000_000, 7, int.from_bytes(os.urandom(10), "big"))
 
 
 def stable_message_id(*parts: object, at: datetime | None = None) -> str:
@@ -46,9 +44,13 @@ def stable_message_id(*parts: object, at: datetime | None = None) -> str:
     name = "airflow-delay-provider:" + "/".join(map(str, parts))
     if at is None:
         return str(uuid.uuid5(uuid.NAMESPACE_URL, name))
-    digest = int.from_bytes(hashlib.sha1(name.encode()).digest()[:10], "big")  # 80 bits, as new_message_id
     ms = max(0, int(at.timestamp() * 1000)) & (1 << 48) - 1
-    return str(uuid.UUID(int=ms << 80 | 0x8 << 76 | (digest >> 68) << 64 | 0b10 << 62 | digest & (1 << 62) - 1))
+    return _time_ordered(ms, 8, int.from_bytes(hashlib.sha1(name.encode()).digest()[:10], "big"))
+
+
+def _time_ordered(ms: int, version: int, bits: int) -> str:
+    """A UUID of 48 bits of Unix milliseconds, the version, and 80 bits (12 before the variant, 62 after)."""
+    return str(uuid.UUID(int=ms << 80 | version << 76 | (bits >> 68) << 64 | 0b10 << 62 | bits & (1 << 62) - 1))
 
 
 def check_destination(destination: object) -> str:

@@ -145,7 +145,7 @@ class BacklogControls:
             leased = {}
             live = select(self.sweeps.c.claim_id).where(self.sweeps.c.lease_until_us >= now_us)
             if conn.execute(live.limit(1)).first():
-                held = select(t.c.destination, func.count()).where(t.c.claim_id.is_not(None), t.c.claim_id.in_(live))
+                held = select(t.c.destination, func.count()).where(self._leased_now())
                 if destination is not None:
                     held = held.where(t.c.destination == destination)
                 leased = dict(conn.execute(held.group_by(t.c.destination)).all())

@@ -87,6 +87,11 @@ class SqlDatabase:
     def _errors(self, action: str):
         return translate_errors(self.url, action)
 
+    def _qualified(self, name: str) -> str:
+        """`name` in this database's schema, each part quoted as an identifier (for SQL written as text)."""
+        preparer = self.engine.dialect.identifier_preparer
+        return ".".join(preparer.quote_identifier(p) for p in filter(None, (self.schema, name)))
+
     def _create_tables(self, metadata: MetaData, what: str) -> None:
         """Create the schema (PostgreSQL) and the tables of `metadata` if missing: idempotent, and safe
         when several tasks provision at once."""

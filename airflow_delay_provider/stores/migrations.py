@@ -150,18 +150,14 @@ class SchemaMigrations:
         return have
 
     def _template_names(self) -> dict[str, str]:
-        preparer = self.engine.dialect.identifier_preparer
-
-        def qualified(name: str) -> str:
-            return ".".join(preparer.quote_identifier(p) for p in filter(None, (self.schema, name)))
-
+        preparer, q = self.engine.dialect.identifier_preparer, self._qualified
         t = self.table_name
         ids_index = "ix_ids_" + hashlib.sha1(f"{self.schema}.{t}_ids".encode()).hexdigest()[:16]
         return {
-            "messages": qualified(t), "policies": qualified(f"{t}_policies"), "sweeps": qualified(f"{t}_sweeps"),
-            "ids": qualified(f"{t}_ids"), "throttle": qualified(f"{t}_throttle"), "delays": qualified(f"{t}_delays"),
-            "dests": qualified(f"{t}_dests"), "counts": qualified(f"{t}_counts"),
-            "count_fn": qualified("delay_counts_" + hashlib.sha1(f"{self.schema}.{t}".encode()).hexdigest()[:16]),
+            "messages": q(t), "policies": q(f"{t}_policies"), "sweeps": q(f"{t}_sweeps"), "ids": q(f"{t}_ids"),
+            "throttle": q(f"{t}_throttle"), "delays": q(f"{t}_delays"), "dests": q(f"{t}_dests"),
+            "counts": q(f"{t}_counts"),
+            "count_fn": q("delay_counts_" + hashlib.sha1(f"{self.schema}.{t}".encode()).hexdigest()[:16]),
             # Index names live in the table's schema on PostgreSQL and may not be qualified there.
             "ix_due": preparer.quote_identifier(f"ix_{t}_due"), "ix_ids": preparer.quote_identifier(ids_index),
             "ix_leased": preparer.quote_identifier(ids_index.replace("ix_ids_", "ix_leased_")),

@@ -108,7 +108,7 @@ class TableUpkeep:
         for table in self._kept_tables():
             row = conn.execute(text(
                 "SELECT n_live_tup, n_dead_tup, n_mod_since_analyze FROM pg_stat_user_tables "
-                "WHERE relid = to_regclass(:name)"), {"name": self._quoted(table)}).first()
+                "WHERE relid = to_regclass(:name)"), {"name": self._qualified(table.name)}).first()
             if row is None:
                 continue
             for work in self.upkeep_thresholds.work(*row):
@@ -117,14 +117,14 @@ class TableUpkeep:
                 started = time.monotonic()
                 # Identifiers come from the store's checked names, quoted by the dialect.
                 statement = "VACUUM (SKIP_LOCKED)" if work == "vacuum" else "ANALYZE (SKIP_LOCKED)"
-                conn.exec_driver_sql(f"{statement} {self._quoted(table)}")
+                conn.exec_driver_sql(f"{statement} {self._qualified(table.name)}")
                 took = time.monotonic() - started
                 if skipped:
-                    log.info("store upkeep: %s of %s skipped: %s", work, self._quoted(table), skipped.pop())
+                    log.info("store upkeep: %s of %s skipped: %s", work, self._qualified(table.name), skipped.pop())
                     continue
                 done.append((table.name, work, took))
                 log.info("store upkeep: %s %s in %.1f s (%d rows, %d dead, %d changed since analysed)",
-                         work, self._quoted(table), took, row[0], row[1], row[2])
+                         work, self._qualified(table.name), took, row[0], row[1], row[2])
         return done
 
     def stop_upkeep(self, conn) -> int:
@@ -132,7 +132,7 @@ class TableUpkeep:
         runs for minutes and holds a lock that DDL waits for, and every claim would queue behind the DDL); the
         upkeep tries again at its next check. Returns how many were cancelled."""
         cancelled = 0
-        for name in (self._quoted(t) for t in self._kept_tables()):
+        for name in (self._qualified(t.name) for t in self._kept_tables()):
             cancelled += sum(conn.execute(text(
                 "SELECT pg_cancel_backend(pid) FROM pg_stat_activity WHERE application_name = :app AND "
                 "datname = current_database() AND pid <> pg_backend_pid() AND position(:name in query) > 0"),
@@ -145,7 +145,7 @@ class TableUpkeep:
     def _sum_up_counts(self, conn) -> int:
         """Replace the rows of changes in the counts table by one row per destination and hour (rows added
         meanwhile are left for the next time); returns how many rows it replaced."""
-        c = self._quoted(self.counts)
+        c = self._qualified(self.counts.name)
         result = conn.exec_driver_sql(
             f"WITH gone AS (DELETE FROM {c} WHERE id <= (SELECT max(id) FROM {c}) RETURNING destination, hour, n) "
             f"INSERT INTO {c} (destination, hour, n) SELECT destination, hour, sum(n) FROM gone "
@@ -155,7 +155,3 @@ class TableUpkeep:
     def _upkeep_key(self) -> int:
         digest = hashlib.sha1(f"airflow_delay_provider.upkeep:{self._where()}".encode()).digest()
         return int.from_bytes(digest[:8], "big", signed=True)
-
-    def _quoted(self, table) -> str:
-        preparer = self.engine.dialect.identifier_preparer
-        return ".".join(preparer.quote_identifier(p) for p in filter(None, (table.schema, table.name)))

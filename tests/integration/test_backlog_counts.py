@@ -103,7 +103,7 @@ def test_truncate_empties_the_counts(pg):
     store = _store(pg)
     store.store(_spread(50, "orders"))
     with store.engine.begin() as conn:
-        conn.exec_driver_sql(f"TRUNCATE {store._quoted(store.table)}")
+        conn.exec_driver_sql(f"TRUNCATE {store._qualified(store.table_name)}")
     assert store.backlog()["totals"]["scheduled"] == 0
     assert_counts_match(store)
 

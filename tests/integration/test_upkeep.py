@@ -48,7 +48,7 @@ def _counters(store: SqlDelayedMessageStore) -> tuple:
     with store.engine.connect() as conn:
         return conn.execute(text("SELECT n_dead_tup, n_mod_since_analyze, last_vacuum, last_analyze "
                                  "FROM pg_stat_user_tables WHERE relid = to_regclass(:t)"),
-                            {"t": store._quoted(store.table)}).first()
+                            {"t": store._qualified(store.table_name)}).first()
 
 
 def test_a_bulk_load_is_analysed_and_deliveries_are_vacuumed(pg):
@@ -94,7 +94,7 @@ def test_upkeep_never_waits_for_a_lock(pg):
     url, _, table = pg
     store = _loaded(pg)
     with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")) as other:
-        other.execute(f"LOCK TABLE {store._quoted(store.table)} IN SHARE UPDATE EXCLUSIVE MODE")
+        other.execute(f"LOCK TABLE {store._qualified(store.table_name)} IN SHARE UPDATE EXCLUSIVE MODE")
         # SKIP_LOCKED: nothing done to the held table, nothing waited for (its ids table is analysed).
         assert [w for t, w, _ in store._upkeep_now() if t == table] == []
         other.rollback()
@@ -163,10 +163,10 @@ def test_a_migration_cancels_the_upkeep_instead_of_waiting_for_it(pg):
     def upkeep_at_work() -> None:  # what a long VACUUM looks like to the migration: its lock, its name, its query
         with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"),
                              application_name=upkeep.APPLICATION_NAME) as conn:
-            conn.execute(f"LOCK TABLE {store._quoted(store.table)} IN SHARE UPDATE EXCLUSIVE MODE")
+            conn.execute(f"LOCK TABLE {store._qualified(store.table_name)} IN SHARE UPDATE EXCLUSIVE MODE")
             holding.set()
             try:
-                conn.execute(f"SELECT pg_sleep(120), '{store._quoted(store.table)}'")
+                conn.execute(f"SELECT pg_sleep(120), '{store._qualified(store.table_name)}'")
                 outcome.append("finished")
             except psycopg.errors.QueryCanceled:
                 outcome.append("cancelled")
