@@ -1,17 +1,19 @@
 """Soak benchmark: hours of continuous churn on one PostgreSQL store, minute by minute.
 
 One run, one PostgreSQL schema of its own (dropped at the end, also on Ctrl-C or an error). It measures the
-pump's maximum rate (a burst into the SQL-table queue while the consumer drains it), then runs, for --minutes,
-three processes: a sender storing messages at half that rate with mixed delays (80% 1-60 s, 15% 1-60 min,
-5% 1 h-1 day), the pump (exactly once into the SQL-table queue, as a dispatch task runs it, with the store's
-own upkeep) and a consumer that receives and acks. Before it starts, the store is filled (COPY) with the
-backlog those sends would have built up over the previous day, so the backlog stays level while it runs.
+maximum rate the three parts below carry through together (a sender storing messages due at once as fast as
+it can, the pump and the consumer, for 30 s, all on this machine), then runs them for --minutes: the sender
+storing messages at half that rate with mixed delays (80% 1-60 s, 15% 1-60 min, 5% 1 h-1 day), the pump
+(exactly once into the SQL-table queue, as a dispatch task runs it, with the store's own upkeep) and a
+consumer that receives and acks. Before it starts, the store is filled (COPY) with the backlog those sends
+would have built up over the previous day, so the backlog stays level while it runs.
 
-Every minute it prints and records: messages claimed, lateness p50/p99 (the queue row's enqueued time minus
-its due time, both on the database's clock), rows and dead rows of the messages table, table plus index size,
-and the vacuums and analyses of the table so far (by autovacuum or the store's upkeep). At the end it checks
-that every message sent was delivered once or is still stored, and none early, and prints the first ten
-minutes against the last ten.
+Every minute it prints and records: the messages the pump claimed (rows it inserted into the queue table) and
+the consumer received, lateness p50/p99 (the queue row's enqueued time minus its due time, both on the
+database's clock), rows and dead rows of the messages table, its size with its indexes, the vacuums and
+analyses of it so far (by autovacuum or the store's upkeep), and the queue table's rows, dead rows and size.
+At the end it checks that every message sent was delivered once or is still stored, and none early, and
+prints the first ten minutes against the last ten.
 
     .venv/bin/python bench/bench_soak.py --minutes 60 --plot docs/bench_soak.png   # the README's figures
     .venv/bin/python bench/bench_soak.py                                          # 3 minutes (make bench)
@@ -45,7 +47,6 @@ from bench_store import libpq, peak_rss_mb, pyplot  # noqa: E402
 from bench_throughput import interrupt, log, percentile, save_figure  # noqa: E402
 from machine import describe, machine  # noqa: E402
 
-from airflow_delay_provider.core.delays import utcnow  # noqa: E402
 from airflow_delay_provider.core.message import DelayedMessage  # noqa: E402
 from airflow_delay_provider.core.pump import Pump, PumpConfig  # noqa: E402
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore, to_us  # noqa: E402
@@ -86,20 +87,22 @@ def child(spec: dict) -> None:
 
 
 def send(spec: dict) -> None:
-    """Store `rate` messages a second in batches of 100, ids numbered (they sort by time, as default ids do)."""
+    """Store `rate` messages a second (as fast as it can without one) in batches of 100, with the mixed delays
+    (or due at once), ids numbered (they sort by time, as default ids do)."""
     store = SqlDelayedMessageStore(spec["url"], schema=spec["schema"])
     rng = random.Random(1)
     deadline = time.monotonic() + spec["seconds"]
     started = time.monotonic()
     sent = 0
+    prefix = spec.get("prefix", "soak-")
     print("ready", flush=True)
     while time.monotonic() < deadline:
         now = store.clock()
-        batch = [DelayedMessage(QUEUE, BODY, now + timedelta(seconds=delay(rng)), {}, f"soak-{sent + i:012d}")
-                 for i in range(100)]
+        batch = [DelayedMessage(QUEUE, BODY, now + timedelta(seconds=0 if spec.get("due_now") else delay(rng)), {},
+                                f"{prefix}{sent + i:012d}") for i in range(100)]
         store.store(batch)
         sent += len(batch)
-        ahead = sent / spec["rate"] - (time.monotonic() - started)
+        ahead = sent / spec["rate"] - (time.monotonic() - started) if spec.get("rate") else 0
         if ahead > 0:
             time.sleep(ahead)
     print(json.dumps({"sent": sent}), flush=True)
@@ -192,20 +195,22 @@ class Soak:
             conn.execute(f"DROP SCHEMA IF EXISTS {self.schema} CASCADE")
         log(f"dropped schema {self.schema}")
 
-    def max_rate(self) -> float:
-        """The pump's rate on a 20,000 burst into the SQL-table queue while the consumer drains it (on this
-        machine they share the CPUs, as they will in the soak)."""
-        due = utcnow() - timedelta(seconds=1)
-        messages = [DelayedMessage(QUEUE, BODY, due) for _ in range(20_000)]
-        for i in range(0, len(messages), 1000):
-            self.store.store(messages[i: i + 1000])
-        consumer = self.start(self.spec(role="consume", seconds=15, max_ids=8))
-        started = time.perf_counter()
-        done = Pump(self.store, self.queue).run(stop_when_idle=True)
-        rate = done.stats.dispatched / (time.perf_counter() - started)
-        consumer.communicate(timeout=120)
-        self.conn.execute(f"TRUNCATE {self.queue.messages.fullname}")
-        return rate
+    def max_rate(self, seconds: int = 30) -> float:
+        """The most the three parts carry through together on this machine (where they share the CPUs, as in the
+        soak): a sender storing messages due at once as fast as it can, the pump and the consumer, for `seconds`;
+        the rate at which messages reached the consumer."""
+        deadline = time.time() + seconds
+        consumer = self.start(self.spec(role="consume", seconds=seconds, max_ids=8))
+        pumper = self.start(self.spec(role="pump", deadline=deadline))
+        sender = self.start(self.spec(role="send", seconds=seconds, due_now=True, prefix="max-"))
+        sent = json.loads(sender.communicate(timeout=seconds + 120)[0].splitlines()[-1])["sent"]
+        pumper.communicate(timeout=seconds + 120)
+        received = json.loads(consumer.communicate(timeout=seconds + 120)[0].splitlines()[-1])["received"]
+        log(f"maximum: {sent / seconds:,.0f} msg/s stored, {received / seconds:,.0f} msg/s through to the consumer")
+        self.r["max_stored_rate"] = sent / seconds
+        for table in (self.queue.messages, self.store.table, self.store.ids):
+            self.conn.execute(f"TRUNCATE {table.fullname}")
+        return received / seconds
 
     def prefill(self, rate: float) -> int:
         """COPY the backlog a day of sends at `rate` would leave: rate x mean delay messages (or --prefill). The
@@ -231,17 +236,20 @@ class Soak:
         return n
 
     def sample(self) -> dict:
-        table = self.store.table.fullname
-        row = self.conn.execute(
-            "SELECT n_live_tup, n_dead_tup, vacuum_count + autovacuum_count, analyze_count + autoanalyze_count, "
-            "pg_total_relation_size(relid) FROM pg_stat_user_tables WHERE relid = %s::regclass", [table]).fetchone()
-        return {"rows": row[0], "dead": row[1], "vacuums": row[2], "analyses": row[3], "size_mb": row[4] / 2**20}
+        stats = ("SELECT n_live_tup, n_dead_tup, vacuum_count + autovacuum_count, analyze_count + autoanalyze_count, "
+                 "pg_total_relation_size(relid), n_tup_ins FROM pg_stat_user_tables WHERE relid = %s::regclass")
+        row = self.conn.execute(stats, [self.store.table.fullname]).fetchone()
+        queue = self.conn.execute(stats, [self.queue.messages.fullname]).fetchone()
+        return {"rows": row[0], "dead": row[1], "vacuums": row[2], "analyses": row[3], "size_mb": row[4] / 2**20,
+                # What the pump moved: rows inserted into the queue table (the consumer's pace is its own).
+                "queue_inserts": queue[5], "queue_rows": queue[0], "queue_dead": queue[1],
+                "queue_vacuums": queue[2], "queue_mb": queue[4] / 2**20}
 
     def run(self) -> None:
         top = self.args.rate or self.max_rate() / 2
         if not self.args.rate:
             self.r["max_rate"] = top * 2
-            log(f"pump maximum {top * 2:,.0f} msg/s: sending at half, {top:,.0f} msg/s")
+            log(f"sending at half the maximum, {top:,.0f} msg/s")
         self.r["rate"] = top
         self.r["prefilled"] = self.prefill(top)
         seconds = self.args.minutes * 60
@@ -251,14 +259,19 @@ class Soak:
         pumper = self.start(self.spec(role="pump", deadline=deadline))
         sender = self.start(self.spec(role="send", rate=top, seconds=seconds))
         minutes = []
+        inserted, at = self.sample()["queue_inserts"], time.monotonic()
         for m in range(self.args.minutes):
             line = json.loads(consumer.stdout.readline())
-            row = {"minute": m + 1, "claimed": line["minute"], "rate": line["minute"] / 60,
-                   "p50_ms": line["p50"], "p99_ms": line["p99"], **self.sample()}
+            sampled = self.sample()
+            claimed, inserted = sampled["queue_inserts"] - inserted, sampled["queue_inserts"]
+            seconds, at = time.monotonic() - at, time.monotonic()
+            row = {"minute": m + 1, "claimed": claimed, "rate": claimed / seconds, "received": line["minute"] / 60,
+                   "p50_ms": line["p50"], "p99_ms": line["p99"], **sampled}
             minutes.append(row)
-            log(f"minute {m + 1}: {row['rate']:,.0f} msg/s, lateness p50 {row['p50_ms'] or 0:.0f} ms p99 "
-                f"{row['p99_ms'] or 0:.0f} ms, {row['rows']:,} rows, {row['dead']:,} dead, {row['size_mb']:,.0f} MB, "
-                f"{row['vacuums']} vacuums, {row['analyses']} analyses")
+            log(f"minute {m + 1}: claimed {row['rate']:,.0f} msg/s, received {row['received']:,.0f} msg/s, lateness "
+                f"p50 {row['p50_ms'] or 0:.0f} ms p99 {row['p99_ms'] or 0:.0f} ms, {row['rows']:,} rows, "
+                f"{row['dead']:,} dead, {row['size_mb']:,.0f} MB, {row['vacuums']} vacuums, {row['analyses']} "
+                f"analyses; queue {row['queue_rows']:,} rows, {row['queue_dead']:,} dead, {row['queue_mb']:,.0f} MB")
         sent = json.loads(sender.communicate(timeout=120)[0].splitlines()[-1])["sent"]
         pumped = json.loads(pumper.communicate(timeout=120)[0].splitlines()[-1])
         out = consumer.communicate(timeout=120)[0].splitlines()
@@ -277,16 +290,20 @@ def report(r: dict) -> None:
     print(f"\n{describe(r['machine'])}")
     rows = r["minutes_table"]
     print(f"{r['minutes']} minutes; sends at {r['rate']:,.0f} msg/s"
-          + (f" (half the pump's maximum with the consumer draining, {r['max_rate']:,.0f} msg/s)"
+          + (f" (half the maximum that a sender, the pump and the consumer carried through together on this machine, "
+             f"{r['max_rate']:,.0f} msg/s)"
              if "max_rate" in r else "")
           + f"; delays 80% 1-60 s, 15% 1-60 min, 5% 1 h-1 day (mean {r['mean_delay_s']:,.0f} s); store prefilled "
           f"with {r['prefilled']:,} messages (the backlog of a day of such sends: rate x mean delay, unless --prefill "
           "said otherwise); PostgreSQL as shipped.\n")
-    print("| minute | claimed msg/s | lateness p50 | p99 | rows | dead rows | table + indexes | vacuums | analyses |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| minute | claimed msg/s | received msg/s | lateness p50 | p99 | rows | dead rows | table + indexes | "
+          "vacuums | analyses | queue rows | queue dead | queue MB |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
-        print(f"| {row['minute']} | {row['rate']:,.0f} | {row['p50_ms'] or 0:.0f} ms | {row['p99_ms'] or 0:.0f} ms | "
-              f"{row['rows']:,} | {row['dead']:,} | {row['size_mb']:,.0f} MB | {row['vacuums']} | {row['analyses']} |")
+        print(f"| {row['minute']} | {row['rate']:,.0f} | {row['received']:,.0f} | {row['p50_ms'] or 0:.0f} ms | "
+              f"{row['p99_ms'] or 0:.0f} ms | {row['rows']:,} | {row['dead']:,} | {row['size_mb']:,.0f} MB | "
+              f"{row['vacuums']} | {row['analyses']} | {row['queue_rows']:,} | {row['queue_dead']:,} | "
+              f"{row['queue_mb']:,.0f} |")
     span = min(10, max(1, len(rows) // 3))
     first, last = rows[:span], rows[-span:]
 
@@ -298,7 +315,8 @@ def report(r: dict) -> None:
     print("|---|---:|---:|---:|")
     for row in rows:
         row["bytes_per_row"] = row["size_mb"] * 2**20 / max(row["rows"], 1)
-    for key, label in (("rate", "claimed msg/s"), ("p99_ms", "lateness p99 (ms)"), ("size_mb", "table + indexes (MB)"),
+    for key, label in (("rate", "claimed msg/s"), ("received", "received msg/s"), ("p99_ms", "lateness p99 (ms)"),
+                       ("size_mb", "table + indexes (MB)"),
                        ("bytes_per_row", "table + indexes per stored message (bytes)")):
         a, b = mean(first, key), mean(last, key)
         print(f"| {label} | {a:,.1f} | {b:,.1f} | {b / a if a else 0:.2f} |")
@@ -315,8 +333,10 @@ def plot(r: dict, path: Path) -> None:
     rows = r["minutes_table"]
     x = [row["minute"] for row in rows]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
-    axes[0].plot(x, [row["rate"] for row in rows])
-    axes[0].set_title("claimed msg/s")
+    axes[0].plot(x, [row["rate"] for row in rows], label="claimed (pump)")
+    axes[0].plot(x, [row["received"] for row in rows], label="received (consumer)")
+    axes[0].set_title("msg/s")
+    axes[0].legend(fontsize=7)
     axes[1].plot(x, [row["p50_ms"] for row in rows], label="p50")
     axes[1].plot(x, [row["p99_ms"] for row in rows], label="p99")
     axes[1].set_title("lateness (ms)")
@@ -335,7 +355,7 @@ def main() -> None:
     parser.add_argument("--pg-url", default=os.environ.get("DELAY_BENCH_PG_URL",
                                                            "postgresql+psycopg://postgres@127.0.0.1:5432/test"))
     parser.add_argument("--minutes", type=int, default=3)
-    parser.add_argument("--rate", type=float, help="messages per second to send (default: half the pump's maximum)")
+    parser.add_argument("--rate", type=float, help="messages per second to send (default: half the measured maximum)")
     parser.add_argument("--prefill", type=int, help="messages stored before it starts (default: the backlog of a "
                         "day of sends, rate x mean delay)")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "soak.json")

@@ -171,6 +171,10 @@ class Transport(ABC):
         """Where the transport's queues are, for messages and logs (never with a password)."""
         return repr(self)
 
+    def upkeep(self) -> None:  # noqa: B027 - optional: a broker looks after its own queues
+        """Look after the queues' tables if it is time (as DelayedMessageStore.upkeep): called by pumps between
+        batches, so it must return at once. Nothing to do by default."""
+
     def check_endpoint(self, endpoint: str, **options: Any) -> str:
         """The endpoint's name if this transport can create it; otherwise an error saying the rule.
         Provisioning checks every endpoint first, so a bad name creates nothing."""

@@ -487,6 +487,7 @@ class Pump:
         ramp = self.config.batch_size
         while True:
             self.store.upkeep()
+            self.transport.upkeep()
             now = self._clock()
             in_flight = len(self._inflight.messages) if self._inflight else 0
             if deadline is not None and now >= deadline:

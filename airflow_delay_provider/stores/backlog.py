@@ -102,13 +102,23 @@ class BacklogControls:
         return {"at": from_us(now_us).isoformat(), "destinations": report, "totals": totals}
 
     def _counted(self) -> bool:
-        """Whether this store keeps counts per hour of due time (PostgreSQL, schema version 6 on)."""
+        """Whether this store keeps counts per slot of due time (PostgreSQL, schema version 6 on)."""
         if not self.is_postgres:
             return False
         if not getattr(self, "_has_counts", False):
             with self.engine.connect() as conn:
                 self._has_counts = inspect(conn).has_table(self.counts.name, schema=self.schema)
         return self._has_counts
+
+    def _sum_up_counts(self, conn) -> int:
+        """Replace the rows of changes in the counts table by one row per destination and slot (rows added
+        meanwhile are left for the next time); returns how many rows it replaced."""
+        c = self._qualified(self.counts.name)
+        result = conn.exec_driver_sql(
+            f"WITH gone AS (DELETE FROM {c} WHERE id <= (SELECT max(id) FROM {c}) RETURNING destination, slot, n) "
+            f"INSERT INTO {c} (destination, slot, n) SELECT destination, slot, sum(n) FROM gone "
+            "GROUP BY destination, slot HAVING sum(n) <> 0")
+        return result.rowcount
 
     def _from_rows(self, conn, now_us: int, destination: str | None) -> list[tuple]:
         """(destination, scheduled, in flight, due by each bucket's limit...), counted row by row."""
@@ -120,20 +130,20 @@ class BacklogControls:
         return [tuple(row) for row in conn.execute(query.group_by(t.c.destination))]
 
     def _from_counts(self, conn, now_us: int, destination: str | None) -> list[tuple]:
-        """(destination, scheduled, in flight, due by each bucket's limit...) from the hourly counts: whole hours
-        before a limit's hour from the counts, the part of its own hour from the rows (an hour of rows at most),
-        all in one snapshot."""
+        """(destination, scheduled, in flight, due by each bucket's limit...) from the counts per slot: whole
+        slots before a limit's slot from the counts, the part of its own slot from the rows (ten minutes of
+        rows at most), all in one snapshot."""
         c, t = self.counts, self.table
         limits = [now_us + seconds * 1_000_000 for _, seconds in BUCKETS]
-        hours = [limit // COUNT_SLOT_US for limit in limits]
+        slots = [limit // COUNT_SLOT_US for limit in limits]
         counted = select(c.c.destination, func.sum(c.c.n),
-                         *(func.sum(c.c.n).filter(c.c.hour < hour) for hour in hours)).group_by(c.c.destination)
+                         *(func.sum(c.c.n).filter(c.c.slot < slot) for slot in slots)).group_by(c.c.destination)
         # One range scan of the due index per limit (an OR of the ranges lets the planner scan the whole table).
         parts = [select(literal(k).label("k"), t.c.destination, func.count().label("n"))
-                 .where(t.c.due_at_us.between(hour * COUNT_SLOT_US, limit), *(
+                 .where(t.c.due_at_us.between(slot * COUNT_SLOT_US, limit), *(
                      [t.c.destination == destination] if destination is not None else []))
                  .group_by(t.c.destination)
-                 for k, (hour, limit) in enumerate(zip(hours, limits, strict=True))]
+                 for k, (slot, limit) in enumerate(zip(slots, limits, strict=True))]
         if destination is not None:
             counted = counted.where(c.c.destination == destination)
         conn.execution_options(isolation_level="REPEATABLE READ")

@@ -102,7 +102,7 @@ class EventLeases:
                                     self._not_paused())
                .order_by(t.c.due_at_us, t.c.id).limit(limit).with_for_update(skip_locked=True))
         with self._errors("lease due messages"), self.engine.begin() as conn:
-            self.in_due_order(conn)
+            self.in_index_order(conn)
             before = {r.id: r.claim_id for r in conn.execute(
                 select(t.c.id, t.c.claim_id).where(t.c.id.in_(ids.scalar_subquery())))}
             if not before:

@@ -200,6 +200,17 @@ class SqlDelayedMessageStore(
         anything is created or changed."""
         self.migrate()
 
+    # -- upkeep (stores/upkeep.py) ------------------------------------------------------------------
+    def _kept_tables(self) -> tuple:
+        return (self.table, self.ids, self.counts) if self._counted() else (self.table, self.ids)
+
+    def _analyzed_tables(self) -> tuple:
+        return (self.table,)  # the claims' plans need statistics; the other tables are read by key
+
+    def _before_upkeep(self, conn) -> None:
+        if self._counted():
+            self._sum_up_counts(conn)
+
     def _check_existing_shape(self, conn: Connection) -> None:
         inspector = inspect(conn)
         for table in (self.table, self.policy_table, self.sweeps, self.ids, self.throttle, self.delays, self.dests):
@@ -355,20 +366,10 @@ class SqlDelayedMessageStore(
         t = self.table
         claim_rows = delete(t).where(self.claimed(self.due_ids(now, limit, due_before, exclude))).returning(*t.c)
         with self._errors("claim due messages"), self.engine.begin() as conn:
-            self.in_due_order(conn)
+            self.in_index_order(conn)
             claim = _SqlClaim(conn, t, conn.execute(claim_rows).all())
             yield claim
             claim.restore_unsettled()
-
-    def in_due_order(self, conn: Connection) -> None:
-        """Make this transaction's claims read the due index in order, whatever the statistics say. A table
-        analysed while it was empty (or nearly) and then filled looks tiny to the planner, which then scans it
-        whole and sorts every due row for each batch: a burst of 20,000 went at a sixth of its rate. The other
-        plans are priced out, which prices the claim past the JIT compiler's threshold: half a second of
-        compiling per claim, so no JIT."""
-        if self.is_postgres:
-            conn.exec_driver_sql("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; "
-                                 "SET LOCAL jit = off")
 
     def _unleased(self, now_us: int):
         """Rows no running sweep holds: never claimed by one, or its lease has expired."""

@@ -117,19 +117,20 @@ def policies_table(metadata: MetaData, store_table_name: str, schema: str | None
     return _per_destination(metadata, f"{store_table_name}_policies", schema, Column("policy", Text, nullable=False))
 
 
-#: The width of a counted slot of due times (`<table>_counts`): an hour, in microseconds.
-COUNT_SLOT_US = 3_600_000_000
+#: The width of a counted slot of due times (`<table>_counts`): ten minutes, in microseconds (schema version 7;
+#: the counting function in the database divides by the same number).
+COUNT_SLOT_US = 600_000_000
 
 
 def counts_table(metadata: MetaData, store_table_name: str, schema: str | None) -> Table:
-    """Messages stored per destination and hour of due time, as rows of changes that add up (PostgreSQL;
+    """Messages stored per destination and slot of due time (COUNT_SLOT_US), as rows of changes that add up (PostgreSQL;
     written by triggers, summed up by the store's upkeep)."""
     return Table(
         f"{store_table_name}_counts",
         metadata,
         Column("id", BigInteger, primary_key=True, autoincrement=True),
         Column("destination", String(255), nullable=False),
-        Column("hour", BigInteger, nullable=False),
+        Column("slot", BigInteger, nullable=False),
         Column("n", BigInteger, nullable=False),
         schema=schema,
     )

@@ -55,7 +55,8 @@ class Thresholds:
 
 
 class TableUpkeep:
-    """A mixin of SqlDelayedMessageStore: `upkeep()`, and the tables it looks after (`_kept_tables`)."""
+    """A mixin of SqlDatabase classes (the store, the SQL-table queues): `upkeep()` for the tables
+    `_kept_tables()` names."""
 
     upkeep_thresholds = Thresholds()
     _upkeep_checked = -float("inf")
@@ -98,13 +99,12 @@ class TableUpkeep:
                     conn.execute(text("RESET lock_timeout; RESET application_name; RESET vacuum_cost_delay"))
                     conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": self._upkeep_key()})
         except Exception as exc:  # an outage, a lock, a migration: the pumps meet outages under their breakers
-            log.warning("store upkeep of %s skipped: %s", self._where(), exc)
+            log.warning("upkeep of %r skipped: %s", self, exc)  # repr: no password, no query of an unreachable db
             return []
 
     def _do_upkeep(self, conn, skipped: list[str]) -> list[tuple[str, str, float]]:
         done = []
-        if self._counted():
-            self._sum_up_counts(conn)
+        self._before_upkeep(conn)
         for table in self._kept_tables():
             row = conn.execute(text(
                 "SELECT n_live_tup, n_dead_tup, n_mod_since_analyze FROM pg_stat_user_tables "
@@ -112,46 +112,49 @@ class TableUpkeep:
             if row is None:
                 continue
             for work in self.upkeep_thresholds.work(*row):
-                if work == "analyze" and table is not self.table:
-                    continue  # only the claims' plans need statistics: the others are read by key
+                if work == "analyze" and table not in self._analyzed_tables():
+                    continue
                 started = time.monotonic()
                 # Identifiers come from the store's checked names, quoted by the dialect.
                 statement = "VACUUM (SKIP_LOCKED)" if work == "vacuum" else "ANALYZE (SKIP_LOCKED)"
                 conn.exec_driver_sql(f"{statement} {self._qualified(table.name)}")
                 took = time.monotonic() - started
                 if skipped:
-                    log.info("store upkeep: %s of %s skipped: %s", work, self._qualified(table.name), skipped.pop())
+                    log.info("upkeep: %s of %s skipped: %s", work, self._qualified(table.name), skipped.pop())
                     continue
                 done.append((table.name, work, took))
-                log.info("store upkeep: %s %s in %.1f s (%d rows, %d dead, %d changed since analysed)",
+                log.info("upkeep: %s %s in %.1f s (%d rows, %d dead, %d changed since analysed)",
                          work, self._qualified(table.name), took, row[0], row[1], row[2])
         return done
 
     def stop_upkeep(self, conn) -> int:
-        """Cancel the upkeep's statements on this store's tables in every process (a VACUUM of millions of rows
+        """Cancel the upkeep's statements on these tables in every process (a VACUUM of millions of rows
         runs for minutes and holds a lock that DDL waits for, and every claim would queue behind the DDL); the
         upkeep tries again at its next check. Returns how many were cancelled."""
         cancelled = 0
-        for name in (self._qualified(t.name) for t in self._kept_tables()):
+        for name in self._kept_names():
             cancelled += sum(conn.execute(text(
                 "SELECT pg_cancel_backend(pid) FROM pg_stat_activity WHERE application_name = :app AND "
                 "datname = current_database() AND pid <> pg_backend_pid() AND position(:name in query) > 0"),
                 {"app": APPLICATION_NAME, "name": name}).scalars())
         return cancelled
 
-    def _kept_tables(self):
-        return (self.table, self.ids, self.counts) if self._counted() else (self.table, self.ids)
+    def _kept_tables(self) -> tuple:
+        """The tables to vacuum (SQLAlchemy Tables), the first one the table that names the set."""
+        raise NotImplementedError
 
-    def _sum_up_counts(self, conn) -> int:
-        """Replace the rows of changes in the counts table by one row per destination and hour (rows added
-        meanwhile are left for the next time); returns how many rows it replaced."""
-        c = self._qualified(self.counts.name)
-        result = conn.exec_driver_sql(
-            f"WITH gone AS (DELETE FROM {c} WHERE id <= (SELECT max(id) FROM {c}) RETURNING destination, hour, n) "
-            f"INSERT INTO {c} (destination, hour, n) SELECT destination, hour, sum(n) FROM gone "
-            "GROUP BY destination, hour HAVING sum(n) <> 0")
-        return result.rowcount
+    def _analyzed_tables(self) -> tuple:
+        """Those of the kept tables whose queries need fresh statistics (the others are read by key)."""
+        return self._kept_tables()
+
+    def _before_upkeep(self, conn) -> None:  # noqa: B027 - a hook: nothing to do by default
+        """Work to do at each check before the counters are read."""
+
+    def _kept_names(self) -> list[str]:
+        return [self._qualified(t.name) for t in self._kept_tables()]
 
     def _upkeep_key(self) -> int:
-        digest = hashlib.sha1(f"airflow_delay_provider.upkeep:{self._where()}".encode()).digest()
+        # One process at a time per set of tables (a store and its queue table in one schema are kept apart).
+        where = self._kept_names()[0]
+        digest = hashlib.sha1(f"airflow_delay_provider.upkeep:{where}".encode()).digest()
         return int.from_bytes(digest[:8], "big", signed=True)

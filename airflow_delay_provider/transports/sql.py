@@ -53,6 +53,7 @@ from airflow_delay_provider.stores.engine import (
     safe_url,
 )
 from airflow_delay_provider.stores.sql import LeasedRows, SqlDelayedMessageStore, from_us, to_us
+from airflow_delay_provider.stores.upkeep import TableUpkeep
 
 _Id = BigInteger().with_variant(Integer, "sqlite")
 # Column order of the rows _insert builds (COPY on PostgreSQL, executemany elsewhere).
@@ -60,7 +61,7 @@ _COPY_COLUMNS = ("queue", "message_id", "body", "headers", "due_at_us", "enqueue
 _COPY_TYPES = ("text", "text", "bytea", "text", "int8", "int8", "int8")
 
 
-class SqlTableTransport(SqlDatabase, Transport):
+class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
     name = "sql"
 
     @classmethod
@@ -92,9 +93,14 @@ class SqlTableTransport(SqlDatabase, Transport):
             Column("enqueued_at_us", BigInteger, nullable=False),
             Column("visible_at_us", BigInteger, nullable=False),
             Column("receive_count", Integer, nullable=False, server_default="0"),
-            Index(f"ix_{table_prefix}queue_messages_visible", "queue", "visible_at_us", "seq"),
+            # A queue's messages in queue order: a receive walks it, passing over the few in flight, and stops at
+            # the first `max_messages` visible ones. (An index led by the visibility time would make it read and
+            # sort every visible message first, so a consumer that falls behind would slow down further.)
+            Index(f"ix_{table_prefix}queue_messages_order", "queue", "seq"),
             schema=self.schema,
         )
+        #: The index queue tables had before: replaced when the tables are next created or provisioned.
+        self._old_index = f"ix_{table_prefix}queue_messages_visible"
 
     def __repr__(self) -> str:
         return f"SqlTableTransport({safe_url(self.url)!r}, schema={self.schema!r})"
@@ -107,6 +113,17 @@ class SqlTableTransport(SqlDatabase, Transport):
 
     def create_schema(self) -> None:
         self._create_tables(self.queues.metadata, "the queue tables")
+        with self._errors("update the queue table's index"), self.engine.begin() as conn:
+            found = {ix["name"] for ix in inspect(conn).get_indexes(self.messages.name, schema=self.schema)}
+            if self._old_index in found:
+                self._lock_schema(conn)
+                for index in self.messages.indexes:
+                    index.create(conn, checkfirst=True)
+                conn.exec_driver_sql(f"DROP INDEX IF EXISTS {self._qualified(self._old_index)}")
+
+    # -- upkeep (stores/upkeep.py): receives update and acks delete, so the queue table churns as the store does
+    def _kept_tables(self) -> tuple:
+        return (self.messages,)
 
     def provision(self, endpoint: str) -> dict:
         check_destination(endpoint)
@@ -148,7 +165,7 @@ class SqlTableTransport(SqlDatabase, Transport):
         assert isinstance(store, SqlDelayedMessageStore)
         _, counts = self._moving(store, store.due_ids(now, limit, due_before, exclude), now)
         with store._errors("move due messages into their queues"), store.engine.begin() as conn:
-            store.in_due_order(conn)
+            store.in_index_order(conn)
             return [(queue, from_us(due_us), n) for queue, due_us, n in conn.execute(counts)]
 
     def move_window(self, store: SqlDelayedMessageStore, claim_id: str, low: int, high: int, limit: int,
@@ -238,17 +255,13 @@ class SqlTableTransport(SqlDatabase, Transport):
         return self.messages.c.visible_at_us <= self._now_us(now)
 
     def receive(self, endpoint: str, max_messages: int = 10, visibility_timeout: float = 30.0) -> list[ReceivedMessage]:
+        self.upkeep()  # consumers call this in a loop: their process looks after the table if no pump does
         t = self.messages
         now = self.clock()
-        query = (
-            select(t)
-            .where(t.c.queue == endpoint, self._visible_now(now))
-            .order_by(t.c.seq)
-            .limit(max_messages)
-            .with_for_update(skip_locked=True)
-        )
+        query = self._receiving(endpoint, max_messages, now)
         hidden_until = to_us(now + timedelta(seconds=visibility_timeout))
         with self._errors(f"receive from queue {endpoint!r}"), self.engine.begin() as conn:
+            self.in_index_order(conn)
             rows = conn.execute(query).all()
             if rows:
                 conn.execute(
@@ -257,6 +270,12 @@ class SqlTableTransport(SqlDatabase, Transport):
                     .values(visible_at_us=hidden_until, receive_count=t.c.receive_count + 1)
                 )
         return [_received(r, receipt=r.seq, receive_count=r.receive_count + 1) for r in rows]
+
+    def _receiving(self, endpoint: str, max_messages: int, now: datetime) -> Select:
+        """The oldest visible messages of the queue, locked (those another receive holds are skipped)."""
+        t = self.messages
+        return (select(t).where(t.c.queue == endpoint, self._visible_now(now)).order_by(t.c.seq)
+                .limit(max_messages).with_for_update(skip_locked=True))
 
     can_peek = True
 

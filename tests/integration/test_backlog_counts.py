@@ -1,5 +1,6 @@
-"""The backlog's hourly counts on the real PostgreSQL: whatever writes the messages table (sends, claims, retries,
-moves, sweeps, cancels, reschedules, purges, a TRUNCATE), the counts give what counting the rows gives."""
+"""The backlog's counts per ten minutes of due time on the real PostgreSQL: whatever writes the messages table
+(sends, claims, retries, moves, sweeps, cancels, reschedules, purges, a TRUNCATE), the counts give what counting
+the rows gives."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from airflow_delay_provider.stores.tables import to_us
 from airflow_delay_provider.testing import InMemoryTransport
 from airflow_delay_provider.transports.sql import SqlTableTransport
 
-#: Due times over a week, around every bucket's limit and across hour boundaries.
-OFFSETS = [-120, -1, 0, 1, 59, 61, 3_599, 3_601, 86_399, 86_401, 5 * 86_400, 6.5 * 86_400]
+#: Due times over a week, around every bucket's limit and across slot boundaries.
+OFFSETS = [-120, -1, 0, 1, 59, 61, 599, 601, 3_599, 3_601, 86_399, 86_401, 5 * 86_400, 6.5 * 86_400]
 
 
 def _store(pg) -> SqlDelayedMessageStore:
@@ -117,8 +118,8 @@ def test_upkeep_sums_the_rows_of_changes_up(pg):
     store._upkeep_now()
     with store.engine.connect() as conn:
         groups = conn.execute(select(func.count()).select_from(
-            select(store.counts.c.hour).group_by(store.counts.c.destination, store.counts.c.hour).subquery())).scalar()
-    assert _count_rows(store) == groups < rows  # one row per destination and hour
+            select(store.counts.c.slot).group_by(store.counts.c.destination, store.counts.c.slot).subquery())).scalar()
+    assert _count_rows(store) == groups < rows  # one row per destination and slot
     assert store.backlog()["destinations"] == before["destinations"]
     Pump(store, _provisioned("orders")).run(stop_when_idle=True)  # its upkeep sums up the claims' rows too
     assert_counts_match(store)
@@ -160,9 +161,29 @@ def test_a_store_upgraded_with_rows_starts_with_their_counts(pg):
     old.store(_spread(100, "orders") + _spread(7, "billing"))
     assert not old._counted()
     store = SqlDelayedMessageStore(url, table=table, schema=schema)
-    assert store.migrate() == [6]
+    assert store.migrate() == [6, 7]
     assert_counts_match(store)
     assert store.backlog()["totals"]["scheduled"] == 107
+
+
+def test_hourly_counts_become_ten_minute_counts_with_their_rows(pg):
+    url, schema, table = pg
+    old = SqlDelayedMessageStore(url, table=table, schema=schema)
+    old.migrate(up_to=6)
+    old.store(_spread(140, "orders") + _spread(9, "billing"))
+    counts = old._qualified(old.counts.name)
+    with old.engine.connect() as conn:
+        hourly = conn.exec_driver_sql(f"SELECT sum(n), count(DISTINCT hour) FROM {counts}").one()
+    assert hourly[0] == 149
+    store = SqlDelayedMessageStore(url, table=table, schema=schema)
+    assert store.migrate() == [7]
+    with store.engine.connect() as conn:
+        total, slots = conn.execute(select(func.sum(store.counts.c.n),
+                                           func.count(store.counts.c.slot.distinct()))).one()
+    assert total == 149 and slots > hourly[1]  # 599 s and 601 s fall in two slots of one hour
+    assert_counts_match(store)
+    store.store(_spread(14, "orders", start=30))  # the triggers count new rows per slot too
+    assert_counts_match(store)
 
 
 def _provisioned(destination: str) -> InMemoryTransport:

@@ -7,7 +7,8 @@ import threading
 from datetime import timedelta
 
 import psycopg
-from sqlalchemy import text
+import pytest
+from sqlalchemy import inspect, text
 
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.message import DelayedMessage
@@ -16,6 +17,7 @@ from airflow_delay_provider.stores import upkeep
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
 from airflow_delay_provider.stores.upkeep import Thresholds
 from airflow_delay_provider.testing import InMemoryStore, InMemoryTransport
+from airflow_delay_provider.transports.sql import SqlTableTransport
 from tests.waiting import wait_for
 
 SMALL = Thresholds(analyze_base=500, analyze_fraction=0.0, vacuum_base=500, vacuum_fraction=0.0)
@@ -183,8 +185,71 @@ def test_a_migration_cancels_the_upkeep_instead_of_waiting_for_it(pg):
                     "AND query LIKE 'SELECT pg_sleep%'"), {"app": upkeep.APPLICATION_NAME}).first()
 
         wait_for(at_work, 30, "the stand-in upkeep to be at work")
-        assert store.migrate() == [6]
+        assert store.migrate() == [6, 7]
     finally:
         worker.join(timeout=150)
     assert outcome == ["cancelled"]
     assert store._counted()
+
+
+def test_a_queue_table_is_looked_after_by_its_consumers_and_pumps(pg, monkeypatch):
+    """Receives update the SQL-table queue's rows and acks delete them: where autovacuum is off or behind, the
+    processes that use the queue vacuum and analyse it (here a consumer's receives), as they do the store."""
+    monkeypatch.setattr(upkeep, "UPKEEP_CHECK_SECONDS", 0.0)
+    url, schema, table = pg
+    queue = SqlTableTransport(url, schema=schema, table_prefix=f"{table}_")
+    queue.provision("orders")
+    queue.upkeep_thresholds = SMALL
+    queue.send([DelayedMessage("orders", b"x", utcnow()) for _ in range(2000)])
+    while received := queue.receive("orders", max_messages=500):
+        queue.ack("orders", [m.receipt for m in received])
+
+    def looked_after() -> bool:
+        assert queue.receive("orders") == []  # each receive starts the upkeep when it is time
+        with queue.engine.connect() as conn:
+            return conn.execute(text("SELECT vacuum_count > 0 AND analyze_count > 0 FROM pg_stat_user_tables "
+                                     "WHERE relid = to_regclass(:t)"),
+                                {"t": queue._qualified(queue.messages.name)}).scalar()
+
+    wait_for(looked_after, 30, "the consumer's upkeep to vacuum and analyse the queue table")
+    store = SqlDelayedMessageStore(url, table=table, schema=schema)
+    assert queue._upkeep_key() != store._upkeep_key()  # neither waits for the other's turn
+
+
+def test_pumps_call_the_transports_upkeep_too():
+    calls = []
+
+    class Transport(InMemoryTransport):
+        def upkeep(self) -> None:
+            calls.append(1)
+
+    store = InMemoryStore()
+    store.store([DelayedMessage("orders", b"x", utcnow()) for _ in range(5)])
+    transport = Transport()
+    transport.provision("orders")
+    Pump(store, transport).run(stop_when_idle=True)
+    assert len(calls) >= 2
+
+
+@pytest.mark.parametrize("database", ["postgresql", "sqlite"])
+def test_a_queue_table_from_before_gets_its_queue_order_index(pg, tmp_path, database):
+    url, schema, table = pg
+    if database == "sqlite":
+        url, schema = f"sqlite:///{tmp_path}/q.db", None
+    queue = SqlTableTransport(url, schema=schema, table_prefix=f"{table}_")
+    queue.provision("orders")
+    queue.send([DelayedMessage("orders", b"kept", utcnow())])
+    new = next(iter(queue.messages.indexes)).name
+    with queue.engine.begin() as conn:  # the table as an earlier release made it
+        conn.exec_driver_sql(f"DROP INDEX {queue._qualified(new)}")
+        conn.exec_driver_sql(f"CREATE INDEX {queue._old_index} ON {queue._qualified(queue.messages.name)} "
+                             "(queue, visible_at_us, seq)")
+
+    def indexes() -> set[str]:
+        with queue.engine.connect() as conn:
+            return {ix["name"] for ix in inspect(conn).get_indexes(queue.messages.name, schema=schema)}
+
+    assert queue._old_index in indexes() and new not in indexes()
+    queue.provision("billing")
+    assert new in indexes() and queue._old_index not in indexes()
+    assert [m.body for m in queue.receive("orders")] == [b"kept"]
