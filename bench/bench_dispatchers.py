@@ -8,7 +8,10 @@ queues in the same database. For each N:
    an application_name of this run's own), and how many of them LISTEN;
 2. lateness: single messages to random teams, one every --interval s, each due 1-2 s after it is stored; a
    message's lateness is its queue row's enqueued time minus its due time (both on the database's clock);
-3. event-loop lag: a task sleeps 50 ms again and again; each sleep's overshoot, while step 2 runs.
+3. event-loop lag: a task sleeps 50 ms again and again; each sleep's overshoot, while step 2 runs; and the lag as
+   Airflow's triggerer reports it: its watchdog sleeps 100 ms again and again and, when one took longer than
+   `[triggerer] blocked_main_thread_warning_threshold` (0.2 s by default), logs that the async thread was blocked
+   and counts `triggers.blocked_main_thread`; the same watchdog runs here and its count is reported.
 
 A send names its destination in the wake-up it sends (see listener.sooner): only the dispatcher of that team
 wakes and reads its next due time again; the others sleep on.
@@ -102,11 +105,20 @@ def percentile(values: list[float], p: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[p - 1] if len(values) > 1 else values[0]
 
 
-async def lag_probe(lags: list[float], stop: asyncio.Event) -> None:
+async def lag_probe(lags: list[float], stop: asyncio.Event, tick: float = LAG_TICK) -> None:
     while not stop.is_set():
         started = time.monotonic()
-        await asyncio.sleep(LAG_TICK)
-        lags.append(time.monotonic() - started - LAG_TICK)
+        await asyncio.sleep(tick)
+        lags.append(time.monotonic() - started - tick)
+
+
+def blocked(watchdog: list[float]) -> int:
+    """How many times Airflow's triggerer watchdog (100 ms sleeps, TriggerRunner.block_watchdog) would have
+    reported its async thread blocked, at the configured threshold."""
+    from airflow.configuration import conf
+
+    threshold = conf.getfloat("triggerer", "blocked_main_thread_warning_threshold")
+    return sum(1 for lag in watchdog if lag + 0.1 > threshold)
 
 
 class Bench:
@@ -179,8 +191,9 @@ class Bench:
         log(f"{n} dispatcher(s) asleep after {time.monotonic() - started:.1f} s")
         held, listening = await asyncio.to_thread(self.backends)
         lags: list[float] = []
+        watchdog: list[float] = []
         stop = asyncio.Event()
-        probe = asyncio.create_task(lag_probe(lags, stop))
+        probe = asyncio.gather(lag_probe(lags, stop), lag_probe(watchdog, stop, 0.1))
         prefix = f"n{n}-"
         for k in range(self.args.messages):
             await loop.run_in_executor(self.sending, self.send, f"team-{random.randrange(n)}-orders", f"{prefix}{k}")
@@ -197,7 +210,8 @@ class Bench:
         await asyncio.gather(*tasks, return_exceptions=True)
         after = await asyncio.to_thread(self.backends)
         row = {"dispatchers": n, "connections": held, "listening": listening, "lag_p50": percentile(lags, 50),
-               "lag_p99": percentile(lags, 99), "lag_max": max(lags), "delivered": len(late),
+               "lag_p99": percentile(lags, 99), "lag_max": max(lags), "airflow_blocked": blocked(watchdog),
+               "delivered": len(late),
                "sent": self.args.messages, "lateness_p50": percentile(late, 50) if late else None,
                "lateness_p99": percentile(late, 99) if late else None, "listening_after_close": after[1]}
         log(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
@@ -211,15 +225,17 @@ def report(bench: Bench, info: dict) -> None:
           f"{args.poll_interval:g} s); {args.messages} single messages of 200 B per N to random teams, one every "
           f"{args.interval:g} s, each due 1-2 s after it was stored. Connections: backends with this process's "
           f"application_name while every dispatcher sleeps (the pool's, shared by all, and LISTEN); loop lag: "
-          f"overshoot of {LAG_TICK * 1000:.0f} ms sleeps while the messages flow.\n")
-    print("| dispatchers | connections while waiting (LISTEN) | loop lag p50 / p99 / max | lateness p50 / p99 |"
-          " delivered |")
-    print("|---:|---:|---:|---:|---:|")
+          f"overshoot of {LAG_TICK * 1000:.0f} ms sleeps while the messages flow; blocked: the times Airflow's "
+          "triggerer watchdog would have logged its async thread blocked (triggers.blocked_main_thread).\n")
+    print("| dispatchers | connections while waiting (LISTEN) | loop lag p50 / p99 / max | blocked (Airflow) | "
+          "lateness p50 / p99 | delivered |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for r in bench.rows:
         late = "-" if r["lateness_p50"] is None else \
             f"{r['lateness_p50'] * 1000:.0f} / {r['lateness_p99'] * 1000:.0f} ms"
         print(f"| {r['dispatchers']} | {r['connections']} ({r['listening']}) | {r['lag_p50'] * 1000:.1f} / "
-              f"{r['lag_p99'] * 1000:.1f} / {r['lag_max'] * 1000:.0f} ms | {late} | {r['delivered']}/{r['sent']} |")
+              f"{r['lag_p99'] * 1000:.1f} / {r['lag_max'] * 1000:.0f} ms | {r['airflow_blocked']} | {late} | "
+              f"{r['delivered']}/{r['sent']} |")
 
 
 def interrupt(_signum, _frame) -> None:
@@ -233,7 +249,7 @@ def main() -> None:
                                                            "postgresql+psycopg://postgres@127.0.0.1:5432/test"))
     parser.add_argument("--dispatchers", type=lambda s: [int(x) for x in s.split(",")], default=[1, 10, 50],
                         help="dispatcher counts, one row each (default 1,10,50)")
-    parser.add_argument("--messages", type=int, default=30, help="single messages per row")
+    parser.add_argument("--messages", type=int, default=100, help="single messages per row")
     parser.add_argument("--interval", type=float, default=0.5, help="seconds between two messages")
     parser.add_argument("--poll-interval", type=float, default=30.0, help="the triggers' longest sleep")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")

@@ -240,7 +240,10 @@ class Soak:
                  "pg_total_relation_size(relid), n_tup_ins FROM pg_stat_user_tables WHERE relid = %s::regclass")
         row = self.conn.execute(stats, [self.store.table.fullname]).fetchone()
         queue = self.conn.execute(stats, [self.queue.messages.fullname]).fetchone()
+        ids = self.conn.execute(stats, [self.store.ids.fullname]).fetchone()
         return {"rows": row[0], "dead": row[1], "vacuums": row[2], "analyses": row[3], "size_mb": row[4] / 2**20,
+                # Ids accepted within the de-duplication window (a day by default): they grow for a day.
+                "ids_mb": ids[4] / 2**20,
                 # What the pump moved: rows inserted into the queue table (the consumer's pace is its own).
                 "queue_inserts": queue[5], "queue_rows": queue[0], "queue_dead": queue[1],
                 "queue_vacuums": queue[2], "queue_mb": queue[4] / 2**20}
@@ -271,7 +274,8 @@ class Soak:
             log(f"minute {m + 1}: claimed {row['rate']:,.0f} msg/s, received {row['received']:,.0f} msg/s, lateness "
                 f"p50 {row['p50_ms'] or 0:.0f} ms p99 {row['p99_ms'] or 0:.0f} ms, {row['rows']:,} rows, "
                 f"{row['dead']:,} dead, {row['size_mb']:,.0f} MB, {row['vacuums']} vacuums, {row['analyses']} "
-                f"analyses; queue {row['queue_rows']:,} rows, {row['queue_dead']:,} dead, {row['queue_mb']:,.0f} MB")
+                f"analyses; queue {row['queue_rows']:,} rows, {row['queue_dead']:,} dead, {row['queue_mb']:,.0f} "
+                f"MB; ids {row['ids_mb']:,.0f} MB")
         sent = json.loads(sender.communicate(timeout=120)[0].splitlines()[-1])["sent"]
         pumped = json.loads(pumper.communicate(timeout=120)[0].splitlines()[-1])
         out = consumer.communicate(timeout=120)[0].splitlines()
@@ -297,13 +301,13 @@ def report(r: dict) -> None:
           f"with {r['prefilled']:,} messages (the backlog of a day of such sends: rate x mean delay, unless --prefill "
           "said otherwise); PostgreSQL as shipped.\n")
     print("| minute | claimed msg/s | received msg/s | lateness p50 | p99 | rows | dead rows | table + indexes | "
-          "vacuums | analyses | queue rows | queue dead | queue MB |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "vacuums | analyses | queue rows | queue dead | queue MB | ids table MB |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print(f"| {row['minute']} | {row['rate']:,.0f} | {row['received']:,.0f} | {row['p50_ms'] or 0:.0f} ms | "
               f"{row['p99_ms'] or 0:.0f} ms | {row['rows']:,} | {row['dead']:,} | {row['size_mb']:,.0f} MB | "
               f"{row['vacuums']} | {row['analyses']} | {row['queue_rows']:,} | {row['queue_dead']:,} | "
-              f"{row['queue_mb']:,.0f} |")
+              f"{row['queue_mb']:,.0f} | {row['ids_mb']:,.0f} |")
     span = min(10, max(1, len(rows) // 3))
     first, last = rows[:span], rows[-span:]
 

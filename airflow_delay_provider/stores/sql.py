@@ -204,6 +204,9 @@ class SqlDelayedMessageStore(
     def _kept_tables(self) -> tuple:
         return (self.table, self.ids, self.counts) if self._counted() else (self.table, self.ids)
 
+    def _rebuilt_tables(self) -> tuple:
+        return (self.table,)
+
     def _analyzed_tables(self) -> tuple:
         return (self.table,)  # the claims' plans need statistics; the other tables are read by key
 

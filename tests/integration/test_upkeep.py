@@ -10,11 +10,13 @@ import psycopg
 import pytest
 from sqlalchemy import inspect, text
 
+from airflow_delay_provider.core.backlog import Selector
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.pump import Pump
 from airflow_delay_provider.stores import upkeep
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
+from airflow_delay_provider.stores.tables import to_us
 from airflow_delay_provider.stores.upkeep import Thresholds
 from airflow_delay_provider.testing import InMemoryStore, InMemoryTransport
 from airflow_delay_provider.transports.sql import SqlTableTransport
@@ -253,3 +255,49 @@ def test_a_queue_table_from_before_gets_its_queue_order_index(pg, tmp_path, data
     queue.provision("billing")
     assert new in indexes() and queue._old_index not in indexes()
     assert [m.body for m in queue.receive("orders")] == [b"kept"]
+
+
+def _index_pages(store: SqlDelayedMessageStore) -> dict[str, int]:
+    with store.engine.connect() as conn:
+        return dict(conn.execute(text(
+            "SELECT c.relname, pg_relation_size(c.oid) / 8192 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+            "WHERE i.indrelid = to_regclass(:t)"), {"t": store._qualified(store.table_name)}).all())
+
+
+def test_indexes_left_sparse_by_mixed_delays_are_rebuilt(pg):
+    """Ids and default message ids grow with time, and messages due hours later keep a few entries on every page
+    of their indexes after the rest were delivered: the upkeep rebuilds such an index (writes going on), leaves
+    the due index (which empties from its left edge) and the rest alone, and drops an interrupted rebuild's copy."""
+    url, schema, table = pg
+    store = SqlDelayedMessageStore(url, table=table, schema=schema)
+    store.create_schema()
+    store.upkeep_thresholds = Thresholds(rebuild_min_pages=64)
+    name = store._qualified(store.table_name)
+    now = to_us(store.clock())
+    with store.engine.begin() as conn:
+        # 100,000 messages in order of sending, one in 50 due a day later, the others due within the minute.
+        conn.execute(text(f"INSERT INTO {name} (message_id, destination, body, headers, due_at_us, stored_at_us) "
+                          "SELECT 'm-' || lpad(g::text, 12, '0'), 'orders', '\\x00', '{}', "
+                          "CASE WHEN g % 50 = 0 THEN :later ELSE :soon END, 0 FROM generate_series(1, 100000) g"),
+                     {"later": now + 86_400_000_000, "soon": now + 60_000_000})
+        # An interrupted rebuild's leftover: an invalid index named as REINDEX CONCURRENTLY names its copy.
+    with store.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.exec_driver_sql(f"VACUUM ANALYZE {name}")
+        before = _index_pages(store)
+        with pytest.raises(Exception, match="could not create unique index"):
+            conn.exec_driver_sql(f'CREATE UNIQUE INDEX CONCURRENTLY "{store.table_name}_due_ccnew" ON {name} '
+                                 "(due_at_us)")
+        assert f"{store.table_name}_due_ccnew" in _index_pages(store)
+        assert store._upkeep_now() == []  # packed: nothing to rebuild
+        conn.exec_driver_sql(f"DELETE FROM {name} WHERE due_at_us < {now + 3_600_000_000}")  # delivered
+        conn.exec_driver_sql(f"VACUUM ANALYZE {name}")
+    sparse = _index_pages(store)
+    assert f"{store.table_name}_due_ccnew" not in sparse  # dropped by the check above
+    rebuilt = {index.split(".")[-1].strip('"'): work for index, work, _ in store._upkeep_now() if work == "reindex"}
+    assert rebuilt == {f"{store.table_name}_pkey": "reindex", f"{store.table_name}_message_id_key": "reindex"}
+    after = _index_pages(store)
+    for index in rebuilt:
+        assert after[index] < sparse[index] / 10 and sparse[index] == before[index]
+    assert after[f"ix_{store.table_name}_due"] == sparse[f"ix_{store.table_name}_due"]  # its empty pages get reused
+    assert store.backlog()["totals"]["scheduled"] == 2000
+    assert len(store.browse(Selector(destination="orders"), limit=5)["messages"]) == 5
