@@ -158,7 +158,10 @@ class TableUpkeep:
             conn.exec_driver_sql(f"DROP INDEX CONCURRENTLY IF EXISTS {leftover} /* {name} */")
         done = []
         indexes = conn.execute(text(
-            "SELECT i.indexrelid::regclass::text, pg_relation_size(i.indexrelid) / 8192, c.reltuples, "
+            # The entries: the last count (VACUUM, ANALYZE), or the live rows now if more (after a bulk load, before
+            # its ANALYZE, the index is full, not sparse).
+            "SELECT i.indexrelid::regclass::text, pg_relation_size(i.indexrelid) / 8192, greatest(c.reltuples, "
+            "(SELECT n_live_tup FROM pg_stat_user_tables WHERE relid = i.indrelid)), "
             "array_agg(quote_ident(a.attname) ORDER BY k.n) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
             "JOIN pg_am am ON am.oid = c.relam AND am.amname = 'btree' "
             "CROSS JOIN LATERAL unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, n) "

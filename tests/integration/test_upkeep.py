@@ -301,3 +301,29 @@ def test_indexes_left_sparse_by_mixed_delays_are_rebuilt(pg):
     assert after[f"ix_{store.table_name}_due"] == sparse[f"ix_{store.table_name}_due"]  # its empty pages get reused
     assert store.backlog()["totals"]["scheduled"] == 2000
     assert len(store.browse(Selector(destination="orders"), limit=5)["messages"]) == 5
+
+
+def test_an_index_filled_by_a_bulk_load_is_not_taken_for_sparse(pg):
+    """After a bulk load the statistics still count the rows from before it: the index's size is new entries,
+    not empty space, and rebuilding it then would compete with the pumps for nothing."""
+    url, schema, table = pg
+    store = SqlDelayedMessageStore(url, table=table, schema=schema)
+    store.create_schema()
+    store.upkeep_thresholds = Thresholds(rebuild_min_pages=64)
+    name = store._qualified(store.table_name)
+    insert = text(f"INSERT INTO {name} (message_id, destination, body, headers, due_at_us, stored_at_us) "
+                  "SELECT 'm-' || lpad(g::text, 12, '0'), 'orders', '\\x00', '{}', :due, 0 "
+                  "FROM generate_series(CAST(:first AS int), CAST(:last AS int)) g")
+    with store.engine.begin() as conn:
+        conn.execute(insert, {"due": to_us(store.clock()) + 3_600_000_000, "first": 1, "last": 5_000})
+    with store.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.exec_driver_sql(f"VACUUM ANALYZE {name}")
+        conn.execute(insert, {"due": to_us(store.clock()) + 3_600_000_000, "first": 5_001, "last": 200_000})
+    wait_for(lambda: (_live(store) or 0) >= 200_000, 10, "the insert counters")
+    assert [work for _, work, _ in store._upkeep_now() if work == "reindex"] == []
+
+
+def _live(store: SqlDelayedMessageStore) -> int:
+    with store.engine.connect() as conn:
+        return conn.execute(text("SELECT n_live_tup FROM pg_stat_user_tables WHERE relid = to_regclass(:t)"),
+                            {"t": store._qualified(store.table_name)}).scalar()
