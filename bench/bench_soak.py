@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_store import libpq, peak_rss_mb, pyplot  # noqa: E402
-from bench_throughput import interrupt, log, percentile, save_figure  # noqa: E402
+from bench_throughput import Children, interrupt, log, percentile, save_figure  # noqa: E402
 from machine import describe, machine  # noqa: E402
 
 from airflow_delay_provider.core.message import DelayedMessage  # noqa: E402
@@ -158,19 +158,14 @@ class Soak:
     def __init__(self, args) -> None:
         self.args = args
         self.schema = f"adp_soak_{uuid.uuid4().hex[:8]}"
-        self.procs: list[subprocess.Popen] = []
+        self.children = Children()
         self.r: dict = {"minutes": args.minutes, "delays": [list(d) for d in DELAYS], "mean_delay_s": MEAN_DELAY}
 
     def spec(self, **fields) -> dict:
         return {"url": self.args.pg_url, "schema": self.schema, **fields}
 
     def start(self, spec: dict) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], stdout=subprocess.PIPE,
-                                text=True)
-        self.procs.append(proc)
-        if proc.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"child {spec['role']} did not start (see its stderr above)")
-        return proc
+        return self.children.start(spec, script=__file__)
 
     def setup(self) -> None:
         self.store = SqlDelayedMessageStore(self.args.pg_url, schema=self.schema)
@@ -180,10 +175,7 @@ class Soak:
         self.conn = psycopg.connect(libpq(self.args.pg_url), autocommit=True)
 
     def teardown(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        self.children.kill_all()
         for close in (self.store.close, self.queue.close, self.conn.close):
             with contextlib.suppress(Exception):
                 close()
@@ -203,9 +195,9 @@ class Soak:
         consumer = self.start(self.spec(role="consume", seconds=seconds, max_ids=8))
         pumper = self.start(self.spec(role="pump", deadline=deadline))
         sender = self.start(self.spec(role="send", seconds=seconds, due_now=True, prefix="max-"))
-        sent = json.loads(sender.communicate(timeout=seconds + 120)[0].splitlines()[-1])["sent"]
-        pumper.communicate(timeout=seconds + 120)
-        received = json.loads(consumer.communicate(timeout=seconds + 120)[0].splitlines()[-1])["received"]
+        sent = Children.result(sender, seconds + 120)["sent"]
+        Children.result(pumper, seconds + 120)
+        received = Children.result(consumer, seconds + 120)["received"]
         log(f"maximum: {sent / seconds:,.0f} msg/s stored, {received / seconds:,.0f} msg/s through to the consumer")
         self.r["max_stored_rate"] = sent / seconds
         for table in (self.queue.messages, self.store.table, self.store.ids):
@@ -276,10 +268,9 @@ class Soak:
                 f"{row['dead']:,} dead, {row['size_mb']:,.0f} MB, {row['vacuums']} vacuums, {row['analyses']} "
                 f"analyses; queue {row['queue_rows']:,} rows, {row['queue_dead']:,} dead, {row['queue_mb']:,.0f} "
                 f"MB; ids {row['ids_mb']:,.0f} MB")
-        sent = json.loads(sender.communicate(timeout=120)[0].splitlines()[-1])["sent"]
-        pumped = json.loads(pumper.communicate(timeout=120)[0].splitlines()[-1])
-        out = consumer.communicate(timeout=120)[0].splitlines()
-        got = json.loads(out[-1])
+        sent = Children.result(sender, 120)["sent"]
+        pumped = Children.result(pumper, 120)
+        got = Children.result(consumer, 120)
         # Every numbered message was received or is still stored (not due yet) or waits in the queue.
         stored = self.conn.execute(f"SELECT count(*) FROM {self.store.table.fullname} WHERE message_id LIKE "
                                    "'soak-%%'").fetchone()[0]

@@ -90,7 +90,8 @@ class TableUpkeep:
 
         try:
             with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                if not conn.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": self._upkeep_key()}).scalar():
+                key = self._upkeep_key()
+                if not conn.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": key}).scalar():
                     return []  # another process is at it
                 driver = conn.connection.driver_connection
                 driver.add_notice_handler(on_notice)
@@ -104,7 +105,7 @@ class TableUpkeep:
                     # The connection goes back to the pool: its next user gets the server's settings.
                     driver.remove_notice_handler(on_notice)
                     conn.execute(text("RESET lock_timeout; RESET application_name; RESET vacuum_cost_delay"))
-                    conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": self._upkeep_key()})
+                    conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": key})
         except Exception as exc:  # an outage, a lock, a migration: the pumps meet outages under their breakers
             log.warning("upkeep of %r skipped: %s", self, exc)  # repr: no password, no query of an unreachable db
             return []

@@ -271,20 +271,22 @@ class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
                 )
         return [_received(r, receipt=r.seq, receive_count=r.receive_count + 1) for r in rows]
 
+    def _visible_in_order(self, endpoint: str, max_messages: int, now: datetime) -> Select:
+        """The oldest visible messages of the queue."""
+        t = self.messages
+        return select(t).where(t.c.queue == endpoint, self._visible_now(now)).order_by(t.c.seq).limit(max_messages)
+
     def _receiving(self, endpoint: str, max_messages: int, now: datetime) -> Select:
         """The oldest visible messages of the queue, locked (those another receive holds are skipped)."""
-        t = self.messages
-        return (select(t).where(t.c.queue == endpoint, self._visible_now(now)).order_by(t.c.seq)
-                .limit(max_messages).with_for_update(skip_locked=True))
+        return self._visible_in_order(endpoint, max_messages, now).with_for_update(skip_locked=True)
 
     can_peek = True
 
     def peek(self, endpoint: str, max_messages: int = 10) -> list[ReceivedMessage]:
         """A plain SELECT of the visible messages, oldest first: nothing is locked, hidden or counted."""
-        t = self.messages
-        query = (select(t).where(t.c.queue == endpoint, self._visible_now(self.clock()))
-                 .order_by(t.c.seq).limit(max_messages))
+        query = self._visible_in_order(endpoint, max_messages, self.clock())
         with self._errors(f"peek at queue {endpoint!r}"), self.engine.connect() as conn:
+            self.in_index_order(conn)  # as a receive reads it: the batch, not every visible message sorted
             rows = conn.execute(query).all()
         return [_received(r, receipt=None, receive_count=r.receive_count) for r in rows]
 
