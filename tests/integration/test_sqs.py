@@ -52,7 +52,11 @@ def test_multi_cycle_delay_arrives_intact_and_not_early(sqs_client, cycles):
     arrived, m = got[0]
     assert (m.message_id, m.body, m.headers) == ("mc-1", b"\xff binary \x00", {"k": "v"})
     assert arrived >= due
-    assert handed == 1 and relayed >= cycles - 1
+    # Relayed through the delay queue at least once, then handed over once. How many relays it took depends on
+    # how soon after each cycle the relay polled: a relay that polls late sees at most a cycle left and hands the
+    # message to the destination with the rest as the broker's own delay (asserting cycles - 1 relays failed
+    # once on a busy machine: 1 of 2). Not early is asserted above.
+    assert handed == 1 and relayed >= 1
 
 
 def test_native_delay_and_missing_delay_queue(sqs_client):
