@@ -15,8 +15,13 @@ analyses of it so far (by autovacuum or the store's upkeep), and the queue table
 At the end it checks that every message sent was delivered once or is still stored, and none early, and
 prints the first ten minutes against the last ten.
 
+--hold-snapshot MINUTE:SECONDS opens a REPEATABLE READ transaction in another session at the start of that minute
+and holds its snapshot that long (as a backup, a report or an index rebuild does): no row deleted meanwhile can
+be vacuumed, and the minutes show what that costs the pump and the consumer.
+
     .venv/bin/python bench/bench_soak.py --minutes 60 --plot docs/bench_soak.png   # the README's figures
     .venv/bin/python bench/bench_soak.py                                          # 3 minutes (make bench)
+    .venv/bin/python bench/bench_soak.py --minutes 6 --hold-snapshot 2:90         # a snapshot held for 90 s
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -233,12 +239,30 @@ class Soak:
         row = self.conn.execute(stats, [self.store.table.fullname]).fetchone()
         queue = self.conn.execute(stats, [self.queue.messages.fullname]).fetchone()
         ids = self.conn.execute(stats, [self.store.ids.fullname]).fetchone()
+        # The oldest snapshot any session of the database holds: no row deleted after it can be vacuumed.
+        oldest = self.conn.execute("SELECT coalesce(max(extract(epoch FROM now() - xact_start)), 0) FROM "
+                                   "pg_stat_activity WHERE datname = current_database() AND backend_xmin IS NOT "
+                                   "NULL AND pid <> pg_backend_pid()").fetchone()[0]
         return {"rows": row[0], "dead": row[1], "vacuums": row[2], "analyses": row[3], "size_mb": row[4] / 2**20,
                 # Ids accepted within the de-duplication window (a day by default): they grow for a day.
                 "ids_mb": ids[4] / 2**20,
                 # What the pump moved: rows inserted into the queue table (the consumer's pace is its own).
                 "queue_inserts": queue[5], "queue_rows": queue[0], "queue_dead": queue[1],
-                "queue_vacuums": queue[2], "queue_mb": queue[4] / 2**20}
+                "queue_vacuums": queue[2], "queue_mb": queue[4] / 2**20, "oldest_snapshot_s": float(oldest)}
+
+    def hold_snapshot(self, at: float, seconds: float) -> None:
+        """In a thread: at `at` (time.monotonic()) open a REPEATABLE READ transaction, read, hold it `seconds`."""
+
+        def hold() -> None:
+            time.sleep(max(0.0, at - time.monotonic()))
+            with psycopg.connect(libpq(self.args.pg_url)) as conn:
+                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                conn.execute(f"SELECT count(*) FROM {self.queue.queues.fullname}").fetchone()
+                log(f"holding a snapshot for {seconds:.0f} s")
+                time.sleep(seconds)
+            log("snapshot released")
+
+        threading.Thread(target=hold, daemon=True).start()
 
     def run(self) -> None:
         top = self.args.rate or self.max_rate() / 2
@@ -255,6 +279,10 @@ class Soak:
         sender = self.start(self.spec(role="send", rate=top, seconds=seconds))
         minutes = []
         inserted, at = self.sample()["queue_inserts"], time.monotonic()
+        if self.args.hold_snapshot:
+            minute, held = (float(x) for x in self.args.hold_snapshot.split(":"))
+            self.r["held_snapshot"] = {"minute": minute, "seconds": held}
+            self.hold_snapshot(at + (minute - 1) * 60, held)
         for m in range(self.args.minutes):
             line = json.loads(consumer.stdout.readline())
             sampled = self.sample()
@@ -267,7 +295,7 @@ class Soak:
                 f"p50 {row['p50_ms'] or 0:.0f} ms p99 {row['p99_ms'] or 0:.0f} ms, {row['rows']:,} rows, "
                 f"{row['dead']:,} dead, {row['size_mb']:,.0f} MB, {row['vacuums']} vacuums, {row['analyses']} "
                 f"analyses; queue {row['queue_rows']:,} rows, {row['queue_dead']:,} dead, {row['queue_mb']:,.0f} "
-                f"MB; ids {row['ids_mb']:,.0f} MB")
+                f"MB; ids {row['ids_mb']:,.0f} MB; oldest snapshot {row['oldest_snapshot_s']:.0f} s")
         sent = Children.result(sender, 120)["sent"]
         pumped = Children.result(pumper, 120)
         got = Children.result(consumer, 120)
@@ -290,15 +318,17 @@ def report(r: dict) -> None:
              if "max_rate" in r else "")
           + f"; delays 80% 1-60 s, 15% 1-60 min, 5% 1 h-1 day (mean {r['mean_delay_s']:,.0f} s); store prefilled "
           f"with {r['prefilled']:,} messages (the backlog of a day of such sends: rate x mean delay, unless --prefill "
-          "said otherwise); PostgreSQL as shipped.\n")
+          "said otherwise); PostgreSQL as shipped"
+          + (f"; a snapshot held for {r['held_snapshot']['seconds']:.0f} s from the start of minute "
+             f"{r['held_snapshot']['minute']:.0f}" if r.get("held_snapshot") else "") + ".\n")
     print("| minute | claimed msg/s | received msg/s | lateness p50 | p99 | rows | dead rows | table + indexes | "
-          "vacuums | analyses | queue rows | queue dead | queue MB | ids table MB |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "vacuums | analyses | queue rows | queue dead | queue MB | ids table MB | oldest snapshot |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print(f"| {row['minute']} | {row['rate']:,.0f} | {row['received']:,.0f} | {row['p50_ms'] or 0:.0f} ms | "
               f"{row['p99_ms'] or 0:.0f} ms | {row['rows']:,} | {row['dead']:,} | {row['size_mb']:,.0f} MB | "
               f"{row['vacuums']} | {row['analyses']} | {row['queue_rows']:,} | {row['queue_dead']:,} | "
-              f"{row['queue_mb']:,.0f} | {row['ids_mb']:,.0f} |")
+              f"{row['queue_mb']:,.0f} | {row['ids_mb']:,.0f} | {row.get('oldest_snapshot_s', 0):.0f} s |")
     span = min(10, max(1, len(rows) // 3))
     first, last = rows[:span], rows[-span:]
 
@@ -353,6 +383,8 @@ def main() -> None:
     parser.add_argument("--rate", type=float, help="messages per second to send (default: half the measured maximum)")
     parser.add_argument("--prefill", type=int, help="messages stored before it starts (default: the backlog of a "
                         "day of sends, rate x mean delay)")
+    parser.add_argument("--hold-snapshot", metavar="MINUTE:SECONDS",
+                        help="hold a snapshot in another session from the start of MINUTE for SECONDS")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "soak.json")
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--child", help=argparse.SUPPRESS)

@@ -40,6 +40,7 @@ from airflow_delay_provider.stores.backlog import BacklogControls
 from airflow_delay_provider.stores.destinations import DestinationSettings
 from airflow_delay_provider.stores.engine import (
     KEEPALIVES,
+    IndexStart,
     SqlDatabase,
     copy_rows,
     engine_url,
@@ -78,6 +79,8 @@ SQLITE_POLL_SECONDS = 0.5
 DEFAULT_DEDUP_WINDOW_SECONDS = 86_400
 #: A send to more destinations than this wakes every waiting pump with one notification, naming none.
 _NAMED_WAKEUPS = 16
+#: How far before its clock a reading of where claims start marks the due times of rows written after it.
+_START_MARGIN_US = 1_000_000
 #: Expired ids are deleted at most this often per store object.
 _EXPIRE_EVERY_SECONDS = 60.0
 
@@ -165,6 +168,7 @@ class SqlDelayedMessageStore(
         self._alistener = None  # this object's place on the loop's shared LISTEN connection
         self._scope: list = []  # conditions every claim and read of this store object adds
         self._wants: Callable[[str], bool] | None = None  # the destinations it serves, when restricted
+        self._due_start = IndexStart()  # where this object's claims start reading the due index
 
     def restrict(
         self, destinations: Collection[str] | None = None, prefix: str | None = None, due_from: datetime | None = None
@@ -174,6 +178,7 @@ class SqlDelayedMessageStore(
         so one store can serve several teams' dispatchers, or a sweep its window. Returns self."""
         t = self.table
         self._scope = []
+        self._due_start = IndexStart()
         wanted = []
         names = frozenset(destinations or ())
         if names:
@@ -349,11 +354,30 @@ class SqlDelayedMessageStore(
         t = self.table
         due = select(t.c.id).where(t.c.due_at_us <= to_us(now), self._unleased(to_us(now)), self._not_paused(),
                                    self._dispatchable(), *self._scope)
+        if self.is_postgres and (start := self._claims_start(now)):
+            due = due.where(t.c.due_at_us >= start)
         if due_before is not None:
             due = due.where(t.c.due_at_us < to_us(due_before))
         if exclude:
             due = due.where(t.c.destination.not_in(list(exclude)))
         return due.order_by(t.c.due_at_us, t.c.id).limit(limit).with_for_update(skip_locked=True)
+
+    def _claims_start(self, now: datetime) -> int:
+        """Where claims start reading the due index (engine.IndexStart): the earliest due time a claim could take
+        (future ones too), and as the mark this clock's time less `_START_MARGIN_US` (senders' due times are never
+        before their own clock, which lags the database's by at most a round trip)."""
+        start = self._due_start
+        full = start.reading()
+        if full is None:
+            return start.value
+        t, now_us = self.table, to_us(now)
+        first = select(func.min(t.c.due_at_us)).where(self._unleased(now_us), self._not_paused(), self._dispatchable(),
+                                                      *self._scope)
+        if not full:
+            first = first.where(t.c.due_at_us >= start.value)
+        with self._errors("read where claims start"), self.engine.begin() as conn:
+            self.in_index_order(conn)
+            return start.read(full, conn.execute(first).scalar(), to_us(self.clock()) - _START_MARGIN_US)
 
     def claimed(self, ids):
         """The condition on the table's rows whose ids the subquery `ids` gives."""
@@ -391,7 +415,12 @@ class SqlDelayedMessageStore(
             query = query.where(t.c.due_at_us < to_us(due_before))
         with self._errors("read the next due time"), self.engine.connect() as conn:
             value = conn.execute(query).scalar()
-        return None if value is None else from_us(value)
+        if value is None:
+            return None
+        # Read from the beginning: a message made due before where claims start (rescheduled, resumed) is taken
+        # at the pump's next claim, not the next full reading.
+        self._due_start.lower(value)
+        return from_us(value)
 
     def count_scheduled(self, due_before: datetime | None = None, destination: str | None = None) -> dict[str, int]:
         t = self.table

@@ -47,6 +47,7 @@ from airflow_delay_provider.core.errors import DestinationNotFoundError
 from airflow_delay_provider.core.message import DelayedMessage, check_destination
 from airflow_delay_provider.core.ports import DelayedMessageStore, ReceivedMessage, Transport
 from airflow_delay_provider.stores.engine import (
+    IndexStart,
     SqlDatabase,
     check_identifier,
     copy_rows,
@@ -101,6 +102,9 @@ class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
         )
         #: The index queue tables had before: replaced when the tables are next created or provisioned.
         self._old_index = f"ix_{table_prefix}queue_messages_visible"
+        #: Per queue: where its receives start (see `_start_of`).
+        self._starts: dict[str, IndexStart] = {}
+        self._sequence: str | None = None
 
     def __repr__(self) -> str:
         return f"SqlTableTransport({safe_url(self.url)!r}, schema={self.schema!r})"
@@ -258,11 +262,11 @@ class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
         self.upkeep()  # consumers call this in a loop: their process looks after the table if no pump does
         t = self.messages
         now = self.clock()
-        query = self._receiving(endpoint, max_messages, now)
         hidden_until = to_us(now + timedelta(seconds=visibility_timeout))
         with self._errors(f"receive from queue {endpoint!r}"), self.engine.begin() as conn:
             self.in_index_order(conn)
-            rows = conn.execute(query).all()
+            start = self._start_of(conn, endpoint, now) if self.is_postgres else 0
+            rows = conn.execute(self._receiving(endpoint, max_messages, now, start)).all()
             if rows:
                 conn.execute(
                     update(t)
@@ -271,14 +275,36 @@ class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
                 )
         return [_received(r, receipt=r.seq, receive_count=r.receive_count + 1) for r in rows]
 
+    def _start_of(self, conn: Connection, endpoint: str, now: datetime) -> int:
+        """Where a receive starts reading the queue (engine.IndexStart): the first seq that is visible or turns
+        visible before the next full reading, and the queue sequence's value as the mark."""
+        start = self._starts.setdefault(endpoint, IndexStart())
+        full = start.reading()
+        if full is None:
+            return start.value
+        if self._sequence is None:
+            self._sequence = conn.execute(select(func.pg_get_serial_sequence(self._qualified(self.messages.name),
+                                                                             "seq"))).scalar()
+            if self._sequence is None:  # not a table this class created: read it from the beginning, as before
+                return 0
+        t = self.messages
+        soon = self._now_us(now) + int(start.look_ahead() * 1_000_000)
+        first = conn.execute(select(t.c.seq).where(t.c.queue == endpoint, t.c.visible_at_us <= soon,
+                                                   t.c.seq >= (0 if full else start.value))
+                             .order_by(t.c.seq).limit(1)).scalar()
+        # The last seq handed out, committed or not (a sequence is not transactional); its name comes quoted.
+        return start.read(full, first, conn.exec_driver_sql(f"SELECT last_value FROM {self._sequence}").scalar())
+
     def _visible_in_order(self, endpoint: str, max_messages: int, now: datetime) -> Select:
         """The oldest visible messages of the queue."""
         t = self.messages
         return select(t).where(t.c.queue == endpoint, self._visible_now(now)).order_by(t.c.seq).limit(max_messages)
 
-    def _receiving(self, endpoint: str, max_messages: int, now: datetime) -> Select:
-        """The oldest visible messages of the queue, locked (those another receive holds are skipped)."""
-        return self._visible_in_order(endpoint, max_messages, now).with_for_update(skip_locked=True)
+    def _receiving(self, endpoint: str, max_messages: int, now: datetime, start: int = 0) -> Select:
+        """The oldest visible messages of the queue from seq `start` on, locked (those another receive holds are
+        skipped)."""
+        query = self._visible_in_order(endpoint, max_messages, now).with_for_update(skip_locked=True)
+        return query.where(self.messages.c.seq >= start) if start else query
 
     can_peek = True
 
@@ -297,8 +323,11 @@ class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
             return 0
         t = self.messages
         with self._errors(f"release messages of queue {endpoint!r}"), self.engine.begin() as conn:
-            return conn.execute(update(t).where(t.c.queue == endpoint, t.c.seq.in_(seqs))
-                                .values(visible_at_us=to_us(self.clock()))).rowcount
+            released = conn.execute(update(t).where(t.c.queue == endpoint, t.c.seq.in_(seqs))
+                                    .values(visible_at_us=to_us(self.clock()))).rowcount
+        if endpoint in self._starts:  # this consumer's next receive finds them at once
+            self._starts[endpoint].lower(min(seqs))
+        return released
 
     def ack(self, endpoint: str, receipts: Iterable[Any]) -> int:
         seqs = [int(r) for r in receipts]

@@ -1,0 +1,236 @@
+"""Where a pump's claims start reading the due index and a consumer's receives a SQL-table queue, on the real
+PostgreSQL (engine.IndexStart).
+
+Every claimed message and every received and acked one leaves a dead entry at the beginning of its index until
+VACUUM removes it, and while any transaction in the database holds an older snapshot (a backup, a report, a
+REINDEX CONCURRENTLY) nothing can. A scan that read the index from its beginning walked them all: here it starts
+past them, and still finds every message that becomes due or visible below that point (other consumers' releases
+and expired visibility timeouts, its own releases, a destination resumed, a sender's transaction that commits
+late)."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import psycopg
+import pytest
+from sqlalchemy import text
+from sqlalchemy.dialects import postgresql
+
+from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.stores import engine
+from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
+from airflow_delay_provider.stores.tables import to_us
+from airflow_delay_provider.transports.sql import SqlTableTransport
+
+
+class Clock:
+    """The time module for the engine module, with a time.monotonic the test moves: readings come when the test
+    says."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(engine, "time", fake)
+    return fake
+
+
+@pytest.fixture
+def queue(pg) -> SqlTableTransport:
+    url, schema, table = pg
+    transport = SqlTableTransport(url, schema=schema, table_prefix=f"{table}_")
+    transport.provision("orders")
+    yield transport
+    transport.close()
+
+
+def _send(queue: SqlTableTransport, n: int, prefix: str) -> None:
+    due = queue.clock()
+    queue.send([DelayedMessage("orders", b"x", due, {}, f"{prefix}-{i}") for i in range(n)])
+
+
+def _entries_read(database, index: str, query) -> int:
+    """Index entries a query's scan of `index` reads (dead ones too), from the transaction's own statistics; the
+    query is rolled back."""
+    sql = str(query.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))
+    # The counts a backend has not reported yet, which include its earlier transactions': read before and after.
+    count = text("SELECT pg_stat_get_xact_tuples_returned(to_regclass(:index))").bindparams(
+        index=database._qualified(index))
+    with database.engine.connect() as conn:
+        database.in_index_order(conn)
+        before = conn.execute(count).scalar()
+        conn.execute(text(sql.replace("%%", "%"))).all()
+        return conn.execute(count).scalar() - before
+
+
+def _receive_reads(queue: SqlTableTransport, start: int) -> int:
+    return _entries_read(queue, queue.messages.indexes.copy().pop().name,
+                         queue._receiving("orders", 10, queue.clock(), start))
+
+
+def test_a_receive_passes_the_dead_entries_a_held_snapshot_keeps(queue, clock, pg):
+    """5,000 messages received and acked while another session holds a snapshot: the next receive of the 10 sent
+    after them starts past the 5,000 dead entries (reading from the start touches a buffer per dead entry)."""
+    with psycopg.connect(pg[0].replace("postgresql+psycopg://", "postgresql://")) as holder:
+        holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT 1").fetchone()  # the snapshot: no row deleted after it can be removed
+        _send(queue, 5000, "old")
+        while batch := queue.receive("orders", max_messages=1000, visibility_timeout=600):
+            queue.ack("orders", [m.receipt for m in batch])
+            clock.now += 2  # a reading per batch: the last one comes after every old message was sent
+        _send(queue, 10, "new")
+        clock.now += 2
+        got = queue.receive("orders", max_messages=10, visibility_timeout=600)
+        assert [m.message_id for m in got] == [f"new-{i}" for i in range(10)]
+        queue.release("orders", [m.receipt for m in got])
+        start = queue._starts["orders"].value
+        assert start > 5000 - 1000, start  # past the dead entries of all but the last reading's batch
+        from_start = _receive_reads(queue, 0)
+        started = _receive_reads(queue, start)
+        assert from_start > 5000  # the case this guards against: every dead entry read
+        assert started < 100
+
+
+def test_messages_turning_visible_below_the_start_are_received(queue, clock, pg):
+    url, schema, table = pg
+    other = SqlTableTransport(url, schema=schema, table_prefix=f"{table}_")
+    try:
+        _send(queue, 3, "m")
+        # Another consumer takes m-0 for 30 s; this one takes m-1, then a later reading starts at m-2.
+        assert [m.message_id for m in other.receive("orders", 1, visibility_timeout=30)] == ["m-0"]
+        first = queue.receive("orders", 1, visibility_timeout=7200)
+        assert [m.message_id for m in first] == ["m-1"]
+        clock.now += 2
+        assert [m.message_id for m in queue.receive("orders", 1, visibility_timeout=7200)] == ["m-2"]
+        start = queue._starts["orders"].value
+        assert start > first[0].receipt
+        # Its own release: found by the next receive, before any reading.
+        queue.release("orders", [first[0].receipt])
+        assert [m.message_id for m in queue.receive("orders", 1, visibility_timeout=7200)] == ["m-1"]
+        # Another consumer's message whose visibility timeout ends: in the reading before it ends, it is "soon".
+        with queue.engine.begin() as conn:
+            conn.execute(text(f"UPDATE {queue._qualified(queue.messages.name)} SET visible_at_us = visible_at_us "
+                              "- 29500000 WHERE message_id = 'm-0'"))  # ends within the next reading's second
+        clock.now += 2
+        assert queue.receive("orders", 1) == []  # not visible yet
+        got = []
+        deadline = queue.clock() + timedelta(seconds=30)
+        while not got and queue.clock() < deadline:  # the real clock: the timeout ends on the database's
+            got = queue.receive("orders", 1)
+        assert [m.message_id for m in got] == ["m-0"]
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("full_readings", [True, False], ids=["full-readings", "quick-readings-between"])
+def test_a_sender_transaction_that_commits_after_readings_is_received(queue, clock, full_readings):
+    """Rows inserted (their seqs handed out) before two readings and committed after them: the next full reading
+    finds them, as it takes the first visible row from the beginning. The readings between full ones walk from the
+    start only (the dead entries before it are what they save walking), and leave them to it."""
+    queue.receive("orders", 1)  # the first reading (a full one)
+    queue._starts["orders"]._full_every = 2 if full_readings else 3600
+    with queue.engine.connect() as conn, conn.begin() as tx:
+        queue.send([DelayedMessage("orders", b"x", queue.clock(), {}, "slow")], connection=conn)
+        for round_ in range(3):
+            _send(queue, 2, f"quick{round_}")
+            clock.now += 2
+            got = queue.receive("orders", 10, visibility_timeout=600)
+            assert [m.message_id for m in got] == [f"quick{round_}-0", f"quick{round_}-1"]
+            queue.ack("orders", [m.receipt for m in got])
+        tx.commit()
+    assert queue._starts["orders"].value > 1 + 2  # the start passed the slow row's seq
+    assert queue.receive("orders", 10) == []  # the reading stands: not found yet
+    clock.now += 2
+    if not full_readings:
+        assert queue.receive("orders", 10) == []  # a quick reading: not found yet
+        clock.now += 3600
+    assert [m.message_id for m in queue.receive("orders", 10)] == ["slow"]
+
+
+# -- the store's claims ------------------------------------------------------------------------------------
+@pytest.fixture
+def store(pg) -> SqlDelayedMessageStore:
+    url, schema, table = pg
+    store = SqlDelayedMessageStore(url, table=table, schema=schema)
+    store.create_schema()
+    yield store
+    store.close()
+
+
+def _store_due_now(store: SqlDelayedMessageStore, n: int, prefix: str, destination: str = "orders",
+                   ago: float = 0.001) -> None:
+    due = store.clock() - timedelta(seconds=ago)
+    store.store([DelayedMessage(destination, b"x", due, {}, f"{prefix}-{i}") for i in range(n)])
+
+
+def _claim(store: SqlDelayedMessageStore, limit: int = 1000) -> list[str]:
+    with store.claim_due(store.clock(), limit) as claim:
+        ids = [m.message_id for m in claim.messages]
+        claim.remove(ids)
+    return ids
+
+
+def _claim_reads(store: SqlDelayedMessageStore) -> int:
+    return _entries_read(store, f"ix_{store.table_name}_due", store.due_ids(store.clock(), 10))
+
+
+def test_a_claim_passes_the_dead_entries_a_held_snapshot_keeps(store, clock, pg):
+    with psycopg.connect(pg[0].replace("postgresql+psycopg://", "postgresql://")) as holder:
+        holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT 1").fetchone()
+        _store_due_now(store, 5000, "old", ago=10)  # before the readings' marks (their clock less a second)
+        while _claim(store):
+            clock.now += 2
+        _store_due_now(store, 10, "new")
+        clock.now += 2
+        started = _claim_reads(store)  # a reading: the start passes the 5,000 claimed
+        store._due_start.value = 0
+        from_beginning = _claim_reads(store)
+        assert from_beginning > 5000  # the case this guards against: every dead entry read
+        assert started < 100
+        assert sorted(_claim(store)) == sorted(f"new-{i}" for i in range(10))
+
+
+def test_a_destination_resumed_below_the_start_is_claimed_after_the_next_due_time_is_read(store, clock):
+    """A pump that finds nothing to claim reads the next due time, from the beginning: that lowers the start, so
+    a paused destination's old messages are claimed as soon as it is resumed (the pump's wake-up reads it)."""
+    _store_due_now(store, 2, "held", destination="held", ago=10)  # due before any reading's mark
+    store.set_paused(["held"], True)
+    for round_ in range(3):
+        _store_due_now(store, 3, f"o{round_}")
+        clock.now += 2
+        assert sorted(_claim(store)) == [f"o{round_}-{i}" for i in range(3)]
+    store.set_paused(["held"], False)
+    assert _claim(store) == []  # the start passed them while they were paused
+    assert store.next_due() is not None
+    assert sorted(_claim(store)) == ["held-0", "held-1"]
+
+
+def test_a_message_stored_by_a_transaction_that_commits_late_is_claimed_at_the_next_full_reading(store, clock):
+    store.next_due()  # nothing stored: no effect
+    _claim(store)  # the first (full) reading
+    store._due_start._full_every = 3600
+    with store.engine.connect() as conn, conn.begin():
+        conn.execute(text(f"INSERT INTO {store._qualified(store.table_name)} (message_id, destination, body, headers, "
+                          "due_at_us, stored_at_us) VALUES ('slow', 'orders', '\\x00', '{}', :due, :due)"),
+                     {"due": to_us(store.clock() - timedelta(seconds=10))})  # before any mark
+        for round_ in range(3):
+            _store_due_now(store, 2, f"quick{round_}")
+            clock.now += 2
+            assert sorted(_claim(store)) == [f"quick{round_}-0", f"quick{round_}-1"]
+    assert _claim(store) == []  # the reading stands
+    clock.now += 2
+    assert _claim(store) == []  # a quick reading walks from the start, past it
+    clock.now += 3600
+    assert _claim(store) == ["slow"]
