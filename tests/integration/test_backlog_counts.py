@@ -72,10 +72,14 @@ def test_moves_into_sql_queues_keep_the_counts(pg):
     store = _store(pg)
     queue = SqlTableTransport(url, schema=schema, table_prefix=f"{table}_")
     queue.provision("orders")
-    store.store(_spread(200, "orders"))
+    # None due within the next 50 s: one due a second later, after a pump that stops when idle, would be due
+    # by the time the backlog is read on a busy machine, and not moved.
+    now = utcnow()
+    store.store([m for m in _spread(200, "orders") if not now < m.due_at < now + timedelta(seconds=50)])
     Pump(store, queue).run(stop_when_idle=True)
     assert_counts_match(store)
     assert store.backlog("orders")["destinations"]["orders"]["due"] == 0
+    assert queue.depth("orders")["visible"] > 0  # the due ones were moved
 
 
 def test_backlog_controls_keep_the_counts(pg):
