@@ -149,27 +149,22 @@ class IndexStart:
         self._next_full = -math.inf
         self._full_every = START_SECONDS
 
-    def reading(self) -> bool | None:
-        """None when the start stands; else whether the reading to make now is a full one."""
+    def current(self, read: Callable[[int, float], tuple[int | None, int]]) -> int:
+        """The start, read again when it is time: `read(walk_from, look_ahead)` returns the first key at or after
+        `walk_from` (0 on a full reading) that is wanted now or within `look_ahead` seconds (until the next full
+        reading, and a reading more), or None, and the mark."""
         now = time.monotonic()
         if now < self._next_reading:
-            return None
+            return self.value
         full = now >= self._next_full
         if full:
             self._next_full = now + self._full_every
-        self._started = now
-        return full
-
-    def look_ahead(self) -> float:
-        """Seconds from now to the next full reading, and a reading more: what a reading must cover."""
-        return max(0.0, self._next_full - time.monotonic()) + START_SECONDS
-
-    def read(self, full: bool, first: int | None, mark: int) -> int:
+        first, mark = read(0 if full else self.value, self._next_full - now + START_SECONDS)
         self.value = self._mark if first is None else min(first, self._mark)
         self._mark = mark
-        self._next_reading = self._started + START_SECONDS
+        self._next_reading = now + START_SECONDS
         if full:
-            self._full_every = max(START_SECONDS, 10 * (time.monotonic() - self._started))
+            self._full_every = max(START_SECONDS, 10 * (time.monotonic() - now))
         return self.value
 
     def lower(self, value: int) -> None:

@@ -28,6 +28,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection
+from sqlalchemy.sql import Select
 
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import (
@@ -366,18 +367,20 @@ class SqlDelayedMessageStore(
         """Where claims start reading the due index (engine.IndexStart): the earliest due time a claim could take
         (future ones too), and as the mark this clock's time less `_START_MARGIN_US` (senders' due times are never
         before their own clock, which lags the database's by at most a round trip)."""
-        start = self._due_start
-        full = start.reading()
-        if full is None:
-            return start.value
-        t, now_us = self.table, to_us(now)
-        first = select(func.min(t.c.due_at_us)).where(self._unleased(now_us), self._not_paused(), self._dispatchable(),
-                                                      *self._scope)
-        if not full:
-            first = first.where(t.c.due_at_us >= start.value)
-        with self._errors("read where claims start"), self.engine.begin() as conn:
-            self.in_index_order(conn)
-            return start.read(full, conn.execute(first).scalar(), to_us(self.clock()) - _START_MARGIN_US)
+        def read(walk_from: int, _look_ahead: float) -> tuple[int | None, int]:
+            # Due rows stay due: what a claim could take later is in the earliest due time already.
+            first = self._earliest_due(to_us(now)).where(self.table.c.due_at_us >= walk_from)
+            with self._errors("read where claims start"), self.engine.begin() as conn:
+                self.in_index_order(conn)
+                return conn.execute(first).scalar(), to_us(self.clock()) - _START_MARGIN_US
+
+        return self._due_start.current(read)
+
+    def _earliest_due(self, now_us: int) -> Select:
+        """The earliest due time of the messages a claim of this object could take, now or later."""
+        t = self.table
+        return select(func.min(t.c.due_at_us)).where(self._unleased(now_us), self._not_paused(), self._dispatchable(),
+                                                     *self._scope)
 
     def claimed(self, ids):
         """The condition on the table's rows whose ids the subquery `ids` gives."""
@@ -407,8 +410,7 @@ class SqlDelayedMessageStore(
     # -- reads -----------------------------------------------------------------------------------
     def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:
         t = self.table
-        query = select(func.min(t.c.due_at_us)).where(self._unleased(to_us(self.clock())), self._not_paused(),
-                                                       self._dispatchable(), *self._scope)
+        query = self._earliest_due(to_us(self.clock()))
         if destination is not None:
             query = query.where(t.c.destination == destination)
         if due_before is not None:

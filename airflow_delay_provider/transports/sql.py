@@ -278,22 +278,21 @@ class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
     def _start_of(self, conn: Connection, endpoint: str, now: datetime) -> int:
         """Where a receive starts reading the queue (engine.IndexStart): the first seq that is visible or turns
         visible before the next full reading, and the queue sequence's value as the mark."""
-        start = self._starts.setdefault(endpoint, IndexStart())
-        full = start.reading()
-        if full is None:
-            return start.value
         if self._sequence is None:
             self._sequence = conn.execute(select(func.pg_get_serial_sequence(self._qualified(self.messages.name),
                                                                              "seq"))).scalar()
             if self._sequence is None:  # not a table this class created: read it from the beginning, as before
                 return 0
         t = self.messages
-        soon = self._now_us(now) + int(start.look_ahead() * 1_000_000)
-        first = conn.execute(select(t.c.seq).where(t.c.queue == endpoint, t.c.visible_at_us <= soon,
-                                                   t.c.seq >= (0 if full else start.value))
-                             .order_by(t.c.seq).limit(1)).scalar()
-        # The last seq handed out, committed or not (a sequence is not transactional); its name comes quoted.
-        return start.read(full, first, conn.exec_driver_sql(f"SELECT last_value FROM {self._sequence}").scalar())
+
+        def read(walk_from: int, look_ahead: float) -> tuple[int | None, int]:
+            soon = self._now_us(now) + int(look_ahead * 1_000_000)
+            first = conn.execute(select(t.c.seq).where(t.c.queue == endpoint, t.c.visible_at_us <= soon,
+                                                       t.c.seq >= walk_from).order_by(t.c.seq).limit(1)).scalar()
+            # The last seq handed out, committed or not (a sequence is not transactional); its name comes quoted.
+            return first, conn.exec_driver_sql(f"SELECT last_value FROM {self._sequence}").scalar()
+
+        return self._starts.setdefault(endpoint, IndexStart()).current(read)
 
     def _visible_in_order(self, endpoint: str, max_messages: int, now: datetime) -> Select:
         """The oldest visible messages of the queue."""
