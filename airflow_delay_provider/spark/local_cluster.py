@@ -80,7 +80,9 @@ class LocalCluster:
     def alive_workers(self) -> int:
         try:
             return sum(worker["state"] == "ALIVE" for worker in self.state()["workers"])
-        except OSError:
+        except (OSError, ValueError):
+            # Refused, or a reply that is not yet the state's JSON (an empty body was seen on a busy machine
+            # while the master started): not ready, asked again until the start's deadline.
             return 0
 
     def _wait(self, until, what: str, deadline: float) -> None:
