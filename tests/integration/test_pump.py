@@ -89,7 +89,7 @@ def test_retries_then_delivery(db):
     url, schema, table = db
     store = make_store(url, schema, table)
     transport = FlakyTransport(make_transport(url, schema, table, "orders", "error"), {"orders": 2})
-    store.store(messages(1))
+    store.store(messages(1, delay=-1))
     result = Pump(store, transport, PumpConfig(number_of_retries=2), sleep=lambda s: None).run(stop_when_idle=True)
     assert result.stats.dispatched == 1 and result.stats.retried == 2 and result.stats.dead_lettered == 0
     assert transport.attempts["m-0", "orders"] == 3
@@ -100,7 +100,7 @@ def test_exhausted_retries_go_to_error_queue_with_headers(db):
     url, schema, table = db
     store = make_store(url, schema, table)
     transport = FlakyTransport(make_transport(url, schema, table, "orders", "error"), {"orders": -1})
-    store.store(messages(2))
+    store.store(messages(2, delay=-1))
     result = Pump(store, transport, PumpConfig(number_of_retries=1), sleep=lambda s: None).run(stop_when_idle=True)
     assert result.stats.dead_lettered == 2 and result.stats.dispatched == 0
     assert transport.attempts["m-0", "orders"] == 2  # 1 try + 1 retry
@@ -118,7 +118,7 @@ def test_unknown_destination_goes_to_error_queue_at_once(db):
     url, schema, table = db
     store = make_store(url, schema, table)
     transport = make_transport(url, schema, table, "orders", "error")
-    store.store(messages(1, destination="nowhere") + messages(2, start=1))
+    store.store(messages(1, destination="nowhere", delay=-1) + messages(2, start=1, delay=-1))
     result = Pump(store, transport, PumpConfig(number_of_retries=5)).run(stop_when_idle=True)
     assert (result.stats.dispatched, result.stats.dead_lettered, result.stats.retried) == (2, 1, 0)
     [dead] = drain(transport, "error")
@@ -130,7 +130,7 @@ def test_failing_dead_letter_keeps_message_and_trips_recovery_breaker(db):
     url, schema, table = db
     store = make_store(url, schema, table)
     transport = make_transport(url, schema, table, "orders")  # no error queue provisioned
-    store.store(messages(1, destination="nowhere"))
+    store.store(messages(1, destination="nowhere", delay=-1))
     pump = Pump(store, transport, PumpConfig(maximum_recovery_failures_per_second=0.1))
     with pytest.raises(CriticalError, match="handling failed dispatches: 4 failures within 30 s"):
         pump.run(stop_when_idle=True)
@@ -142,7 +142,9 @@ def test_broker_down_trips_dispatch_breaker_and_loses_nothing(db):
     url, schema, table = db
     store = make_store(url, schema, table)
     transport = FlakyTransport(make_transport(url, schema, table, "orders", "error"), {}, down=True)
-    store.store(messages(5))
+    # Due a second ago: the store's clock is the database's, read to within a round trip, and a claim that came
+    # before the due time by its reckoning would find nothing and stop the pump as idle.
+    store.store(messages(5, delay=-1))
     config = PumpConfig(time_to_trigger_dispatch_circuit_breaker=2)
     started = time.monotonic()
     with pytest.raises(CriticalError, match="dispatching kept failing.*broker unreachable"):
