@@ -10,6 +10,8 @@ from pathlib import Path
 
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.stores import engine
+from airflow_delay_provider.stores.engine import START_SECONDS
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
 from airflow_delay_provider.transports.sql import SqlTableTransport
 
@@ -103,3 +105,28 @@ def bare_python(where: Path) -> Path:
     subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(where)],
                    check=True)
     return where / "bin"
+
+
+class EngineClock:
+    """The time module for `stores.engine`, with a time.monotonic the test moves: readings of where scans start
+    (IndexStart) come when the test says."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    @classmethod
+    def install(cls, monkeypatch) -> EngineClock:
+        """A new clock, in place of the engine module's time for the test."""
+        clock = cls()
+        monkeypatch.setattr(engine, "time", clock)
+        return clock
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def reading_due(self) -> None:
+        """Move on to the time of the next reading, without a wait that would postpone it."""
+        self.now += START_SECONDS
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)

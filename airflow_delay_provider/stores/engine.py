@@ -140,7 +140,14 @@ class IndexStart:
     Readings walk from the start every `START_SECONDS`; a full reading walks from the index's beginning (the
     dead entries too) every `START_SECONDS` or ten times as long as the last one took, whichever is longer, and
     finds what came below the start meanwhile (a transaction that outlasted a reading, a row made due or visible
-    again by another process). A key this process itself puts back below the start lowers it (`lower`)."""
+    again by another process). A key this process itself puts back below the start lowers it (`lower`).
+
+    The first scan after a wait (no call for longer than `START_SECONDS`) keeps the start it has and leaves the
+    reading to the next call: that scan is the one a waiting message is late by (a pump woken at a due time, a
+    poll after a quiet spell), and a full reading there cost it a walk over the dead entries. The kept start still
+    finds every row written since the last reading (readings only ever advance it past what was read); what only
+    a reading finds comes one call later. Never twice in a row, so a caller that always waits longer than
+    `START_SECONDS` between calls still reads at every other call."""
 
     def __init__(self) -> None:
         self.value = 0
@@ -148,14 +155,21 @@ class IndexStart:
         self._next_reading = -math.inf
         self._next_full = -math.inf
         self._full_every = START_SECONDS
+        self._last_call = -math.inf
+        self._postponed = False
 
     def current(self, read: Callable[[int, float], tuple[int | None, int]]) -> int:
         """The start, read again when it is time: `read(walk_from, look_ahead)` returns the first key at or after
         `walk_from` (0 on a full reading) that is wanted now or within `look_ahead` seconds (until the next full
         reading, and a reading more), or None, and the mark."""
         now = time.monotonic()
+        waited, self._last_call = now - self._last_call > START_SECONDS, now
         if now < self._next_reading:
             return self.value
+        if waited and not self._postponed and self._mark:
+            self._postponed = True
+            return self.value
+        self._postponed = False
         full = now >= self._next_full
         if full:
             self._next_full = now + self._full_every

@@ -377,10 +377,14 @@ class SqlDelayedMessageStore(
         return self._due_start.current(read)
 
     def _earliest_due(self, now_us: int) -> Select:
-        """The earliest due time of the messages a claim of this object could take, now or later."""
+        """The earliest due time of the messages a claim of this object could take, now or later.
+
+        The first row in due order, not `min(due_at_us)`: under `in_index_order` (the claims' reading) the planner
+        priced out the plan that stops at the first row and read the whole due index instead, 7-10 s on a store of
+        9,000,000, so a pump fell behind by a minute each minute."""
         t = self.table
-        return select(func.min(t.c.due_at_us)).where(self._unleased(now_us), self._not_paused(), self._dispatchable(),
-                                                     *self._scope)
+        return select(t.c.due_at_us).where(self._unleased(now_us), self._not_paused(), self._dispatchable(),
+                                           *self._scope).order_by(t.c.due_at_us).limit(1)
 
     def claimed(self, ids):
         """The condition on the table's rows whose ids the subquery `ids` gives."""

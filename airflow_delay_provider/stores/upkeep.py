@@ -31,6 +31,17 @@ log = logging.getLogger(__name__)
 UPKEEP_CHECK_SECONDS = 15.0
 #: The upkeep's sessions in pg_stat_activity: a migration cancels their work, as autovacuum yields to DDL.
 APPLICATION_NAME = "airflow-delay-upkeep"
+#: A session that has held a snapshot (or a transaction id) this long (seconds) is named in a warning.
+OLD_SNAPSHOT_SECONDS = 60.0
+#: The sessions of this database that hold back its vacuums (a condition on pg_stat_activity): a snapshot or a
+#: transaction id, other than this session's; a VACUUM's own snapshot holds nothing back (PostgreSQL leaves it out).
+HOLDS_BACK_VACUUM = (
+    "datname = current_database() AND pid <> pg_backend_pid() "
+    "AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL) "
+    "AND backend_type <> 'autovacuum worker' AND NOT (state = 'active' AND ltrim(lower(query)) LIKE 'vacuum%')"
+)
+#: The sessions named so far, as (pid, start of their transaction): each is named once per process.
+_named_holders: set[tuple] = set()
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,7 @@ class TableUpkeep:
 
     def _do_upkeep(self, conn, skipped: list[str]) -> list[tuple[str, str, float]]:
         done = []
+        self._name_old_snapshots(conn)
         self._before_upkeep(conn)
         for table in self._rebuilt_tables():
             done.extend(self._rebuild_sparse_indexes(conn, table))
@@ -136,6 +148,37 @@ class TableUpkeep:
                 log.info("upkeep: %s %s in %.1f s (%d rows, %d dead, %d changed since analysed)",
                          work, self._qualified(table.name), took, row[0], row[1], row[2])
         return done
+
+    def _name_old_snapshots(self, conn) -> list[dict]:
+        """Warn, once each, of the sessions and prepared transactions of this database that have held a snapshot or a
+        transaction id for more than `OLD_SNAPSHOT_SECONDS` (a backup, a report, a session left idle in a
+        transaction, an index rebuild): until they end, no row deleted since can be vacuumed, so the tables and
+        their indexes grow with every delivery. Claims and receives keep their speed (they start past the dead
+        entries), so nothing else would show it. Returns what it found."""
+        holders = conn.execute(text(
+            "SELECT pid, coalesce(nullif(application_name, ''), backend_type) AS application, state, "
+            "extract(epoch FROM now() - xact_start)::float8 AS seconds, xact_start AS since FROM pg_stat_activity "
+            f"WHERE {HOLDS_BACK_VACUUM} AND xact_start < now() - make_interval(secs => :seconds) "
+            "UNION ALL SELECT NULL, 'prepared transaction ' || quote_literal(gid), 'prepared', "
+            "extract(epoch FROM now() - prepared)::float8, prepared FROM pg_prepared_xacts "
+            "WHERE database = current_database() AND prepared < now() - make_interval(secs => :seconds) "
+            "ORDER BY seconds DESC"), {"seconds": OLD_SNAPSHOT_SECONDS}).mappings().all()
+        for holder in holders:
+            key = (holder["pid"], holder["since"])
+            if key in _named_holders:
+                continue
+            _named_holders.add(key)
+            if holder["pid"] is None:
+                who, see = holder["application"], "COMMIT PREPARED or ROLLBACK PREPARED it"
+            else:
+                who = f"session pid {holder['pid']} ({holder['application']}, {holder['state']})"
+                see = f"end it, or see why it stays open: SELECT * FROM pg_stat_activity WHERE pid = {holder['pid']}"
+            log.warning("%s has held a snapshot for %.0f s: the rows of %s delivered since cannot be vacuumed until it "
+                        "ends, so its tables and indexes grow with every delivery (claims keep their speed); %s",
+                        who, holder["seconds"], self._kept_names()[0], see)
+        if len(_named_holders) > 10_000:  # a process that lives for years
+            _named_holders.clear()
+        return [dict(h) for h in holders]
 
     def _rebuild_sparse_indexes(self, conn, table) -> list[tuple[str, str, float]]:
         """REINDEX CONCURRENTLY the table's unique B-tree indexes that take more than `Thresholds.rebuild_ratio`

@@ -89,6 +89,9 @@ def test_one_process_at_a_time(pg):
     with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as other:
         assert other.execute("SELECT pg_try_advisory_lock(%s)", [store._upkeep_key()]).fetchone()[0]
         assert store._upkeep_now() == []  # the other holder is at it
+        # Released here, not by closing: a closed connection's backend lets go of its locks some time after
+        # the client has moved on, and the next try could still find the lock held.
+        assert other.execute("SELECT pg_advisory_unlock(%s)", [store._upkeep_key()]).fetchone()[0]
     assert [w for t, w, _ in store._upkeep_now() if t == table] == ["analyze"]
 
 
@@ -280,10 +283,13 @@ def test_indexes_left_sparse_by_mixed_delays_are_rebuilt(pg):
                           "SELECT 'm-' || lpad(g::text, 12, '0'), 'orders', '\\x00', '{}', "
                           "CASE WHEN g % 50 = 0 THEN :later ELSE :soon END, 0 FROM generate_series(1, 100000) g"),
                      {"later": now + 86_400_000_000, "soon": now + 60_000_000})
-        # An interrupted rebuild's leftover: an invalid index named as REINDEX CONCURRENTLY names its copy.
+    # A backend reports its counters up to seconds after its commit: counted after the ANALYZE, the inserts would
+    # read as changed since it, and the upkeep would analyse again.
+    wait_for(lambda: (_counters(store)[1] or 0) >= 100_000, 30, "the insert counters")
     with store.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.exec_driver_sql(f"VACUUM ANALYZE {name}")
         before = _index_pages(store)
+        # An interrupted rebuild's leftover: an invalid index named as REINDEX CONCURRENTLY names its copy.
         with pytest.raises(Exception, match="could not create unique index"):
             conn.exec_driver_sql(f'CREATE UNIQUE INDEX CONCURRENTLY "{store.table_name}_due_ccnew" ON {name} '
                                  "(due_at_us)")
@@ -327,3 +333,37 @@ def _live(store: SqlDelayedMessageStore) -> int:
     with store.engine.connect() as conn:
         return conn.execute(text("SELECT n_live_tup FROM pg_stat_user_tables WHERE relid = to_regclass(:t)"),
                             {"t": store._qualified(store.table_name)}).scalar()
+
+
+def test_a_session_holding_an_old_snapshot_is_named_once(pg, monkeypatch, caplog):
+    """A report or a session left idle in a transaction holds back every vacuum of the store; claims keep their
+    speed past the dead entries, so the upkeep's warning is what shows it: the session's pid and name, once."""
+    url, _, _ = pg
+    store = _loaded(pg)
+    dsn = url.replace("postgresql+psycopg://", "postgresql://")
+
+    def named(pid: int) -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and f"pid {pid} " in r.getMessage()]
+
+    with psycopg.connect(dsn, application_name="adp-test-report") as report:
+        report.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        report.execute("SELECT count(*) FROM pg_class")  # the snapshot, kept until the transaction ends
+        pid = report.info.backend_pid
+        with caplog.at_level("WARNING", logger=upkeep.__name__):
+            monkeypatch.setattr(upkeep, "OLD_SNAPSHOT_SECONDS", 3600.0)
+            store._upkeep_now()
+            assert named(pid) == []  # not old enough
+            monkeypatch.setattr(upkeep, "OLD_SNAPSHOT_SECONDS", 1.0)
+            with store.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                wait_for(lambda: conn.execute(text(
+                    "SELECT now() - xact_start > interval '1.5 s' FROM pg_stat_activity WHERE pid = :pid"),
+                    {"pid": pid}).scalar(), 30, "the report's snapshot to be older than the threshold", 0.1)
+            store._upkeep_now()
+            (warning,) = named(pid)
+            assert "adp-test-report" in warning and "idle in transaction" in warning
+            assert store._qualified(store.table_name) in warning
+            store._upkeep_now()
+            assert len(named(pid)) == 1  # once per session and transaction
+        report.rollback()
+    with store.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        assert pid not in [h["pid"] for h in store._name_old_snapshots(conn)]
