@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import random
 import signal
@@ -301,9 +302,11 @@ class Bench:
             row["first_enqueued_ms"] = (got["first_enqueued"] - due) * 1000
         if pumped.get("first_claim"):
             row["pump_rate"] = pumped["dispatched"] / (pumped["last_commit"] - pumped["first_claim"])
+            row["first_claim_ms"] = (pumped["first_claim"] - due) * 1000  # when the pump began the first claim
         self.clear_queue(kind)
         log(f"burst -> {kind} over {self.stored:,}: store {store_rate:,.0f} msg/s, pump "
-            f"{row.get('pump_rate', 0):,.0f} msg/s, first {row['first_ms']:.1f} ms, last {row['last_ms']:.0f} ms "
+            f"{row.get('pump_rate', 0):,.0f} msg/s, first claim {row.get('first_claim_ms', math.nan):.1f} ms, first "
+            f"{row['first_ms']:.1f} ms, last {row['last_ms']:.0f} ms "
             f"after due, rss {row['pump_peak_rss_mb']}, missing {row['missing']}, duplicates {row['duplicates']}, "
             f"early {row['early']}")
         return row

@@ -11,7 +11,9 @@ would have built up over the previous day, so the backlog stays level while it r
 Every minute it prints and records: the messages the pump claimed (rows it inserted into the queue table) and
 the consumer received, lateness p50/p99 (the queue row's enqueued time minus its due time, both on the
 database's clock), rows and dead rows of the messages table, its size with its indexes, the vacuums and
-analyses of it so far (by autovacuum or the store's upkeep), and the queue table's rows, dead rows and size.
+analyses of it so far (by autovacuum or the store's upkeep), the queue table's rows, dead rows and size, the
+blocks of the messages table and its indexes read from outside PostgreSQL's shared buffers per 1,000 claimed,
+the WAL written and the machine's CPU use. The store's upkeep passes (what, when, how long) go to the JSON.
 At the end it checks that every message sent was delivered once or is still stored, and none early, and
 prints the first ten minutes against the last ten.
 
@@ -30,6 +32,7 @@ import argparse
 import contextlib
 import io
 import json
+import logging
 import math
 import os
 import random
@@ -43,6 +46,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import psutil
 import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +59,9 @@ from machine import describe, machine  # noqa: E402
 
 from airflow_delay_provider.core.message import DelayedMessage  # noqa: E402
 from airflow_delay_provider.core.pump import Pump, PumpConfig  # noqa: E402
+from airflow_delay_provider.stores import upkeep as upkeep_module  # noqa: E402
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore, to_us  # noqa: E402
+from airflow_delay_provider.stores.upkeep import HOLDS_BACK_VACUUM  # noqa: E402
 from airflow_delay_provider.transports.sql import SqlTableTransport  # noqa: E402
 
 QUEUE = "orders"
@@ -114,13 +120,32 @@ def send(spec: dict) -> None:
     print(json.dumps({"sent": sent}), flush=True)
 
 
+class UpkeepRecords(logging.Handler):
+    """The store's upkeep passes (vacuums, analyses, index rebuilds, how long each took), with their times, for the
+    result; each is also printed, so a run shows them as they come."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[tuple[float, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        self.records.append((record.created, message))
+        log(f"pump: {message}")
+
+
 def pump(spec: dict) -> None:
     store = SqlDelayedMessageStore(spec["url"], schema=spec["schema"])
     transport = SqlTableTransport(spec["url"], schema=spec["schema"], table_prefix=PREFIX)
+    upkeep = UpkeepRecords()
+    upkeep_log = logging.getLogger(upkeep_module.__name__)
+    upkeep_log.addHandler(upkeep)
+    upkeep_log.setLevel(logging.INFO)
     print("ready", flush=True)
     result = Pump(store, transport, PumpConfig(batch_size=1000)).run(
         deadline=datetime.fromtimestamp(spec["deadline"], UTC))
-    print(json.dumps({"dispatched": result.stats.dispatched, "peak_rss_mb": peak_rss_mb()}), flush=True)
+    print(json.dumps({"dispatched": result.stats.dispatched, "peak_rss_mb": peak_rss_mb(),
+                      "upkeep": upkeep.records}), flush=True)
 
 
 def consume(spec: dict) -> None:
@@ -239,16 +264,42 @@ class Soak:
         row = self.conn.execute(stats, [self.store.table.fullname]).fetchone()
         queue = self.conn.execute(stats, [self.queue.messages.fullname]).fetchone()
         ids = self.conn.execute(stats, [self.store.ids.fullname]).fetchone()
-        # The oldest snapshot any session of the database holds: no row deleted after it can be vacuumed.
+        # The oldest snapshot any session of the database holds: no row deleted after it can be vacuumed (the
+        # sessions the upkeep's warning names).
         oldest = self.conn.execute("SELECT coalesce(max(extract(epoch FROM now() - xact_start)), 0) FROM "
-                                   "pg_stat_activity WHERE datname = current_database() AND backend_xmin IS NOT "
-                                   "NULL AND pid <> pg_backend_pid()").fetchone()[0]
-        return {"rows": row[0], "dead": row[1], "vacuums": row[2], "analyses": row[3], "size_mb": row[4] / 2**20,
+                                   f"pg_stat_activity WHERE {HOLDS_BACK_VACUUM}").fetchone()[0]
+        # Blocks of the messages table and its indexes read from outside PostgreSQL's shared buffers (the OS cache
+        # or the disk) and found in them; the WAL position; checkpoints; the machine's CPU time by kind.
+        io_ = self.conn.execute("SELECT heap_blks_read, heap_blks_hit, idx_blks_read, idx_blks_hit FROM "
+                                "pg_statio_user_tables WHERE relid = %s::regclass",
+                                [self.store.table.fullname]).fetchone()
+        wal, checkpoints = self.conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn, checkpoints_timed + "
+                                             "checkpoints_req FROM pg_stat_bgwriter").fetchone()
+        cpu = psutil.cpu_times()
+        return {"heap_read": io_[0], "heap_hit": io_[1], "idx_read": io_[2], "idx_hit": io_[3], "wal": float(wal),
+                "checkpoints": checkpoints, "cpu_idle": cpu.idle, "cpu_iowait": getattr(cpu, "iowait", 0.0),
+                "cpu_total": sum(cpu),
+                "rows": row[0], "dead": row[1], "vacuums": row[2], "analyses": row[3], "size_mb": row[4] / 2**20,
                 # Ids accepted within the de-duplication window (a day by default): they grow for a day.
                 "ids_mb": ids[4] / 2**20,
                 # What the pump moved: rows inserted into the queue table (the consumer's pace is its own).
                 "queue_inserts": queue[5], "queue_rows": queue[0], "queue_dead": queue[1],
                 "queue_vacuums": queue[2], "queue_mb": queue[4] / 2**20, "oldest_snapshot_s": float(oldest)}
+
+    @staticmethod
+    def per_minute(before: dict, after: dict) -> dict:
+        """The minute's share of the counters sampled at its start and end."""
+        claimed = max(after["queue_inserts"] - before["queue_inserts"], 1) / 1000
+        cpu = after["cpu_total"] - before["cpu_total"] or 1.0
+        return {"heap_reads_per_k": (after["heap_read"] - before["heap_read"]) / claimed,
+                "idx_reads_per_k": (after["idx_read"] - before["idx_read"]) / claimed,
+                "heap_hits_per_k": (after["heap_hit"] - before["heap_hit"]) / claimed,
+                "idx_hits_per_k": (after["idx_hit"] - before["idx_hit"]) / claimed,
+                "wal_mb": (after["wal"] - before["wal"]) / 2**20,
+                "checkpoints_in_minute": after["checkpoints"] - before["checkpoints"],
+                "cpu_busy": 1 - (after["cpu_idle"] - before["cpu_idle"] + after["cpu_iowait"] - before["cpu_iowait"])
+                / cpu,
+                "cpu_iowait_share": (after["cpu_iowait"] - before["cpu_iowait"]) / cpu}
 
     def hold_snapshot(self, at: float, seconds: float) -> None:
         """In a thread: at `at` (time.monotonic()) open a REPEATABLE READ transaction, read, hold it `seconds`."""
@@ -278,7 +329,7 @@ class Soak:
         pumper = self.start(self.spec(role="pump", deadline=deadline))
         sender = self.start(self.spec(role="send", rate=top, seconds=seconds))
         minutes = []
-        inserted, at = self.sample()["queue_inserts"], time.monotonic()
+        previous, at = self.sample(), time.monotonic()
         if self.args.hold_snapshot:
             minute, held = (float(x) for x in self.args.hold_snapshot.split(":"))
             self.r["held_snapshot"] = {"minute": minute, "seconds": held}
@@ -286,18 +337,23 @@ class Soak:
         for m in range(self.args.minutes):
             line = json.loads(consumer.stdout.readline())
             sampled = self.sample()
-            claimed, inserted = sampled["queue_inserts"] - inserted, sampled["queue_inserts"]
+            claimed = sampled["queue_inserts"] - previous["queue_inserts"]
             seconds, at = time.monotonic() - at, time.monotonic()
             row = {"minute": m + 1, "claimed": claimed, "rate": claimed / seconds, "received": line["minute"] / 60,
-                   "p50_ms": line["p50"], "p99_ms": line["p99"], **sampled}
+                   "p50_ms": line["p50"], "p99_ms": line["p99"], **sampled, **self.per_minute(previous, sampled)}
+            previous = sampled
             minutes.append(row)
             log(f"minute {m + 1}: claimed {row['rate']:,.0f} msg/s, received {row['received']:,.0f} msg/s, lateness "
                 f"p50 {row['p50_ms'] or 0:.0f} ms p99 {row['p99_ms'] or 0:.0f} ms, {row['rows']:,} rows, "
                 f"{row['dead']:,} dead, {row['size_mb']:,.0f} MB, {row['vacuums']} vacuums, {row['analyses']} "
                 f"analyses; queue {row['queue_rows']:,} rows, {row['queue_dead']:,} dead, {row['queue_mb']:,.0f} "
-                f"MB; ids {row['ids_mb']:,.0f} MB; oldest snapshot {row['oldest_snapshot_s']:.0f} s")
+                f"MB; ids {row['ids_mb']:,.0f} MB; oldest snapshot {row['oldest_snapshot_s']:.0f} s; per 1,000 "
+                f"claimed: {row['heap_reads_per_k']:.0f} heap and {row['idx_reads_per_k']:.0f} index blocks read "
+                f"from outside shared buffers; WAL {row['wal_mb']:,.0f} MB; {row['checkpoints_in_minute']} "
+                f"checkpoints; CPU {row['cpu_busy'] * 100:.0f}% busy, {row['cpu_iowait_share'] * 100:.1f}% iowait")
         sent = Children.result(sender, 120)["sent"]
         pumped = Children.result(pumper, 120)
+        self.r["upkeep"] = pumped["upkeep"]
         got = Children.result(consumer, 120)
         # Every numbered message was received or is still stored (not due yet) or waits in the queue.
         stored = self.conn.execute(f"SELECT count(*) FROM {self.store.table.fullname} WHERE message_id LIKE "
@@ -322,13 +378,16 @@ def report(r: dict) -> None:
           + (f"; a snapshot held for {r['held_snapshot']['seconds']:.0f} s from the start of minute "
              f"{r['held_snapshot']['minute']:.0f}" if r.get("held_snapshot") else "") + ".\n")
     print("| minute | claimed msg/s | received msg/s | lateness p50 | p99 | rows | dead rows | table + indexes | "
-          "vacuums | analyses | queue rows | queue dead | queue MB | ids table MB | oldest snapshot |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "vacuums | analyses | queue rows | queue dead | queue MB | ids table MB | oldest snapshot | blocks read per "
+          "1,000 claimed (heap / index) | WAL MB | CPU busy |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print(f"| {row['minute']} | {row['rate']:,.0f} | {row['received']:,.0f} | {row['p50_ms'] or 0:.0f} ms | "
               f"{row['p99_ms'] or 0:.0f} ms | {row['rows']:,} | {row['dead']:,} | {row['size_mb']:,.0f} MB | "
               f"{row['vacuums']} | {row['analyses']} | {row['queue_rows']:,} | {row['queue_dead']:,} | "
-              f"{row['queue_mb']:,.0f} | {row['ids_mb']:,.0f} | {row.get('oldest_snapshot_s', 0):.0f} s |")
+              f"{row['queue_mb']:,.0f} | {row['ids_mb']:,.0f} | {row.get('oldest_snapshot_s', 0):.0f} s | "
+              f"{row['heap_reads_per_k']:,.0f} / {row['idx_reads_per_k']:,.0f} | "
+              f"{row['wal_mb']:,.0f} | {row['cpu_busy'] * 100:.0f}% |")
     span = min(10, max(1, len(rows) // 3))
     first, last = rows[:span], rows[-span:]
 
@@ -341,6 +400,9 @@ def report(r: dict) -> None:
     for row in rows:
         row["bytes_per_row"] = row["size_mb"] * 2**20 / max(row["rows"], 1)
     for key, label in (("rate", "claimed msg/s"), ("received", "received msg/s"), ("p99_ms", "lateness p99 (ms)"),
+                       ("heap_reads_per_k", "heap blocks read per 1,000 claimed"),
+                       ("idx_reads_per_k", "index blocks read per 1,000 claimed"),
+                       ("wal_mb", "WAL MB a minute"), ("cpu_busy", "CPU busy (share)"),
                        ("size_mb", "table + indexes (MB)"),
                        ("bytes_per_row", "table + indexes per stored message (bytes)")):
         a, b = mean(first, key), mean(last, key)
@@ -357,7 +419,7 @@ def plot(r: dict, path: Path) -> None:
 
     rows = r["minutes_table"]
     x = [row["minute"] for row in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.2))
     axes[0].plot(x, [row["rate"] for row in rows], label="claimed (pump)")
     axes[0].plot(x, [row["received"] for row in rows], label="received (consumer)")
     axes[0].set_title("msg/s")
@@ -370,6 +432,10 @@ def plot(r: dict, path: Path) -> None:
     axes[2].plot(x, [row["dead"] / 1000 for row in rows], label="dead rows (thousands)")
     axes[2].set_title("size and dead rows")
     axes[2].legend(fontsize=7)
+    axes[3].plot(x, [row["heap_reads_per_k"] for row in rows], label="heap")
+    axes[3].plot(x, [row["idx_reads_per_k"] for row in rows], label="indexes")
+    axes[3].set_title("blocks read past shared buffers / 1,000 claimed")
+    axes[3].legend(fontsize=7)
     for ax in axes:
         ax.set_xlabel("minute")
     save_figure(fig, path)
