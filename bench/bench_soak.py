@@ -273,11 +273,13 @@ class Soak:
         io_ = self.conn.execute("SELECT heap_blks_read, heap_blks_hit, idx_blks_read, idx_blks_hit FROM "
                                 "pg_statio_user_tables WHERE relid = %s::regclass",
                                 [self.store.table.fullname]).fetchone()
-        wal, checkpoints = self.conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn, checkpoints_timed + "
-                                             "checkpoints_req FROM pg_stat_bgwriter").fetchone()
+        # Full page images: the first change to a page after a checkpoint writes the whole page to the WAL.
+        wal, checkpoints, fpi = self.conn.execute(
+            "SELECT pg_current_wal_lsn() - '0/0'::pg_lsn, checkpoints_timed + checkpoints_req, "
+            "(SELECT wal_fpi FROM pg_stat_wal) FROM pg_stat_bgwriter").fetchone()
         cpu = psutil.cpu_times()
         return {"heap_read": io_[0], "heap_hit": io_[1], "idx_read": io_[2], "idx_hit": io_[3], "wal": float(wal),
-                "checkpoints": checkpoints, "cpu_idle": cpu.idle, "cpu_iowait": getattr(cpu, "iowait", 0.0),
+                "checkpoints": checkpoints, "fpi": fpi, "cpu_idle": cpu.idle, "cpu_iowait": getattr(cpu, "iowait", 0.0),
                 "cpu_total": sum(cpu),
                 "rows": row[0], "dead": row[1], "vacuums": row[2], "analyses": row[3], "size_mb": row[4] / 2**20,
                 # Ids accepted within the de-duplication window (a day by default): they grow for a day.
@@ -297,6 +299,7 @@ class Soak:
                 "idx_hits_per_k": (after["idx_hit"] - before["idx_hit"]) / claimed,
                 "wal_mb": (after["wal"] - before["wal"]) / 2**20,
                 "checkpoints_in_minute": after["checkpoints"] - before["checkpoints"],
+                "fpi_per_k": (after["fpi"] - before["fpi"]) / claimed,
                 "cpu_busy": 1 - (after["cpu_idle"] - before["cpu_idle"] + after["cpu_iowait"] - before["cpu_iowait"])
                 / cpu,
                 "cpu_iowait_share": (after["cpu_iowait"] - before["cpu_iowait"]) / cpu}
@@ -349,8 +352,9 @@ class Soak:
                 f"analyses; queue {row['queue_rows']:,} rows, {row['queue_dead']:,} dead, {row['queue_mb']:,.0f} "
                 f"MB; ids {row['ids_mb']:,.0f} MB; oldest snapshot {row['oldest_snapshot_s']:.0f} s; per 1,000 "
                 f"claimed: {row['heap_reads_per_k']:.0f} heap and {row['idx_reads_per_k']:.0f} index blocks read "
-                f"from outside shared buffers; WAL {row['wal_mb']:,.0f} MB; {row['checkpoints_in_minute']} "
-                f"checkpoints; CPU {row['cpu_busy'] * 100:.0f}% busy, {row['cpu_iowait_share'] * 100:.1f}% iowait")
+                f"from outside shared buffers; WAL {row['wal_mb']:,.0f} MB, {row['fpi_per_k']:.0f} full page images "
+                f"per 1,000 claimed; {row['checkpoints_in_minute']} checkpoints; CPU {row['cpu_busy'] * 100:.0f}% "
+                f"busy, {row['cpu_iowait_share'] * 100:.1f}% iowait")
         sent = Children.result(sender, 120)["sent"]
         pumped = Children.result(pumper, 120)
         self.r["upkeep"] = pumped["upkeep"]
@@ -402,7 +406,8 @@ def report(r: dict) -> None:
     for key, label in (("rate", "claimed msg/s"), ("received", "received msg/s"), ("p99_ms", "lateness p99 (ms)"),
                        ("heap_reads_per_k", "heap blocks read per 1,000 claimed"),
                        ("idx_reads_per_k", "index blocks read per 1,000 claimed"),
-                       ("wal_mb", "WAL MB a minute"), ("cpu_busy", "CPU busy (share)"),
+                       ("wal_mb", "WAL MB a minute"),
+                       ("fpi_per_k", "full page images in the WAL per 1,000 claimed"), ("cpu_busy", "CPU busy (share)"),
                        ("size_mb", "table + indexes (MB)"),
                        ("bytes_per_row", "table + indexes per stored message (bytes)")):
         a, b = mean(first, key), mean(last, key)

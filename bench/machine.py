@@ -10,6 +10,9 @@ from importlib import metadata
 from pathlib import Path
 
 LIBRARIES = ("apache-airflow-core", "pika", "psycopg", "SQLAlchemy", "pyspark", "boto3", "moto")
+# The server settings that move the stores' figures; a header names those not at PostgreSQL's own default.
+PG_SETTINGS = ("shared_buffers", "max_wal_size", "checkpoint_timeout", "wal_compression", "full_page_writes",
+               "synchronous_commit", "fsync", "autovacuum", "work_mem", "effective_io_concurrency")
 
 
 def _first(path: str, prefix: str) -> str | None:
@@ -40,6 +43,9 @@ def machine(pg_url: str | None = None, rabbitmq: bool = False) -> dict:
         libpq = pg_url.replace("postgresql+psycopg://", "postgresql://")
         with psycopg.connect(libpq) as conn:
             info["postgresql"] = conn.execute("SHOW server_version").fetchone()[0]
+            info["postgresql_settings"] = dict(conn.execute(
+                "SELECT name, current_setting(name) FROM pg_settings WHERE name = ANY(%s) AND setting <> boot_val "
+                "ORDER BY name", [list(PG_SETTINGS)]).fetchall())
     if rabbitmq:
         done = subprocess.run(["rabbitmqctl", "-q", "version"], capture_output=True, text=True, timeout=60)
         info["rabbitmq"] = done.stdout.strip() or "?"
@@ -52,7 +58,9 @@ def describe(info: dict) -> str:
     parts = [f"{info['cpus']} CPUs ({info['cpu_model']}), {info['ram_gib']} GiB RAM, load average "
              f"{info['load_average']} at start", f"Python {info['python']}"]
     if "postgresql" in info:
-        parts.append(f"PostgreSQL {info['postgresql']}")
+        changed = info.get("postgresql_settings", {})
+        parts.append(f"PostgreSQL {info['postgresql']} ("
+                     + (", ".join(f"{k}={v}" for k, v in changed.items()) or "settings as shipped") + ")")
     if "rabbitmq" in info:
         parts.append(f"RabbitMQ {info['rabbitmq']}")
     parts.append(", ".join(f"{k} {v}" for k, v in info["libraries"].items()))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -91,7 +92,8 @@ class PumpConfig:
 
 @dataclass
 class PumpResult:
-    """Why a run stopped: `deadline`, `max_messages`, `drained` (nothing left in the window) or `idle`."""
+    """Why a run stopped: `deadline`, `max_messages`, `drained` (nothing left in the window), `idle` or
+    `stopped` (`Pump.stop()` was called)."""
 
     stats: PumpStats
     reason: str
@@ -147,6 +149,7 @@ class Pump:
         self._stored_policies: dict[str, DeliveryPolicy] = {}
         self._buckets: dict[str, TokenBucket | SharedBucket] = {}
         self._clock = clock or store.clock  # due times are compared on the store's clock
+        self._stopping = threading.Event()
         transport.use_clock(self._clock)  # and a native delay (a retry's, a sweep's) counts from it too
         self.exactly_once = transport.joins(store)
         c = self.config
@@ -431,6 +434,12 @@ class Pump:
                 error = CriticalError("the pump stopped with a batch in flight")
                 inflight.stack.__exit__(CriticalError, error, None)
 
+    def stop(self) -> None:
+        """Ask a `run()` in another thread to return (`stopped`) after settling the batch in hand, as a
+        cancelled trigger does: no message is claimed after the call returns to its next batch. One call
+        stops the pump for good."""
+        self._stopping.set()
+
     def _step(self, limit: int, due_before: datetime | None, claim_ahead: bool = False) -> PumpStats | None:
         """One batch; when pipelining, claim and start the next batch before settling the previous one,
         so the broker confirms one batch while the store hands out the next; with `claim_ahead`, the batch
@@ -493,6 +502,9 @@ class Pump:
             if deadline is not None and now >= deadline:
                 self._settle_inflight(stats)
                 return PumpResult(stats, "deadline", self._next_due(due_before))
+            if self._stopping.is_set():
+                self._settle_inflight(stats)
+                return PumpResult(stats, "stopped", self._next_due(due_before))
             handled = stats.dispatched + stats.dead_lettered + in_flight
             if max_messages is not None and handled >= max_messages:
                 self._settle_inflight(stats)

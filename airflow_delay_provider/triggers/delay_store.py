@@ -214,7 +214,8 @@ class DispatchTrigger(_StoreTrigger):
         await pump.store.aclose()
         running = self._running
         if running is not None and not running.done():
-            # Cancelled mid-stretch: the thread finishes its batch and commits; close after it.
+            # Cancelled mid-stretch: the thread settles the batch in hand, claims no other and commits; close after.
+            pump.stop()
             running.add_done_callback(lambda _: close())
         else:
             close()

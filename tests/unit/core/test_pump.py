@@ -205,3 +205,36 @@ def test_a_store_error_in_the_progress_report_is_ridden_out():
     assert sorted(m.message_id for m in received(transport, "orders")) == sorted(f"m-{i}" for i in range(300))
     store.down = False
     assert store.count_scheduled() == {}
+
+
+class Gate(InMemoryTransport):
+    """Holds each send until let through; says when the first has started."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started, self.go = threading.Event(), threading.Event()
+
+    def send(self, messages, connection=None):
+        self.started.set()
+        assert self.go.wait(30)
+        return super().send(messages, connection)
+
+
+def test_stop_settles_the_batch_in_hand_and_claims_no_other():
+    """What a cancelled trigger asks of the pump running in its thread: no claim after the batch in hand."""
+    transport = Gate()
+    store = setup(transport, 500)
+    pump = Pump(store, transport, PumpConfig(batch_size=100))
+    results = []
+    runner = threading.Thread(target=lambda: results.append(pump.run()))  # no deadline: it would run on
+    runner.start()
+    assert transport.started.wait(30)
+    pump.stop()
+    transport.go.set()
+    runner.join(30)
+    assert not runner.is_alive(), "the pump went on after stop()"
+    (result,) = results
+    delivered = received(transport, "orders")
+    assert result.reason == "stopped" and 0 < result.stats.dispatched < 500
+    assert len(delivered) == result.stats.dispatched  # the batch in hand was settled, nothing more sent
+    assert sum(store.count_scheduled().values()) == 500 - len(delivered)  # and the rest is still stored
