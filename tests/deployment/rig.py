@@ -800,6 +800,19 @@ class Deployment:
                    detail=lambda: f"state {found.get('state')}, trigger {found.get('trigger')}", poll=0.3)
         return found["trigger"]["triggerer_id"]
 
+    def wait_trigger_completed(self, dag_id: str, run_id: str, task_id: str, try_number: int,
+                               timeout: float = 60.0) -> None:
+        """Wait until the triggerer has ended the task's trigger ("trigger completed" in the trigger's log): after a
+        run is ended by hand, the triggerer cancels its triggers only seconds later, and until then they run on."""
+        folder = self.homes["triggerer"] / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}" / f"task_id={task_id}"
+
+        def completed() -> bool:
+            return any('"trigger completed"' in p.read_text(errors="replace")
+                       for p in folder.glob(f"attempt={try_number}.log.trigger.*.log"))
+
+        self._wait(completed, time.monotonic() + timeout, f"the trigger of {dag_id}/{run_id}/{task_id} to end",
+                   detail=lambda: self.log_tail("triggerer"), poll=0.3)
+
     def wait_run(self, dag_id: str, run_id: str, timeout: float = 180.0, poll: float = 1.0) -> str:
         """Wait until the run has finished; returns its state (success/failed). On time-out raises
         DeploymentError with the run's task instance states and the tails of the component logs."""

@@ -5,7 +5,6 @@ moto. Time bounds are loose: the figures are the deployment benchmark's (bench/b
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from datetime import datetime, timedelta
@@ -91,15 +90,14 @@ def _stop(airflow, dag_id: str) -> None:
     then a dispatcher of the store delivers what the next test stores (seen in a CI run: a continuous dispatcher
     ended by the first test delivered the backfill test's messages due outside its windows)."""
     airflow.pause(dag_id)
-    since = airflow.log_size("triggerer")
     deferred = []
     for run in airflow.dag_runs(dag_id):
         if run["state"] in ("queued", "running"):
             run_id = run["dag_run_id"]
-            deferred += [run_id for ti in airflow.task_instances(dag_id, run_id) if ti["state"] == "deferred"]
+            deferred += [ti for ti in airflow.task_instances(dag_id, run_id) if ti["state"] == "deferred"]
             airflow.api("PATCH", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}", json={"state": "failed"})
-    for run_id in deferred:
-        airflow.wait_log("triggerer", '"trigger completed","name":"' + re.escape(f"{dag_id}/{run_id}/"), since=since)
+    for ti in deferred:
+        airflow.wait_trigger_completed(dag_id, ti["dag_run_id"], ti["task_id"], ti["try_number"])
 
 
 def test_every_example_dag_runs_when_triggered_by_hand(airflow):
