@@ -69,8 +69,8 @@ STAGES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("publish", "frame marshalling (pika basic_publish, or the publisher's own _marshal) and socket writes; "
                 "on the SQL path the queue-table insert", (
         # pika's own publishing, or the publisher's frames written a window at a time: whichever the code uses.
-        "pika/channel.py:basic_publish|airflow_delay_provider/transports/rabbitmq.py:_marshal",
-        "airflow_delay_provider/transports/rabbitmq.py:_write",
+        "pika/channel.py:basic_publish|airflow_delay_provider/transports/rabbitmq/publisher.py:_marshal",
+        "airflow_delay_provider/transports/rabbitmq/publisher.py:_write",
         "pika/adapters/utils/io_services_utils.py:_produce",
         "airflow_delay_provider/transports/sql.py:send",
         # The COPY's end and the savepoint's release run from context-manager exits, which cProfile sees
@@ -81,7 +81,7 @@ STAGES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "sqlalchemy/engine/base.py:_release_savepoint_impl",
     )),
     ("build properties", "RabbitMQTransport._publication: the headers, exchange and routing key", (
-        "airflow_delay_provider/transports/rabbitmq.py:_publication",
+        "airflow_delay_provider/transports/rabbitmq/transport.py:_publication",
     )),
     ("decode", "DelayedMessage objects from the claimed rows", (
         "airflow_delay_provider/stores/tables.py:_message",
@@ -105,8 +105,8 @@ STAGES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "sqlalchemy/engine/default.py:do_commit",
     )),
     ("confirm handling", "ConfirmingPublisher._on_confirm and waiting in pika's I/O loop", (
-        "airflow_delay_provider/transports/rabbitmq.py:_on_confirm",
-        "airflow_delay_provider/transports/rabbitmq.py:_run",
+        "airflow_delay_provider/transports/rabbitmq/publisher.py:_on_confirm",
+        "airflow_delay_provider/transports/rabbitmq/publisher.py:_run",
     )),
 )
 

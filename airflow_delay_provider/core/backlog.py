@@ -8,14 +8,14 @@ value never means "every message". Results are plain dicts of lists and counts (
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from airflow_delay_provider.core.delays import MAX_DELAY_SECONDS
 from airflow_delay_provider.core.errors import InvalidInputError, UnknownDestinationError
-from airflow_delay_provider.core.message import MAX_MESSAGE_ID_LENGTH, check_destination, check_headers
+from airflow_delay_provider.core.message import MAX_MESSAGE_ID_LENGTH, DelayedMessage, check_destination, check_headers
 from airflow_delay_provider.core.requests import parse_int, parse_moment
 
 #: The most ids one action takes (a larger list is split by the caller).
@@ -24,6 +24,8 @@ MAX_IDS = 10_000
 MAX_PAGE = 1_000
 #: Bodies in a browse are cut to this many bytes unless asked otherwise.
 BODY_PREVIEW_BYTES = 200
+#: Ids a report lists at most (its counts are always complete).
+LISTED = 1_000
 #: The backlog histogram's buckets: messages due at most this far ahead (seconds), then "later".
 BUCKETS: tuple[tuple[str, int], ...] = (("due", 0), ("next_minute", 60), ("next_hour", 3_600),
                                         ("next_day", 86_400))
@@ -78,6 +80,14 @@ class Selector:
 
     def matches_headers(self, headers: Mapping[str, str]) -> bool:
         return all(headers.get(k) == v for k, v in self.headers.items())
+
+    def matches(self, message: DelayedMessage) -> bool:
+        """Whether `message` is selected (what a SQL store's WHERE clause says for a row)."""
+        return ((not self.message_ids or message.message_id in self.message_ids)
+                and (self.destination is None or message.destination == self.destination)
+                and self.matches_headers(message.headers)
+                and (self.due_from is None or message.due_at >= self.due_from)
+                and (self.due_before is None or message.due_at < self.due_before))
 
     def describe(self) -> dict[str, Any]:
         return {k: v for k, v in (
@@ -175,3 +185,59 @@ def cancel_report(requested: Sequence[str], cancelled: Sequence[str], in_flight:
     return {"cancelled": list(cancelled), "in_flight": list(in_flight), "gone": gone, "unknown": unknown,
             "counts": {"cancelled": len(cancelled), "in_flight": len(in_flight), "gone": len(gone),
                        "unknown": len(unknown)}}
+
+
+def change_report(selector: Selector, changed: Sequence[str], in_flight: Sequence[str],
+                  accepted: Callable[[Sequence[str]], Sequence[str]]) -> dict[str, Any]:
+    """What a cancel (or a reschedule) did: by ids, each id's fate (`cancel_report`; `accepted` gives, of
+    the ids neither changed nor in flight, those the store accepted within its de-duplication window);
+    otherwise the first LISTED ids of each kind and complete counts."""
+    if not selector.message_ids:
+        return {"cancelled": list(changed[:LISTED]), "in_flight": list(in_flight[:LISTED]),
+                "counts": {"cancelled": len(changed), "in_flight": len(in_flight)},
+                "truncated": len(changed) > LISTED or len(in_flight) > LISTED, "selector": selector.describe()}
+    done = set(changed) | set(in_flight)
+    missing = [m for m in selector.message_ids if m not in done]
+    return {**cancel_report(selector.message_ids, changed, in_flight, accepted(missing)),
+            "selector": selector.describe()}
+
+
+def rescheduled_report(report: dict[str, Any], due_at: datetime) -> dict[str, Any]:
+    """A change report as a reschedule words it: `rescheduled` instead of `cancelled`, and the new due time."""
+    report["rescheduled"] = report.pop("cancelled")
+    report["counts"]["rescheduled"] = report["counts"].pop("cancelled")
+    report["due_at"] = due_at.astimezone(UTC).isoformat()
+    return report
+
+
+def destination_counts(paused: bool) -> dict[str, Any]:
+    """One destination's entry of a backlog report, before counting."""
+    return {"scheduled": 0, "due": 0, "in_flight": 0, "paused": paused, "histogram": empty_histogram()}
+
+
+def backlog_report(now: datetime, destinations: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The backlog report of counted destination entries: each one's `due` from its histogram, and totals."""
+    for entry in destinations.values():
+        entry["due"] = entry["histogram"]["due"]
+    totals = {k: sum(e[k] for e in destinations.values()) for k in ("scheduled", "due", "in_flight")}
+    totals["paused_due"] = sum(e["due"] for e in destinations.values() if e["paused"])
+    return {"at": now.astimezone(UTC).isoformat(), "destinations": destinations, "totals": totals}
+
+
+def pause_names(destinations: Collection[str]) -> list[str]:
+    """The destinations a pause or resume names, sorted once each; at least one."""
+    names = sorted(set(destinations))
+    if not names:
+        raise InvalidInputError("name the destination(s) to pause or resume")
+    return names
+
+
+def pause_report(names: Sequence[str], changed: Collection[str]) -> dict[str, list[str]]:
+    """What a pause or resume did: `changed` (now paused, or resumed) and `unchanged` (were so already)."""
+    return {"changed": sorted(changed), "unchanged": [n for n in names if n not in changed]}
+
+
+def purge_report(destination: str, dry_run: bool, count: int, in_flight: int) -> dict[str, Any]:
+    """What a purge removed (or, as a dry run, would remove); messages a sweep holds stay, as `in_flight`."""
+    return {"destination": destination, "dry_run": dry_run, "would_purge" if dry_run else "purged": count,
+            "in_flight": in_flight}

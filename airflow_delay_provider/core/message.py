@@ -7,6 +7,7 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
@@ -140,14 +141,17 @@ class DelayedMessage:
 
     def dead_lettered(self, error_queue: str, reason: str, failed_at: datetime) -> DelayedMessage:
         """This message addressed to the error queue, with headers saying where it came from, when and why."""
-        headers = dict(self.headers)
-        headers.setdefault(HEADER_FIRST_FAILED_AT, failed_at.astimezone(UTC).isoformat())
-        headers.update(
-            {
-                HEADER_FAILED_DESTINATION: self.destination,
-                HEADER_FAILED_AT: failed_at.astimezone(UTC).isoformat(),
-                HEADER_FAILURE_REASON: reason[:1000],
-                HEADER_FAILURES: str(self.failures),
-            }
-        )
+        headers = dead_letter_headers(self.headers, self.destination, reason, self.failures, failed_at)
         return replace(self, destination=error_queue, headers=headers)
+
+
+def dead_letter_headers(headers: Mapping[str, str], destination: str, reason: str, failures: int,
+                        failed_at: datetime) -> dict[str, str]:
+    """A dead letter's headers: the message's own, and where it was going, when it first and last failed, why
+    (at most 1,000 characters) and after how many attempts. Every path that dead-letters writes these."""
+    failed = failed_at.astimezone(UTC).isoformat()
+    out = dict(headers)
+    out.setdefault(HEADER_FIRST_FAILED_AT, failed)
+    out.update({HEADER_FAILED_DESTINATION: destination, HEADER_FAILED_AT: failed,
+                HEADER_FAILURE_REASON: reason[:1000], HEADER_FAILURES: str(failures)})
+    return out

@@ -156,6 +156,12 @@ class Transport(ABC):
     #: Set by use_clock(); None: this host's clock.
     _clock: Callable[[], datetime] | None = None
 
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> Transport:
+        """Build the transport from the plain data its hook's `transport_spec()` gives, in a process without
+        Airflow (a Spark executor, the CLI). A transport the registry lists must implement it."""
+        raise NotImplementedError(f"{cls.__name__} cannot be built from a connection spec: implement from_spec")
+
     def use_clock(self, clock: Callable[[], datetime]) -> Transport:
         """Compute remaining delays on `clock`: the store's, on which the due times handed to send() are kept
         (the pump and the send operator pass it). Returns self."""
@@ -208,6 +214,9 @@ class Transport(ABC):
 
     #: True when send_start() really overlaps: the pump then keeps one batch in flight while it claims the next.
     pipelined: bool = False
+    #: True when the broker holds a message until its due time itself (its own delays): a send task hands
+    #: messages to it at once. False: they are kept in the store until a dispatch task sends them when due.
+    delays_natively: bool = False
 
     def send_start(
         self, messages: Sequence[DelayedMessage], connection: Any = None

@@ -9,13 +9,12 @@ dispatch is exactly once.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import Enum
 from functools import partial
@@ -31,12 +30,12 @@ from airflow_delay_provider.core.errors import (
 )
 from airflow_delay_provider.core.message import (
     HEADER_FAILED_DESTINATION,
-    HEADER_FIRST_FAILED_AT,
     DelayedMessage,
     check_destination,
 )
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore, Transport
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy, PolicyError
+from airflow_delay_provider.core.settlement import FailedBatch, settle_failure
 from airflow_delay_provider.core.stats import PumpStats
 from airflow_delay_provider.core.throttle import SharedBucket, TokenBucket
 
@@ -346,9 +345,7 @@ class Pump:
         sent_at = self._clock()
         removed: list[str] = []  # delivered or dead-lettered: gone from the store
         transient: Exception | None = None
-        retries: dict[str, datetime] = {}
-        first_failures: dict[str, dict[str, str]] = {}
-        dead: list[DelayedMessage] = []
+        failed = FailedBatch()
         for m in messages:
             exc = failures.get(m.message_id)
             if exc is None:
@@ -364,26 +361,17 @@ class Pump:
                 stats.released += 1
                 stats.count(m.destination, "released")
                 continue
-            failed = replace(m, failures=m.failures + 1)
             stats.count(m.destination, "failed")
-            if isinstance(exc, DestinationNotFoundError):
-                dead.append(failed.dead_lettered(self.config.error_queue, f"destination not found: {exc}", sent_at))
-                continue
-            transient = exc
-            policy = self.policy_for(m.destination)
-            if failed.failures > policy.num_retries:
-                reason = f"{type(exc).__name__}: {exc} (after {failed.failures} attempt(s))"
-                dead.append(failed.dead_lettered(self.config.error_queue, reason, sent_at))
-            else:
-                # A retry is itself a delayed message: stored, it survives restarts and holds no worker.
-                delay = policy.jittered(policy.delay_before(failed.failures), self.config.retry_jitter,
-                                        random.Random(f"{m.message_id}:{failed.failures}"))
-                retries[m.message_id] = sent_at + timedelta(seconds=delay)
-                if HEADER_FIRST_FAILED_AT not in m.headers:
-                    first_failures[m.message_id] = {**m.headers, HEADER_FIRST_FAILED_AT: sent_at.isoformat()}
-        if dead:
-            dead_failures = self._start_send(dead, conn)()
-            for d in dead:
+            missing = isinstance(exc, DestinationNotFoundError)
+            if not missing:
+                transient = exc
+            reason = f"destination not found: {exc}" if missing else f"{type(exc).__name__}: {exc}"
+            # A retry is itself a delayed message: stored, it survives restarts and holds no worker.
+            failed.add(m.message_id, settle_failure(m, reason, self.policy_for(m.destination), self.config.error_queue,
+                                                    sent_at, self.config.retry_jitter, final=missing))
+        if failed.dead:
+            dead_failures = self._start_send(failed.dead, conn)()
+            for d in failed.dead:
                 error = dead_failures.get(d.message_id)
                 if error is None:
                     removed.append(d.message_id)
@@ -394,12 +382,12 @@ class Pump:
                                 d.headers.get("x-delay-failure-reason"))
                 else:
                     # Keep it stored and due again: losing it is worse than retrying the dead-letter.
-                    retries[d.message_id] = sent_at
+                    failed.retries[d.message_id] = sent_at
                     self.recovery_breaker.failure(f"could not dead-letter {d.message_id} to {d.destination}: {error}")
         claim.remove(removed)
-        if retries:
-            claim.retry(retries, first_failures)
-        stats.retried += len(retries)
+        if failed.retries:
+            claim.retry(failed.retries, failed.headers)
+        stats.retried += len(failed.retries)
         return transient
 
     # -- the loop ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from airflow.sdk import Context
 from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.migration import hand_over, take_back
 from airflow_delay_provider.operators.base import DelayOperatorBase
+from airflow_delay_provider.transports.registry import transport_class
 
 
 class MigrateDelayedMessagesOperator(DelayOperatorBase):
@@ -33,8 +34,11 @@ class MigrateDelayedMessagesOperator(DelayOperatorBase):
         super().__init__(**kwargs)
         if direction not in self.DIRECTIONS:
             raise InvalidInputError(f"direction {direction!r} is not supported; choose one of {list(self.DIRECTIONS)}")
-        if self.transport != "rabbitmq":
-            raise InvalidInputError("migration moves messages to or from RabbitMQ: use transport='rabbitmq'")
+        taker = transport_class(self.transport)
+        if not (taker.delays_natively and taker.can_take_back):
+            raise InvalidInputError(
+                f"migration moves messages between the store and a broker that holds them until due and can hand "
+                f"them back (transport='rabbitmq'); transport={self.transport!r} cannot")
         self.direction = direction
         self.batch_size = batch_size
 

@@ -19,6 +19,7 @@ from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.core.sending import send_natively
 from airflow_delay_provider.hooks.transport import check_transport
 from airflow_delay_provider.operators.base import DelayOperatorBase, run_time
+from airflow_delay_provider.transports.registry import transport_class
 
 
 class SendDelayedMessageOperator(DelayOperatorBase):
@@ -97,7 +98,8 @@ class SendDelayedMessageOperator(DelayOperatorBase):
         items = parse_messages(self.messages if self.messages is not None
                                else [{**defaults, "message_id": self.message_id}])
         policy = None if self.delivery_policy in (None, "") else DeliveryPolicy.parse(self.delivery_policy)
-        if policy is not None and self.transport != "sql":
+        native = transport_class(self.transport).delays_natively
+        if policy is not None and native:
             raise InvalidInputError(f"delivery_policy applies to messages kept in the store (transport='sql'); "
                                     f"{self.transport!r} delivers through the broker's own delays")
         breaker = CircuitBreaker("storing delayed messages", self.time_to_trigger_store_circuit_breaker)
@@ -123,7 +125,7 @@ class SendDelayedMessageOperator(DelayOperatorBase):
             group = {HEADER_MESSAGE_GROUP: check_message_group_id(self.message_group_id, "message_group_id")}
             batch = [m if HEADER_MESSAGE_GROUP in m.headers else replace(m, headers={**group, **m.headers})
                      for m in batch]
-        if self.transport == "sql":
+        if not native:
             stored = guarded(lambda: store.store(batch))
             # Fewer: the same ids again (a retried task, or a batch naming ids already accepted).
             self.log.info("Stored %d new message(s); %d were already accepted with the same ids", stored,

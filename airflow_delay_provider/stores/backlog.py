@@ -21,11 +21,15 @@ from sqlalchemy import and_, case, delete, func, inspect, literal, or_, select, 
 from airflow_delay_provider.core.backlog import (
     BODY_PREVIEW_BYTES,
     BUCKETS,
+    LISTED,
     MAX_PAGE,
     Selector,
-    cancel_report,
-    empty_histogram,
+    backlog_report,
+    change_report,
+    destination_counts,
     preview,
+    purge_report,
+    rescheduled_report,
 )
 from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import check_destination
@@ -33,8 +37,6 @@ from airflow_delay_provider.stores.tables import COUNT_SLOT_US, _message, from_u
 
 #: Passes an action makes: the second and later ones see rows that a claim it waited for wrote back.
 _PASSES = 4
-#: Ids listed in a report at most (the counts are always complete).
-_LISTED = 1_000
 
 
 class BacklogControls:
@@ -84,10 +86,8 @@ class BacklogControls:
             # SQLite, or a store not yet migrated to version 6: count the rows themselves.
             rows = (self._from_counts if self._counted() else self._from_rows)(conn, now_us, destination)
         known = self.destinations()
-        report = {}
-        for name in sorted({r[0] for r in rows} | ({destination} if destination else set(known))):
-            paused = known.get(name, {}).get("paused", False)
-            report[name] = {"scheduled": 0, "due": 0, "in_flight": 0, "paused": paused, "histogram": empty_histogram()}
+        report = {name: destination_counts(known.get(name, {}).get("paused", False))
+                  for name in sorted({r[0] for r in rows} | ({destination} if destination else set(known)))}
         for name, scheduled, leased, *cumulative in rows:
             entry = report[name]
             entry["scheduled"], entry["in_flight"] = scheduled, int(leased or 0)
@@ -96,10 +96,7 @@ class BacklogControls:
                 entry["histogram"][bucket] = int(upto or 0) - previous
                 previous = int(upto or 0)
             entry["histogram"]["later"] = scheduled - previous
-            entry["due"] = entry["histogram"]["due"]
-        totals = {k: sum(e[k] for e in report.values()) for k in ("scheduled", "due", "in_flight")}
-        totals["paused_due"] = sum(e["due"] for e in report.values() if e["paused"])
-        return {"at": from_us(now_us).isoformat(), "destinations": report, "totals": totals}
+        return backlog_report(from_us(now_us), report)
 
     def _counted(self) -> bool:
         """Whether this store keeps counts per slot of due time (PostgreSQL, schema version 6 on)."""
@@ -172,18 +169,14 @@ class BacklogControls:
             scheduled: delivered, dead-lettered or cancelled before) and ``unknown``; with counts.
         """
         cancelled, in_flight = self._change(selector, "cancel scheduled messages", None)
-        return self._report(selector, cancelled, in_flight)
+        return change_report(selector, cancelled, in_flight, self._accepted)
 
     def reschedule(self, selector: Selector, due_at: datetime) -> dict[str, Any]:
         """Make the selected messages due at `due_at` (checked by `core.backlog.new_due_time`: never before
         now). Pumps waiting past the new time are woken. Reports like `cancel`, with `rescheduled`."""
         due_us = max(to_us(due_at), to_us(self.clock()))
         changed, in_flight = self._change(selector, "reschedule messages", due_us)
-        report = self._report(selector, changed, in_flight)
-        report["rescheduled"] = report.pop("cancelled")
-        report["counts"]["rescheduled"] = report["counts"].pop("cancelled")
-        report["due_at"] = from_us(due_us).isoformat()
-        return report
+        return rescheduled_report(change_report(selector, changed, in_flight, self._accepted), from_us(due_us))
 
     def purge(self, destination: str, dry_run: bool = True) -> dict[str, Any]:
         """Remove every scheduled message of one named destination; with `dry_run` (the default) only
@@ -192,12 +185,11 @@ class BacklogControls:
         selector = Selector(destination=destination)
         if dry_run:
             counts = self.backlog(destination)["destinations"][destination]
-            return {"destination": destination, "dry_run": True, "would_purge": counts["scheduled"] -
-                    counts["in_flight"], "in_flight": counts["in_flight"]}
+            return purge_report(destination, True, counts["scheduled"] - counts["in_flight"], counts["in_flight"])
         purged, in_flight = self._change(selector, "purge a destination", None, listed=0)
-        return {"destination": destination, "dry_run": False, "purged": purged, "in_flight": in_flight}
+        return purge_report(destination, False, purged, in_flight)
 
-    def _change(self, selector: Selector, action: str, due_us: int | None, listed: int = _LISTED):
+    def _change(self, selector: Selector, action: str, due_us: int | None, listed: int = LISTED):
         """Delete (due_us None) or re-time the selected rows no live sweep lease holds, in passes until a
         pass finds nothing; returns (changed ids or count, in-flight ids or count)."""
         selector.require_something()
@@ -218,26 +210,16 @@ class BacklogControls:
                     break
             if due_us is not None:
                 # Rows already at the new time (a repeated reschedule) are where they were asked to be.
-                at_time = select(t.c.message_id).where(*where[:-1], t.c.due_at_us == due_us).limit(_LISTED + 1)
+                at_time = select(t.c.message_id).where(*where[:-1], t.c.due_at_us == due_us).limit(LISTED + 1)
                 done = set(changed)
                 changed.extend(m for m in conn.execute(at_time).scalars() if m not in done)
                 if changed and self.is_postgres:
                     conn.execute(select(func.pg_notify(self.channel, str(due_us))))
             in_flight = list(conn.execute(select(t.c.message_id).where(
-                *self._selected(selector), self._leased_now()).limit(_LISTED + 1)).scalars())
+                *self._selected(selector), self._leased_now()).limit(LISTED + 1)).scalars())
         if not listed:
             return len(changed), len(in_flight)
         return changed, in_flight
-
-    def _report(self, selector: Selector, changed: Sequence[str], in_flight: Sequence[str]) -> dict[str, Any]:
-        if not selector.message_ids:
-            return {"cancelled": list(changed[:_LISTED]), "in_flight": list(in_flight[:_LISTED]),
-                    "counts": {"cancelled": len(changed), "in_flight": len(in_flight)},
-                    "truncated": len(changed) > _LISTED or len(in_flight) > _LISTED,
-                    "selector": selector.describe()}
-        missing = [m for m in selector.message_ids if m not in set(changed) | set(in_flight)]
-        report = cancel_report(selector.message_ids, changed, in_flight, self._accepted(missing))
-        return {**report, "selector": selector.describe()}
 
     def _accepted(self, message_ids: Sequence[str]) -> list[str]:
         """Of these ids, those the store accepted within its de-duplication window."""

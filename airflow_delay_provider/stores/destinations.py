@@ -10,9 +10,8 @@ from collections.abc import Collection, Mapping
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from airflow_delay_provider.core.backlog import check_known
+from airflow_delay_provider.core.backlog import check_known, pause_names, pause_report
 from airflow_delay_provider.core.delays import resolve_delay
-from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import check_destination
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy, PolicyError
 from airflow_delay_provider.stores.tables import from_us, to_us
@@ -51,9 +50,7 @@ class DestinationSettings:
         (due ones wait); batches claimed before the pause still finish. Resuming wakes the pumps, which
         take the waiting messages oldest first under the destination's throttle. Idempotent: returns
         `{"changed": [...], "unchanged": [...]}`."""
-        names = sorted(set(destinations))
-        if not names:
-            raise InvalidInputError("name the destination(s) to pause or resume")
+        names = pause_names(destinations)
         self.check_known(names)
         d, now = self.dests, to_us(self.clock())
         with self._errors("pause destinations" if paused else "resume destinations"), self.engine.begin() as conn:
@@ -65,7 +62,7 @@ class DestinationSettings:
                 soonest = self._soonest(conn, changed)
                 if soonest is not None:  # resumed messages may be due now: wake the pumps
                     conn.execute(select(func.pg_notify(self.channel, str(soonest))))
-        return {"changed": sorted(changed), "unchanged": [n for n in names if n not in changed]}
+        return pause_report(names, changed)
 
     def _soonest(self, conn, destinations: Collection[str]) -> int | None:
         t = self.table

@@ -71,13 +71,15 @@ def load(path: str) -> Any:
     return getattr(importlib.import_module(module), attribute)
 
 
-def transport_class(name: str) -> type[Transport]:
-    return load(transport_kind(name).transport)
+def transport_class(name: object) -> type[Transport]:
+    """The `Transport` subclass of the transport `name` (imported now)."""
+    cls: type[Transport] = load(transport_kind(name).transport)
+    return cls
 
 
 def from_spec(spec: dict) -> Transport:
     """A transport from the plain data a hook's `transport_spec()` gives (holds secrets)."""
-    return transport_class(spec.get("kind")).from_spec(spec)  # type: ignore[arg-type]
+    return transport_class(spec.get("kind")).from_spec(spec)
 
 
 def check_options(name: str, options: dict, field: str = "transport_options") -> dict:

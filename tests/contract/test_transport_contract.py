@@ -19,11 +19,15 @@ SERVICES = pytest.mark.services
 
 @pytest.fixture(params=["memory", "sql-sqlite", pytest.param("sql-postgres", marks=SERVICES),
                         pytest.param("rabbitmq", marks=SERVICES), pytest.param("sqs", marks=SERVICES),
-                        pytest.param("sqs-fifo", marks=SERVICES)])
+                        pytest.param("sqs-fifo", marks=SERVICES), "directory"])
 def transport(request, tmp_path):
     kind = request.param
     if kind == "memory":
         made = InMemoryTransport()
+    elif kind == "directory":  # the toy transport of tests/toy, added by one module and one registry entry
+        from tests.toy.directory_transport import DirectoryTransport
+
+        made = DirectoryTransport(tmp_path / "queues")
     elif kind.startswith("sql"):
         from airflow_delay_provider.transports.sql import SqlTableTransport
 

@@ -104,7 +104,12 @@ PARSE_TIME = [
      r"direction 'sideways' is not supported; choose one of \['store_to_rabbitmq', 'rabbitmq_to_store'\]"),
     ("migrate_transport", lambda o: o.MigrateDelayedMessagesOperator(
         task_id="t", direction="store_to_rabbitmq", transport="sql"),
-     InvalidInputError, r"use transport='rabbitmq'"),
+     InvalidInputError,
+     r"holds them until due and can hand them back \(transport='rabbitmq'\); transport='sql' cannot"),
+    # SQS delays natively but cannot hand held messages back.
+    ("migrate_transport_sqs", lambda o: o.MigrateDelayedMessagesOperator(
+        task_id="t", direction="rabbitmq_to_store", transport="sqs"),
+     InvalidInputError, r"transport='sqs' cannot"),
     ("relay_transport", lambda o: o.RelayDelayedMessagesOperator(task_id="t", endpoint="orders", transport="rabbitmq"),
      InvalidInputError, r"use transport='sqs'"),
     ("relay_runtime", lambda o: o.RelayDelayedMessagesOperator(task_id="t", endpoint="orders", max_runtime=-5),

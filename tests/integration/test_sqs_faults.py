@@ -183,7 +183,7 @@ def test_verify_warns_when_retention_is_shorter_than_a_relay_outage(sqs_client, 
     assert report["ok"] and report["warnings"] == [] and report["retention_seconds"] == FOURTEEN_DAYS
     url = sqs_client.get_queue_url(QueueName="orders-delay.fifo")["QueueUrl"]
     sqs_client.set_queue_attributes(QueueUrl=url, Attributes={"MessageRetentionPeriod": "345600"})
-    with caplog.at_level(logging.WARNING, logger="airflow_delay_provider.transports.sqs"):
+    with caplog.at_level(logging.WARNING, logger="airflow_delay_provider.transports.sqs.transport"):
         report = t.verify("orders")
     assert report["ok"]
     [warning] = report["warnings"]
@@ -254,7 +254,7 @@ def test_a_relayed_message_the_destination_refuses_for_good_holds_back_nothing(s
                    DelayedMessage("orders", b"y" * 2000, due, {"k": "v"}, "too-big"),
                    DelayedMessage("orders", b"b", due, {}, "ok-2")]) == {}
     totals, deadline = RelayCounts(), time.monotonic() + 20
-    with caplog.at_level(logging.ERROR, logger="airflow_delay_provider.transports.sqs"):
+    with caplog.at_level(logging.ERROR, logger="airflow_delay_provider.transports.sqs.relay"):
         while totals.handed_over < 2 and time.monotonic() < deadline:
             totals.add(t.relay_once("orders", 1))
     assert totals.handed_over == 2
@@ -366,7 +366,7 @@ def test_a_native_send_counts_the_delay_on_the_clock_it_was_given(sqs_client):
 
 
 def test_a_redelivered_message_is_not_handed_over_early_when_the_host_clock_runs_ahead(sqs_client, monkeypatch):
-    from airflow_delay_provider.transports import sqs
+    from airflow_delay_provider.transports.sqs import relay
 
     t = make(sqs_client, 2, "orders")
     due = utcnow() + timedelta(seconds=8)
@@ -376,8 +376,8 @@ def test_a_redelivered_message_is_not_handed_over_early_when_the_host_clock_runs
     deadline = time.monotonic() + 10
     while not sqs_client.receive_message(QueueUrl=url, VisibilityTimeout=0, WaitTimeSeconds=1).get("Messages"):
         assert time.monotonic() < deadline, "the message never became visible in the delay queue"
-    real = sqs.utcnow
-    monkeypatch.setattr(sqs, "utcnow", lambda: real() + AHEAD)  # this host's clock runs an hour ahead of SQS's
+    real = relay.utcnow
+    monkeypatch.setattr(relay, "utcnow", lambda: real() + AHEAD)  # this host's clock runs an hour ahead of SQS's
     t.use_clock(lambda: real() + AHEAD)
     counts = RelayCounts()
     while not counts.relayed + counts.handed_over:

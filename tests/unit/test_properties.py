@@ -41,6 +41,9 @@ from airflow_delay_provider.core.retry_policy import (
 from airflow_delay_provider.core.throttle import TokenBucket
 from airflow_delay_provider.transports import rabbitmq as rmq
 from airflow_delay_provider.transports import sqs
+from airflow_delay_provider.transports.sqs import bodies as sqs_bodies
+from airflow_delay_provider.transports.sqs import naming as sqs_naming
+from airflow_delay_provider.transports.sqs import transport as sqs_transport
 
 # No example database: nothing written into the working tree; examples worth keeping are `@example`s.
 FAST = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -418,9 +421,9 @@ SQS_TEXT = re.compile("[\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]*")
 @example(body=b"\xff\xfe")
 def test_sqs_bodies_round_trip_and_carry_only_characters_sqs_keeps(body):
     attributes: dict = {}
-    encoded = sqs._encode_body(body, attributes)
+    encoded = sqs_bodies._encode_body(body, attributes)
     assert SQS_TEXT.fullmatch(encoded), encoded  # else SQS refuses it or corrupts it silently
-    assert sqs._decode_body({"Body": encoded, "MessageAttributes": attributes}) == body
+    assert sqs_bodies._decode_body({"Body": encoded, "MessageAttributes": attributes}) == body
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError:
@@ -432,12 +435,12 @@ def test_sqs_bodies_round_trip_and_carry_only_characters_sqs_keeps(body):
 @FAST
 @given(value=st.text(max_size=200), cycle=st.integers(0, 10**6), other=st.integers(0, 10**6))
 def test_fifo_ids_are_always_valid_and_each_cycle_has_its_own(value, cycle, other):
-    fifo_id = sqs._fifo_id(value)
-    assert sqs._FIFO_ID.fullmatch(fifo_id)
-    if sqs._FIFO_ID.fullmatch(value):
+    fifo_id = sqs_naming._fifo_id(value)
+    assert sqs_naming._FIFO_ID.fullmatch(fifo_id)
+    if sqs_naming._FIFO_ID.fullmatch(value):
         assert fifo_id == value
     assume(cycle != other)
-    assert sqs._dedup_id(value, cycle) != sqs._dedup_id(value, other)
+    assert sqs_naming._dedup_id(value, cycle) != sqs_naming._dedup_id(value, other)
 
 
 @FAST
@@ -446,7 +449,7 @@ def test_batches_hold_at_most_10_entries_and_1_mib_and_lose_nothing(sizes):
     entries = [{"MessageBody": "x" * size,
                 "MessageAttributes": {"x-message-id": {"DataType": "String", "StringValue": f"m-{i}"}}}
                for i, size in enumerate(sizes)]
-    chunks = list(sqs._chunks(entries))
+    chunks = list(sqs_transport._chunks(entries))
     assert [i for chunk in chunks for i in chunk] == list(range(len(entries)))  # each once, in order
     for chunk in chunks:
         assert 1 <= len(chunk) <= sqs.BATCH_SIZE

@@ -1,21 +1,15 @@
 """Routing keys and names of the RabbitMQ delay levels (no broker needed)."""
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from airflow_delay_provider.core.errors import DelayError, InvalidNameError
-from airflow_delay_provider.transports.rabbitmq import (
+from airflow_delay_provider.transports.rabbitmq.routing import (
     MAX_DELAY_SECONDS,
-    Names,
-    Publication,
-    body_frames,
     check_endpoint,
-    delay_topology,
     first_level,
-    header_frame,
     routing_key,
 )
+from airflow_delay_provider.transports.rabbitmq.topology import Names, delay_topology
 
 
 def bits(key: str, levels: int = 28) -> str:
@@ -68,30 +62,3 @@ def test_topology_shape():
     level0 = next(q for q in t.queues if q.name == "delay.level-00")
     assert level0.arguments["x-dead-letter-exchange"] == "delay.delivery"
     assert next(q for q in t.queues if q.name == "delay.level-27").arguments["x-message-ttl"] == 2**27 * 1000
-
-
-# -- the content header frame the publisher encodes itself ------------------------------------------------------
-_header_values = st.one_of(st.text(max_size=300), st.integers(-(2**63), 2**63 - 1), st.booleans())
-
-
-@settings(max_examples=300, deadline=None)
-@given(channel=st.integers(1, 2047), message_id=st.text(min_size=1, max_size=80),
-       headers=st.dictionaries(st.text(min_size=1, max_size=60), _header_values, max_size=6),
-       body=st.binary(max_size=300))
-def test_the_header_frame_is_the_bytes_pika_encodes(channel, message_id, headers, body):
-    import pika.frame
-
-    ours = header_frame(channel, Publication(message_id, "", "q", body, headers))
-    properties = pika.BasicProperties(message_id=message_id, headers=headers, delivery_mode=2)
-    assert ours == pika.frame.Header(channel, len(body), properties).marshal()
-
-
-@settings(max_examples=200, deadline=None)
-@given(channel=st.integers(1, 2047), body=st.binary(max_size=3000), max_length=st.integers(1, 1100))
-def test_the_body_frames_are_the_bytes_pika_encodes(channel, body, max_length):
-    import pika.frame
-
-    ours: list[bytes] = []
-    body_frames(ours, channel, body, max_length)
-    pieces = [body[i:i + max_length] for i in range(0, len(body), max_length)]
-    assert ours == [pika.frame.Body(channel, piece).marshal() for piece in pieces]

@@ -40,7 +40,7 @@ def test_a_fifo_endpoints_delay_queue_is_a_standard_queue_of_its_own():
 
 
 def test_batches_are_cut_at_ten_entries_or_a_mebibyte_attributes_included():
-    from airflow_delay_provider.transports.sqs import _chunks
+    from airflow_delay_provider.transports.sqs.transport import _chunks
 
     attribute = {"x-message-id": {"DataType": "String", "StringValue": "m"}}  # 12 + 6 + 1 bytes
     small = [{"MessageBody": "x", "MessageAttributes": attribute} for _ in range(25)]

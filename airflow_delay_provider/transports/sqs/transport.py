@@ -18,169 +18,66 @@ number of them fits SQS's limit of 10 attributes per message.
 
 from __future__ import annotations
 
-import base64
-import email.utils
-import hashlib
 import json
 import logging
 import math
-import re
-import uuid
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from airflow_delay_provider.core.delays import seconds_until, utcnow, whole_seconds
+from airflow_delay_provider.core.delays import seconds_until
 from airflow_delay_provider.core.errors import (
     DelayError,
     DestinationNotFoundError,
     InvalidInputError,
-    InvalidMessageError,
     InvalidNameError,
     UnavailableError,
 )
-from airflow_delay_provider.core.message import (
-    HEADER_DUE_AT,
-    HEADER_FAILED_AT,
-    HEADER_FAILED_DESTINATION,
-    HEADER_FAILURE_REASON,
-    HEADER_FAILURES,
-    HEADER_FIRST_FAILED_AT,
-    DelayedMessage,
-    check_destination,
-)
+from airflow_delay_provider.core.message import DelayedMessage, check_destination
 from airflow_delay_provider.core.ports import ReceivedMessage, Transport
 from airflow_delay_provider.core.throttle import TokenBucket
+from airflow_delay_provider.transports.sqs import relay
+from airflow_delay_provider.transports.sqs.bodies import BODY_EXPIRATION_DAYS, MAX_BODY_BYTES, Bodies, _decode_body
+from airflow_delay_provider.transports.sqs.naming import (
+    DELAY_QUEUE_SUFFIX,
+    FIFO_DELAY_QUEUE_SUFFIX,
+    NATIVE_MAX_DELAY,
+    PRICE_PER_REQUEST,
+    _check_queue_delay,
+    _dedup_id,
+    _fifo_id,
+    _final_fields,
+    _is_fifo,
+    check_queue_name,
+    delay_plan,
+    delay_queue_name,
+    estimate_cost,
+)
+from airflow_delay_provider.transports.sqs.relay import RelayCounts
+from airflow_delay_provider.transports.sqs.wire import (
+    ATTR_BODY_S3,
+    ATTR_DELAY,
+    ATTR_DUE_AT,
+    ATTR_HEADERS,
+    ATTR_MESSAGE_ID,
+    BATCH_SIZE,
+    _attr,
+    _aws_error,
+    _code,
+)
 
 log = logging.getLogger(__name__)
 
-NATIVE_MAX_DELAY = 900
-DELAY_QUEUE_SUFFIX = "-delay.fifo"
-#: The delay queue of a FIFO endpoint: a standard queue, so each hop carries its own DelaySeconds.
-FIFO_DELAY_QUEUE_SUFFIX = "-fifo-delay"
-#: The header naming a message's group on a FIFO destination (SQS's MessageGroupId).
-HEADER_MESSAGE_GROUP = "x-message-group-id"
-#: The group of a message without that header: one group per queue keeps the whole queue in order,
-#: which is what a FIFO queue is chosen for; name a group per key (a customer, an order) for parallel consumers.
-DEFAULT_MESSAGE_GROUP = "default"
-#: How long a relayed message that neither its destination nor the error queue takes stays hidden
-#: before the relay tries it again: no tight loop, and it is kept until its retention ends.
-REFUSED_RETRY_SECONDS = 900
 DELAY_QUEUE_RETENTION = 1_209_600  # 14 days, SQS's maximum
 #: The longest the relay may be down by default: verify() warns when the delay queue's retention is shorter.
 MAX_RELAY_DOWNTIME = 7 * 86_400
-#: Large bodies expire after the longest delay the operators take (7 days), plus the longest a
-#: destination queue keeps a message (14 days), plus a relay outage as long as the delay queue's retention.
-BODY_EXPIRATION_DAYS = 35
-BODY_KEY_PREFIX = "delay-bodies/"
-MAX_QUEUE_NAME = 80
-BATCH_SIZE = 10
 MAX_BATCH_BYTES = 1024 * 1024  # SQS's message and batch limit (1 MiB)
-#: Message attributes the provider writes; everything the caller gave travels in ATTR_HEADERS.
-ATTR_MESSAGE_ID = "x-message-id"
-ATTR_HEADERS = "x-headers"
-ATTR_DUE_AT = HEADER_DUE_AT
-ATTR_DELAY = "x-delay-seconds"
-ATTR_ENCODING = "x-body-encoding"
-ATTR_BODY_S3 = "x-body-s3"
-ATTR_CYCLE = "x-relay-cycle"
 #: A receipt of a message whose body is in S3 carries the object too, so any process can ack it.
 RECEIPT_S3 = " s3://"
-#: Bodies above this go to S3: SQS's old 256 KiB limit, which every SQS (and moto) accepts.
-MAX_BODY_BYTES = 256 * 1024 - 8 * 1024  # room left for the attributes
-_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
-
-
-def delay_queue_name(name: str, prefix: str = "") -> str:
-    """The delay queue of endpoint `name`: `<prefix><name>-delay.fifo` (a FIFO queue), or for a FIFO endpoint
-    `<prefix><stem>.fifo` the standard queue `<prefix><stem>-fifo-delay` (it takes the per-message delays a
-    FIFO queue refuses). Characters outside [A-Za-z0-9_-] are replaced by '-' (the `.fifo` kept).
-
-    Over the names SQS allows an endpoint, no two endpoints share a delay queue, and `queue_name()` refuses
-    an endpoint named like one. Raises InvalidNameError when the result would be longer than SQS's 80 characters.
-    """
-    full = f"{prefix}{name}"
-    if _is_fifo(full):
-        result = _UNSAFE.sub("-", full.removesuffix(".fifo")) + FIFO_DELAY_QUEUE_SUFFIX
-        added = len(FIFO_DELAY_QUEUE_SUFFIX) - len(".fifo")  # the endpoint's own `.fifo` counts in its name
-    else:
-        result = _UNSAFE.sub("-", f"{full}-delay") + ".fifo"
-        added = len(DELAY_QUEUE_SUFFIX)
-    if len(result) > MAX_QUEUE_NAME:
-        raise InvalidNameError(
-            f"delay queue name {result!r} has {len(result)} characters; SQS allows {MAX_QUEUE_NAME}, so the endpoint "
-            f"name may have at most {MAX_QUEUE_NAME - len(prefix) - added} characters with prefix {prefix!r}"
-        )
-    return result
-
-
-def check_queue_name(name: str) -> str:
-    stem = name.removesuffix(".fifo") if isinstance(name, str) else ""
-    if not stem or len(name) > MAX_QUEUE_NAME or _UNSAFE.search(stem):
-        raise InvalidNameError(
-            f"SQS queue name {name!r} is not allowed: 1-{MAX_QUEUE_NAME} characters of A-Z, a-z, 0-9, '-' and '_' "
-            "(a FIFO queue ends in .fifo)"
-        )
-    return name
-
-
-def _check_queue_delay(queue_delay: object) -> int:
-    if isinstance(queue_delay, bool) or not isinstance(queue_delay, int) or not 1 <= queue_delay <= NATIVE_MAX_DELAY:
-        raise DelayError(
-            f"queue_delay must be an int in 1..{NATIVE_MAX_DELAY} seconds (SQS's limit), got {queue_delay!r}")
-    return queue_delay
-
-
-@dataclass(frozen=True)
-class DelayPlan:
-    """How a delay is carried: natively, or `fifo_cycles` passes through the delay queue, then `final_delay`."""
-
-    delay: int
-    native: bool
-    fifo_cycles: int
-    final_delay: int
-
-    def requests(self) -> int:
-        """SQS requests the relay spends: a receive and a send per FIFO cycle."""
-        return 2 * self.fifo_cycles
-
-
-def delay_plan(delay_seconds: int | float, queue_delay: int = NATIVE_MAX_DELAY) -> DelayPlan:
-    """845 -> native, 0 cycles, 845 s; 1,925 (Q = 900) -> 2 cycles, then 125 s on the destination."""
-    delay = whole_seconds(delay_seconds)
-    q = _check_queue_delay(queue_delay)
-    if delay <= q:  # Q is the threshold: 900 in production, a few seconds in tests
-        return DelayPlan(delay, True, 0, delay)
-    cycles = math.ceil((delay - q) / q)
-    return DelayPlan(delay, False, cycles, delay - cycles * q)
-
-
-#: USD per SQS request (a FIFO request's list price), for the relay's cost estimates.
-PRICE_PER_REQUEST = 0.0000005
-
-
-def estimate_cost(delay_seconds: int | float, price_per_request: float = PRICE_PER_REQUEST,
-                  queue_delay: int = NATIVE_MAX_DELAY) -> float:
-    """USD the relay spends on one message: two FIFO requests per cycle (long polling not counted)."""
-    if isinstance(price_per_request, bool) or not isinstance(price_per_request, (int, float)) or price_per_request < 0:
-        raise InvalidInputError(f"price_per_request must be a number >= 0, got {price_per_request!r}")
-    return delay_plan(delay_seconds, queue_delay).requests() * price_per_request
-
-
-# -- the transport ------------------------------------------------------------------------------
-def _aws_error(exc: Exception) -> str:
-    if isinstance(exc, ClientError):
-        err = exc.response.get("Error", {})
-        return f"{err.get('Code', 'ClientError')}: {err.get('Message', '')}"
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _code(exc: Exception) -> str:
-    return exc.response.get("Error", {}).get("Code", "") if isinstance(exc, ClientError) else ""
 
 
 def _not_found(exc: Exception) -> bool:
@@ -205,47 +102,11 @@ def _refused(exc: Exception) -> bool:
     return any(c.removeprefix("AWS.SimpleQueueService.").removesuffix("Exception") in _REFUSALS for c in codes)
 
 
-def _is_fifo(queue: str) -> bool:
-    return queue.endswith(".fifo")
-
-
-def check_message_group_id(group: object, field: str = HEADER_MESSAGE_GROUP) -> str:
-    """`group` if SQS takes it as a MessageGroupId; otherwise an error naming `field` and the rule."""
-    if not isinstance(group, str) or not _FIFO_ID.fullmatch(group):
-        raise InvalidMessageError(
-            f"{field} is {group!r:.60}; an SQS message group id is 1-128 characters of A-Z, a-z, 0-9 and the "
-            "punctuation !\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
-    return group
-
-
-def _message_group(headers: dict[str, str], message_id: str) -> str:
-    group = headers.get(HEADER_MESSAGE_GROUP, DEFAULT_MESSAGE_GROUP)
-    return check_message_group_id(group, f"message {message_id}: header {HEADER_MESSAGE_GROUP!r}")
-
-
-def _final_fields(queue: str, message_id: str, headers: dict[str, str], delay: int = 0) -> dict[str, Any]:
-    """What a message carries into the queue it is delivered to: on a FIFO queue its group and, for
-    deduplication, its message id (a FIFO queue takes no per-message delay); on a standard queue its
-    DelaySeconds, even 0 (without it SQS applies the queue's default delay to a message due now)."""
-    if _is_fifo(queue):
-        return {"MessageGroupId": _message_group(headers, message_id), "MessageDeduplicationId": _fifo_id(message_id)}
-    return {"DelaySeconds": delay}
-
-
-def _sqs_now_ms(response: dict) -> int | None:
-    """SQS's clock when it answered, in ms: the response's Date header, cut to the second (so never after
-    SQS's now); None without one."""
-    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-    try:
-        return int(email.utils.parsedate_to_datetime(date).timestamp()) * 1000
-    except (TypeError, ValueError):
-        return None
-
-
 class SqsTransport(Transport):
     """Sends each message to arrive at its due time: natively up to 900 s, through `-delay.fifo` beyond."""
 
     name = "sqs"
+    delays_natively = True
 
     def __init__(
         self,
@@ -263,9 +124,6 @@ class SqsTransport(Transport):
         self.unrestricted = unrestricted
         self.prefix = prefix
         self.queue_delay = _check_queue_delay(queue_delay)
-        self.large_body_bucket = large_body_bucket
-        self.s3 = s3_client
-        self.max_body_bytes = max_body_bytes
         if large_body_bucket and s3_client is None:
             raise InvalidInputError("large_body_bucket needs an S3 client (SqsDelayHook.get_transport makes one)")
         if isinstance(max_relay_downtime, bool) or not isinstance(max_relay_downtime, (int, float)) \
@@ -275,7 +133,7 @@ class SqsTransport(Transport):
                 or body_expiration_days < 1:
             raise InvalidInputError(f"body_expiration_days must be an int >= 1, got {body_expiration_days!r}")
         self.max_relay_downtime = max_relay_downtime
-        self.body_expiration_days = body_expiration_days
+        self.bodies = Bodies(s3_client, large_body_bucket, prefix, max_body_bytes, body_expiration_days)
         self._urls: dict[str, str] = {}
         #: Copies received after another copy's ack had deleted their shared S3 body, deleted unseen.
         self.duplicates_dropped = 0
@@ -296,6 +154,15 @@ class SqsTransport(Transport):
             session = boto3.session.Session()
         s3 = session.client("s3", **client_args) if options.get("large_body_bucket") else None
         return cls(session.client("sqs", **client_args), s3_client=s3, **options)
+
+    @property
+    def s3(self) -> Any:
+        """The S3 client large bodies go through (held by `bodies`; setting it replaces theirs)."""
+        return self.bodies.s3
+
+    @s3.setter
+    def s3(self, client: Any) -> None:
+        self.bodies.s3 = client
 
     def __repr__(self) -> str:
         return f"SqsTransport(endpoint={self.client.meta.endpoint_url!r}, prefix={self.prefix!r})"
@@ -371,8 +238,8 @@ class SqsTransport(Transport):
             raise InvalidInputError(f"SQS refused to create the queues of {endpoint!r}: {_aws_error(exc)}") from None
         except BotoCoreError as exc:
             raise UnavailableError(f"could not reach SQS: {_aws_error(exc)}") from None
-        if self.large_body_bucket:
-            summary["body_expiration_days"] = self._expire_bodies()
+        if self.bodies.bucket:
+            summary["body_expiration_days"] = self.bodies.expire()
         return summary
 
     def _delay_queue_attributes(self, fifo_endpoint: bool) -> dict[str, str]:
@@ -392,32 +259,6 @@ class SqsTransport(Transport):
         self.client.set_queue_attributes(QueueUrl=url,
                                          Attributes={k: v for k, v in attributes.items() if k != "FifoQueue"})
         return url
-
-    def _expire_bodies(self) -> int:
-        """A lifecycle rule expiring this prefix's large bodies: those whose message was never acked
-        (a send that failed after the upload, a message that expired) would otherwise stay forever."""
-        bucket, key_prefix = self.large_body_bucket, f"{self.prefix}{BODY_KEY_PREFIX}"
-        rule_id = f"airflow-delay-provider {key_prefix}"
-        try:
-            try:
-                current = self.s3.get_bucket_lifecycle_configuration(Bucket=bucket)
-            except ClientError as exc:
-                if _code(exc) != "NoSuchLifecycleConfiguration":
-                    raise
-                current = {}
-            # A put replaces the bucket's whole configuration: keep every rule but ours.
-            rules = [r for r in current.get("Rules", []) if r.get("ID") != rule_id]
-            rules.append({"ID": rule_id, "Status": "Enabled", "Filter": {"Prefix": key_prefix},
-                          "Expiration": {"Days": self.body_expiration_days}})
-            extra = {k: current[k] for k in ("TransitionDefaultMinimumObjectSize",) if current.get(k)}
-            self.s3.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": rules}, **extra)
-        except ClientError as exc:
-            raise InvalidInputError(
-                f"could not set the expiry of large bodies on S3 bucket {bucket!r} (it must exist and allow "
-                f"s3:GetLifecycleConfiguration and s3:PutLifecycleConfiguration): {_aws_error(exc)}") from None
-        except BotoCoreError as exc:
-            raise UnavailableError(f"could not reach S3: {_aws_error(exc)}") from None
-        return self.body_expiration_days
 
     def verify(self, endpoints: str | Iterable[str] = ()) -> dict:
         """For one endpoint, the relay's start-up check of its delay queue (below); for several, the
@@ -545,7 +386,7 @@ class SqsTransport(Transport):
         # A FIFO group is checked now, not at the hand-over.
         final = _final_fields(queue, m.message_id, m.headers, delay)
         if delay == 0 or not fifo and delay <= self.queue_delay:
-            return queue, {"MessageBody": self._body(m, attributes), "MessageAttributes": attributes, **final}
+            return queue, {"MessageBody": self.bodies.body(m, attributes), "MessageAttributes": attributes, **final}
         if not self.unrestricted:
             reason = (f"{queue!r} is a FIFO queue, which takes no per-message delay" if fifo
                       else f"it exceeds {self.queue_delay} s")
@@ -555,33 +396,13 @@ class SqsTransport(Transport):
             )
         # The relay keeps the rest of the delay: the full delay travels in an attribute.
         attributes[ATTR_DELAY] = {"DataType": "Number", "StringValue": str(delay)}
-        entry = {"MessageBody": self._body(m, attributes), "MessageAttributes": attributes}
+        entry = {"MessageBody": self.bodies.body(m, attributes), "MessageAttributes": attributes}
         if fifo:  # its delay queue is a standard one: each hop at most Q
             entry["DelaySeconds"] = min(delay, self.queue_delay)
         else:  # a FIFO delay queue, its own DelaySeconds Q: no per-message delay
             entry["MessageDeduplicationId"] = _dedup_id(m.message_id, 0)
             entry["MessageGroupId"] = _fifo_id(m.message_id)
         return delay_queue_name(m.destination, self.prefix), entry
-
-    def _body(self, m: DelayedMessage, attributes: dict) -> str:
-        """The SQS body; one over the size limit goes to S3 and the message carries a pointer."""
-        body = _encode_body(m.body, attributes)
-        if len(body.encode()) <= self.max_body_bytes:
-            return body
-        if not self.large_body_bucket:
-            raise InvalidInputError(
-                f"message {m.message_id} has a body of {len(body.encode())} bytes; SQS takes {self.max_body_bytes}: "
-                "set large_body_bucket to carry larger bodies through S3"
-            )
-        key = f"{self.prefix}{BODY_KEY_PREFIX}{uuid.uuid4().hex}"
-        try:
-            self.s3.put_object(Bucket=self.large_body_bucket, Key=key, Body=m.body)
-        except (ClientError, BotoCoreError) as exc:
-            raise UnavailableError(
-                f"could not store the large body of {m.message_id} in S3: {_aws_error(exc)}") from None
-        attributes.pop(ATTR_ENCODING, None)
-        attributes[ATTR_BODY_S3] = {"DataType": "String", "StringValue": f"{self.large_body_bucket}/{key}"}
-        return json.dumps({"s3": f"{self.large_body_bucket}/{key}"})
 
     def _send_entries(self, url: str, queue: str, entries: list[tuple[str, dict]]) -> dict[int, Exception]:
         """Send `(message id, entry)` pairs to one queue in batches of at most 10 entries and 1 MiB; returns the
@@ -680,7 +501,7 @@ class SqsTransport(Transport):
                 for m in got:
                     handles.append(m["ReceiptHandle"])
                     pointer = _attr(m, ATTR_BODY_S3)
-                    message = _received(endpoint, m, self._peek_body(pointer) if pointer else None)
+                    message = _received(endpoint, m, self.bodies.peek(pointer) if pointer else None)
                     if pointer and not message.body:
                         message.extra.update(body_missing=True, body_s3=pointer)
                     seen.setdefault(m["MessageId"], replace(message, receipt=None))  # once, if the walk is slow
@@ -689,13 +510,6 @@ class SqsTransport(Transport):
         finally:
             self._show(url, handles)
         return list(seen.values())
-
-    def _peek_body(self, pointer: str) -> bytes:
-        bucket, key = pointer.split("/", 1)
-        try:
-            return self.s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-        except (ClientError, BotoCoreError, AttributeError):
-            return b""  # gone (or no S3 client): the listing says so; nothing is deleted while peeking
 
     def release(self, endpoint: str, receipts: Iterable[Any]) -> int:
         """Make received, unacked messages visible again now (their visibility timeout set to 0)."""
@@ -718,17 +532,10 @@ class SqsTransport(Transport):
 
     def _large_body(self, url: str, m: dict, pointer: str) -> bytes | None:
         """The body from S3, or None when it is gone: the message is then deleted, not delivered."""
-        bucket, key = pointer.split("/", 1)
         message_id = _attr(m, ATTR_MESSAGE_ID) or m["MessageId"]
-        try:
-            return self.s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-        except ClientError as exc:
-            if _code(exc) not in ("NoSuchKey", "404"):
-                raise UnavailableError(
-                    f"could not read the large body of {message_id} from S3: {_aws_error(exc)}") from None
-        except BotoCoreError as exc:
-            raise UnavailableError(
-                f"could not read the large body of {message_id} from S3: {_aws_error(exc)}") from None
+        body = self.bodies.read(pointer, message_id)
+        if body is not None:
+            return body
         # Copies of one message share its object (a relay re-send under at-least-once), and the
         # first copy's ack deleted it: this one was delivered already. (Or the lifecycle rule
         # expired it, and there is nothing left to deliver.)
@@ -755,239 +562,22 @@ class SqsTransport(Transport):
             for ok in result.get("Successful", []):
                 pointer = chunk[int(ok["Id"])][2]
                 if pointer:  # delivered: its large body is no longer needed
-                    self._delete_body(pointer)
+                    self.bodies.delete(pointer)
         return deleted
 
-    def _delete_body(self, pointer: str) -> None:
-        bucket, key = pointer.split("/", 1)
-        try:
-            self.s3.delete_object(Bucket=bucket, Key=key)
-        except (ClientError, BotoCoreError) as exc:
-            log.warning("could not delete the large body %s from S3 (its lifecycle rule will): %s", pointer,
-                        _aws_error(exc))
-
-    # -- the relay: the delay queue's consumer ---------------------------------------------------
+    # -- the relay: the delay queue's consumer (relay.py) ----------------------------------------
     def relay_once(self, endpoint: str, wait_time_seconds: int = 20, visibility_timeout: int = 30,
                    throttle: TokenBucket | None = None, error_queue: str = "error") -> RelayCounts:
-        """One long poll of the endpoint's delay queue; every message received is sent on and deleted.
-
-        remaining = delay - (now - SentTimestamp), all on SQS's clock: now is the later of the message's
-        ApproximateFirstReceiveTimestamp and the receive response's Date header (whole seconds, cut), so a
-        host clock that runs ahead never makes a message early. Above Q (a FIFO endpoint: above 0): back to
-        the delay queue; else to the destination, with DelaySeconds = remaining on a standard one, with no
-        delay (its group and deduplication id) on a FIFO one, in due order. Sends are batched per queue,
-        then the handled messages deleted in one batch; a send that failed for an outage is made visible
-        again at once. A message SQS refuses for good (too large for the destination, say) is logged as an
-        error and dead-lettered to `error_queue` as the pump does (headers say where it was going and why);
-        when that fails too it stays in the delay queue, hidden for REFUSED_RETRY_SECONDS.
-        """
-        delay_queue = delay_queue_name(endpoint, self.prefix)
-        delay_url = self._url(delay_queue)
-        destination = self.queue_name(endpoint)
-        dest_url = self._url(destination)
-        fifo_endpoint = _is_fifo(destination)
-        try:
-            response = self.client.receive_message(
-                QueueUrl=delay_url, MaxNumberOfMessages=BATCH_SIZE, WaitTimeSeconds=wait_time_seconds,
-                VisibilityTimeout=visibility_timeout, MessageAttributeNames=["All"], AttributeNames=["All"],
-            )
-        except (ClientError, BotoCoreError) as exc:
-            raise UnavailableError(
-                f"could not receive from the delay queue of {endpoint!r}: {_aws_error(exc)}") from None
-        got = response.get("Messages", [])
-        counts = RelayCounts()
-        if not got:
-            return counts
-        answered_ms = _sqs_now_ms(response) or 0
-        back, onward, done = [], [], []
-        for m in got:
-            attrs = m.get("Attributes", {})
-            sent = int(attrs["SentTimestamp"])
-            # SQS's now: this receive's time, or for a redelivery (first received long ago) the response's.
-            now_ms = max(int(attrs.get("ApproximateFirstReceiveTimestamp", sent)), answered_ms)
-            remaining = float(_attr(m, ATTR_DELAY) or 0) - (now_ms - sent) / 1000
-            attributes = dict(m.get("MessageAttributes", {}))
-            entry = {"MessageBody": m["Body"], "MessageAttributes": attributes}
-            source = _message_id(m)
-            if remaining > (0 if fifo_endpoint else self.queue_delay):
-                # Milliseconds carried along, so rounding happens once, at the hand-over.
-                attributes[ATTR_DELAY] = {"DataType": "Number", "StringValue": f"{remaining:.3f}"}
-                if fifo_endpoint:  # a standard delay queue: this hop's own delay, at most Q
-                    entry["DelaySeconds"] = whole_seconds(min(remaining, self.queue_delay))
-                else:
-                    cycle = int(_attr(m, ATTR_CYCLE) or 0) + 1
-                    attributes[ATTR_CYCLE] = {"DataType": "Number", "StringValue": str(cycle)}
-                    # One id per message and cycle: re-sending the same cycle (a relay that died before
-                    # its delete) is dropped by SQS within 5 minutes, while the next cycle is new even when Q < 5 min.
-                    entry["MessageDeduplicationId"] = _dedup_id(source, cycle)
-                    entry["MessageGroupId"] = attrs.get("MessageGroupId") or _fifo_id(source)
-                back.append((m, entry))
-            else:
-                attributes.pop(ATTR_DELAY, None)
-                attributes.pop(ATTR_CYCLE, None)
-                headers = json.loads(_attr(m, ATTR_HEADERS) or "{}")
-                try:
-                    entry.update(_final_fields(destination, source, headers,
-                                               whole_seconds(remaining, negative_is_now=True)))
-                except InvalidInputError as exc:  # a group header SQS refuses (sent before it was checked)
-                    if self._refused_for_good(m, endpoint, destination, exc, error_queue, delay_url, counts):
-                        done.append(m)
-                    continue
-                onward.append((m, entry))
-        # Handed over in due order: one receive may hold several messages of a FIFO group.
-        onward.sort(key=lambda pair: _due_ms(pair[0]))
-        if throttle is not None and onward:
-            # The destination's maxReceivesPerSecond: what may not go yet comes back in a second.
-            allowed = throttle.take_up_to(len(onward))
-            for m, _ in onward[allowed:]:
-                self.client.change_message_visibility(QueueUrl=delay_url, ReceiptHandle=m["ReceiptHandle"],
-                                                      VisibilityTimeout=1)
-                counts.held += 1
-            onward = onward[:allowed]
-        for url, queue, entries, counter in ((delay_url, delay_queue, back, "relayed"),
-                                             (dest_url, destination, onward, "handed_over")):
-            if not entries:
-                continue
-            failures = self._send_entries(url, queue, [(_message_id(m), entry) for m, entry in entries])
-            for i, (m, _) in enumerate(entries):
-                error = failures.get(i)
-                if error is None:
-                    setattr(counts, counter, getattr(counts, counter) + 1)
-                    done.append(m)
-                elif isinstance(error, (UnavailableError, DestinationNotFoundError)):
-                    counts.failed += 1  # SQS's trouble, not the message's: tried again on the next receive
-                    self.client.change_message_visibility(
-                        QueueUrl=delay_url, ReceiptHandle=m["ReceiptHandle"], VisibilityTimeout=0)
-                elif self._refused_for_good(m, endpoint, queue, error, error_queue, delay_url, counts):
-                    done.append(m)
-        self._delete(delay_url, done)
-        return counts
-
-    def _refused_for_good(self, m: dict, endpoint: str, queue: str, error: Exception, error_queue: str,
-                          delay_url: str, counts: RelayCounts) -> bool:
-        """A relayed message SQS will never take as it is: to the error queue, as the pump dead-letters (True:
-        the caller deletes it), or when that fails too, hidden in the delay queue for a while (False)."""
-        message_id = _message_id(m)
-        problem = self._dead_letter(m, endpoint, error, error_queue)
-        if problem is None:
-            counts.dead_lettered += 1
-            log.error("relay of %r: SQS queue %r refused message %s for good, dead-lettered to %r: %s",
-                      endpoint, queue, message_id, error_queue, error)
-            return True
-        counts.failed += 1
-        log.error("relay of %r: SQS queue %r refused message %s for good (%s), and it could not be dead-lettered "
-                  "(%s): it stays in the delay queue, tried again in %d s", endpoint, queue, message_id, error,
-                  problem, REFUSED_RETRY_SECONDS)
-        try:
-            self.client.change_message_visibility(QueueUrl=delay_url, ReceiptHandle=m["ReceiptHandle"],
-                                                  VisibilityTimeout=REFUSED_RETRY_SECONDS)
-        except (ClientError, BotoCoreError) as exc:  # back after its visibility timeout, and tried again then
-            log.warning("could not hide message %s in the delay queue of %r: %s", message_id, endpoint,
-                        _aws_error(exc))
-        return False
-
-    def _dead_letter(self, m: dict, endpoint: str, error: Exception, error_queue: str) -> str | None:
-        """Send a relayed message, body and attributes as they are, to the error queue with the pump's
-        dead-letter headers; None when it went, else why not."""
-        message_id = _message_id(m)
-        headers = json.loads(_attr(m, ATTR_HEADERS) or "{}")
-        failed_at = self.clock().isoformat()
-        headers.setdefault(HEADER_FIRST_FAILED_AT, failed_at)
-        headers.update({HEADER_FAILED_DESTINATION: endpoint, HEADER_FAILED_AT: failed_at,
-                        HEADER_FAILURE_REASON: str(error)[:1000], HEADER_FAILURES: "1"})
-        attributes = {k: v for k, v in m.get("MessageAttributes", {}).items() if k not in (ATTR_DELAY, ATTR_CYCLE)}
-        attributes[ATTR_HEADERS] = {"DataType": "String", "StringValue": json.dumps(headers)}
-        try:
-            queue = self.queue_name(error_queue)
-            entry = {"MessageBody": m["Body"], "MessageAttributes": attributes,
-                     **_final_fields(queue, message_id, headers)}
-            url = self._url(queue)
-        except (InvalidInputError, DestinationNotFoundError, UnavailableError) as exc:
-            return str(exc)
-        failure = self._send_entries(url, queue, [(message_id, entry)]).get(0)
-        return None if failure is None else str(failure)
+        """One long poll of the endpoint's delay queue; every message received is sent on and deleted
+        (see `relay.relay_once`)."""
+        return relay.relay_once(self, endpoint, wait_time_seconds, visibility_timeout, throttle, error_queue)
 
     def relay_until(self, endpoint: str, deadline: datetime, totals: RelayCounts, wait_time_seconds: int = 20,
                     max_per_second: float | None = None, until_idle: bool = False, error_queue: str = "error") -> str:
-        """Relay the endpoint's delay queue (`relay_once` after `relay_once`, adding to `totals`) until
-        `deadline`, each long poll shortened so none outlasts it. Returns why it stopped: `"deadline"`, or
-        with `until_idle`, `"idle"` as soon as the delay queue has no visible message (a caller may then
-        wait elsewhere, e.g. a deferred task on SqsDelayQueueTrigger, instead of paying for empty polls).
-
-        `max_per_second` caps the hand-overs to the endpoint (a delivery policy's maxReceivesPerSecond);
-        its token bucket lasts for this call. `error_queue` takes what SQS refuses for good (see `relay_once`)."""
-        throttle = TokenBucket(max_per_second) if max_per_second else None
-        while (left := (deadline - utcnow()).total_seconds()) > 0:
-            if until_idle and self.lifecycle(endpoint, delay_queue=True)["visible"] == 0:
-                return "idle"
-            totals.add(self.relay_once(endpoint, min(wait_time_seconds, max(0, int(left))), throttle=throttle,
-                                       error_queue=error_queue))
-        return "deadline"
-
-    def _delete(self, url: str, messages: list[dict]) -> None:
-        """Delete in one batch; retry failures one by one (an expired receipt handle means it is gone)."""
-        if not messages:
-            return
-        result = self.client.delete_message_batch(
-            QueueUrl=url, Entries=[{"Id": str(i), "ReceiptHandle": m["ReceiptHandle"]} for i, m in enumerate(messages)])
-        for failed in result.get("Failed", []):
-            try:
-                self.client.delete_message(QueueUrl=url, ReceiptHandle=messages[int(failed["Id"])]["ReceiptHandle"])
-            except ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") != "ReceiptHandleIsInvalid":
-                    raise
-
-
-@dataclass
-class RelayCounts:
-    relayed: int = 0  # back to the delay queue for another cycle
-    handed_over: int = 0  # to the destination with the rest of the delay
-    failed: int = 0  # made visible again, to be relayed on a later receive
-    held: int = 0  # held back by the destination's throttle, back in a second
-    dead_lettered: int = 0  # refused by SQS for good (too large for the destination, say): in the error queue
-
-    def add(self, other: RelayCounts) -> None:
-        self.relayed += other.relayed
-        self.handed_over += other.handed_over
-        self.failed += other.failed
-        self.held += other.held
-        self.dead_lettered += other.dead_lettered
-
-
-#: Characters SQS keeps in a body (XML 1.0's); it refuses others or replaces them with U+FFFD.
-_SQS_TEXT = re.compile("[\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]*")
-
-
-def _encode_body(body: bytes, attributes: dict) -> str:
-    """SQS bodies are text: UTF-8 as is when SQS keeps every character, anything else base64 with an
-    attribute saying so."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError:
-        text = None
-    if text is not None and _SQS_TEXT.fullmatch(text):
-        return text
-    attributes[ATTR_ENCODING] = {"DataType": "String", "StringValue": "base64"}
-    return base64.b64encode(body).decode("ascii")
-
-
-def _decode_body(message: dict) -> bytes:
-    if _attr(message, ATTR_ENCODING) == "base64":
-        return base64.b64decode(message["Body"])
-    return message["Body"].encode("utf-8")
-
-
-_FIFO_ID = re.compile(r"[A-Za-z0-9!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~]{1,128}")
-
-
-def _fifo_id(value: str) -> str:
-    """FIFO dedup and group ids allow 128 characters of a limited set: the value when it fits, else
-    its SHA-256 (cutting or replacing characters could make two ids one, and SQS drop a message)."""
-    return value if _FIFO_ID.fullmatch(value) else hashlib.sha256(value.encode()).hexdigest()
-
-
-def _dedup_id(message_id: str, cycle: int) -> str:
-    return _fifo_id(f"{message_id}:{cycle}")
+        """Relay the endpoint's delay queue until `deadline`, or with `until_idle` until it has no visible
+        message; returns `"deadline"` or `"idle"` (see `relay.relay_until`)."""
+        return relay.relay_until(self, endpoint, deadline, totals, wait_time_seconds, max_per_second, until_idle,
+                                 error_queue)
 
 
 def _entry_bytes(entry: dict) -> int:
@@ -1012,25 +602,6 @@ def _chunks(entries: list[dict]) -> Iterator[list[int]]:
         size += n
     if chunk:
         yield chunk
-
-
-def _due_ms(message: dict) -> float:
-    """A received message's due time (ms), for handing a batch over in due order; unknown ones last."""
-    due = _attr(message, ATTR_DUE_AT)
-    try:
-        return datetime.fromisoformat(due).timestamp() * 1000 if due else math.inf
-    except ValueError:
-        return math.inf
-
-
-def _message_id(message: dict) -> str:
-    """The provider's id of a received message (SQS's own for one sent by something else)."""
-    return _attr(message, ATTR_MESSAGE_ID) or message["MessageId"]
-
-
-def _attr(message: dict, name: str) -> str | None:
-    value = message.get("MessageAttributes", {}).get(name)
-    return None if value is None else value.get("StringValue")
 
 
 def _received(endpoint: str, m: dict, body: bytes | None = None, receipt: str | None = None) -> ReceivedMessage:

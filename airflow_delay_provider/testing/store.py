@@ -1,21 +1,5 @@
-"""In-memory store and transport: for tests of code built on this provider, and the fast test tier.
-
-They keep the contracts of the real ones (the same contract tests run against both): claims hand a
-message out once, settled messages leave the store, unsettled ones return to it, ids are de-duplicated,
-a transport refuses destinations that were never provisioned. Thread-safe; nothing persists.
-
-    store, transport = InMemoryStore(), InMemoryTransport()
-    transport.provision("orders")
-    store.store([DelayedMessage("orders", b"x", utcnow())])
-    Pump(store, transport).run(stop_when_idle=True)
-    [m] = transport.receive("orders")
-
-A new transport for a broker follows InMemoryTransport's shape: check_endpoint, provision, send
-(failures by id, never an exception for one bad message), receive/ack, depth, verify, from_spec; and
-one line in `airflow_delay_provider.transports.registry`. InMemoryTransport also delays natively (a
-message sent before its due time waits for it) and can take such messages back (take_held and the
-rest), as the RabbitMQ transport does for a migration back to the store.
-"""
+"""The in-memory store: a dict and a due-time heap, keeping the SQL store's contract (the same contract tests
+run against both). Its backlog controls apply the core's rules (core.backlog) as the SQL store does."""
 
 from __future__ import annotations
 
@@ -24,7 +8,6 @@ import itertools
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -32,18 +15,21 @@ from airflow_delay_provider.core.backlog import (
     BODY_PREVIEW_BYTES,
     MAX_PAGE,
     Selector,
+    backlog_report,
     bucket_of,
-    cancel_report,
+    change_report,
     check_known,
-    empty_histogram,
+    destination_counts,
+    pause_names,
+    pause_report,
     preview,
+    purge_report,
+    rescheduled_report,
 )
 from airflow_delay_provider.core.delays import utcnow
-from airflow_delay_provider.core.errors import DestinationNotFoundError, InvalidInputError
+from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import DelayedMessage, check_destination
-from airflow_delay_provider.core.ports import Claim, DelayedMessageStore, HeldMessage, ReceivedMessage, Transport
-
-__all__ = ["InMemoryStore", "InMemoryTransport"]
+from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
 
 
 class _MemoryClaim(Claim):
@@ -222,48 +208,35 @@ class InMemoryStore(DelayedMessageStore):
             known = {d: self._paused(d) for d in self._known}
             dues = [(m.destination, m.due_at) for m in self._messages.values()
                     if destination is None or m.destination == destination]
-        report: dict[str, dict[str, Any]] = {
-            name: {"scheduled": 0, "due": 0, "in_flight": 0, "paused": known.get(name, False),
-                   "histogram": empty_histogram()}
-            for name in sorted({d for d, _ in dues} | ({destination} if destination else set(known)))}
+        report = {name: destination_counts(known.get(name, False))
+                  for name in sorted({d for d, _ in dues} | ({destination} if destination else set(known)))}
         for name, due_at in dues:
             report[name]["scheduled"] += 1
             report[name]["histogram"][bucket_of((due_at - now).total_seconds())] += 1
-        for entry in report.values():
-            entry["due"] = entry["histogram"]["due"]
-        totals = {k: sum(e[k] for e in report.values()) for k in ("scheduled", "due", "in_flight")}
-        totals["paused_due"] = sum(e["due"] for e in report.values() if e["paused"])
-        return {"at": now.astimezone(UTC).isoformat(), "destinations": report, "totals": totals}
+        return backlog_report(now, report)
 
     def cancel(self, selector: Selector) -> dict[str, Any]:
-        return self._report(selector, self._change(selector, None))
+        return change_report(selector, self._change(selector, None), [], self._accepted_of)
 
     def reschedule(self, selector: Selector, due_at: datetime) -> dict[str, Any]:
         due = max(due_at, self.clock()).astimezone(UTC)
-        report = self._report(selector, self._change(selector, due))
-        report["rescheduled"] = report.pop("cancelled")
-        report["counts"]["rescheduled"] = report["counts"].pop("cancelled")
-        report["due_at"] = due.isoformat()
-        return report
+        return rescheduled_report(change_report(selector, self._change(selector, due), [], self._accepted_of), due)
 
     def purge(self, destination: str, dry_run: bool = True) -> dict[str, Any]:
         self.check_known([check_destination(destination)])
         if dry_run:
-            counts = self.backlog(destination)["destinations"][destination]
-            return {"destination": destination, "dry_run": True, "would_purge": counts["scheduled"],
-                    "in_flight": 0}
-        purged = self._change(Selector(destination=destination), None)
-        return {"destination": destination, "dry_run": False, "purged": len(purged), "in_flight": 0}
+            return purge_report(destination, True, self.backlog(destination)["destinations"][destination]["scheduled"],
+                                0)
+        return purge_report(destination, False, len(self._change(Selector(destination=destination), None)), 0)
 
     def _change(self, selector: Selector, due_at: datetime | None) -> list[str]:
         """Delete (due_at None) or re-time the selected messages, once no open claim holds one of them."""
         selector.require_something()
         if selector.destination is not None:
             self.check_known([selector.destination])
-        matches = _matcher(selector)
         changed = []
         with self._lock:
-            while any(matches(m) for c in self._claims for m in c._unsettled.values()):
+            while any(selector.matches(m) for c in self._claims for m in c._unsettled.values()):
                 self._settled.wait()
             for m in self._select(selector):
                 if due_at is None:
@@ -275,21 +248,16 @@ class InMemoryStore(DelayedMessageStore):
                 changed.append(m.message_id)
         return changed
 
-    def _report(self, selector: Selector, changed: list[str]) -> dict[str, Any]:
-        if not selector.message_ids:
-            return {"cancelled": changed[:_LISTED], "in_flight": [], "counts": {"cancelled": len(changed),
-                    "in_flight": 0}, "truncated": len(changed) > _LISTED, "selector": selector.describe()}
-        done = set(changed)
+    def _accepted_of(self, message_ids: Sequence[str]) -> list[str]:
+        """Of these ids, those stored with de-duplication (the SQL store's ids table)."""
         with self._lock:
-            accepted = [m for m in selector.message_ids if m not in done and m in self._accepted]
-        return {**cancel_report(selector.message_ids, changed, [], accepted), "selector": selector.describe()}
+            return [m for m in message_ids if m in self._accepted]
 
     def _select(self, selector: Selector) -> list[DelayedMessage]:
         """The stored messages the selector matches, soonest due first (under the lock)."""
-        matches = _matcher(selector)
         pool = ([self._messages[i] for i in selector.message_ids if i in self._messages] if selector.message_ids
                 else list(self._messages.values()))
-        return sorted(filter(matches, pool), key=self._key)
+        return sorted(filter(selector.matches, pool), key=self._key)
 
     def _key(self, m: DelayedMessage) -> tuple[int, int]:
         return (m.due_at - _EPOCH) // _US, self._meta[m.message_id][0]
@@ -312,9 +280,7 @@ class InMemoryStore(DelayedMessageStore):
         check_known(destinations, self.destinations())
 
     def set_paused(self, destinations: Collection[str], paused: bool) -> dict[str, list[str]]:
-        names = sorted(set(destinations))
-        if not names:
-            raise InvalidInputError("name the destination(s) to pause or resume")
+        names = pause_names(destinations)
         self.check_known(names)
         with self._lock:
             now = self.clock().astimezone(UTC)
@@ -323,26 +289,11 @@ class InMemoryStore(DelayedMessageStore):
                 self._known[name] = now if paused else None
             if changed and not paused:
                 self._lock.notify_all()  # resumed messages may be due now: wake the waiters
-        return {"changed": changed, "unchanged": [n for n in names if n not in changed]}
+        return pause_report(names, changed)
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _US = timedelta(microseconds=1)
-#: Ids listed in a report at most (the counts are always complete), as the SQL store.
-_LISTED = 1_000
-
-
-def _matcher(selector: Selector) -> Callable[[DelayedMessage], bool]:
-    ids = frozenset(selector.message_ids)
-
-    def matches(m: DelayedMessage) -> bool:
-        return ((not ids or m.message_id in ids)
-                and (selector.destination is None or m.destination == selector.destination)
-                and selector.matches_headers(m.headers)
-                and (selector.due_from is None or m.due_at >= selector.due_from)
-                and (selector.due_before is None or m.due_at < selector.due_before))
-
-    return matches
 
 
 def _cursor(value: str) -> tuple[int, int]:
@@ -351,149 +302,3 @@ def _cursor(value: str) -> tuple[int, int]:
     except (ValueError, AttributeError):
         raise InvalidInputError(f"after must be the `next` cursor of a previous page, got {value!r}") from None
     return due_us, order
-
-
-class InMemoryTransport(Transport):
-    """Queues in memory: provisioned destinations receive; others fail with DestinationNotFoundError.
-
-    A message sent before its due time is held until then (`scheduled` in depth()), like a broker's own
-    delays; take_held() takes such messages back, and messages taken to the poison queue land in `poisoned`.
-    """
-
-    name = "memory"
-    can_take_back = True
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._queues: dict[str, dict[str, tuple[ReceivedMessage, datetime]]] = {}
-        self._receipts = itertools.count()
-        # Held until due, by receipt: the message (None when it cannot be read back) and its raw body.
-        self._held: dict[str, tuple[DelayedMessage | None, bytes]] = {}
-        self._taken: dict[str, tuple[DelayedMessage | None, bytes]] = {}
-        #: Bodies of held messages sent to poison by poison_held(), oldest first.
-        self.poisoned: list[bytes] = []
-
-    @classmethod
-    def from_spec(cls, spec: dict[str, Any]) -> InMemoryTransport:
-        return cls()
-
-    def provision(self, endpoint: str, **options: Any) -> dict[str, Any]:
-        with self._lock:
-            created = check_destination(endpoint) not in self._queues
-            self._queues.setdefault(endpoint, {})
-        return {"transport": self.name, "endpoint": endpoint, "created": created}
-
-    def verify(self, endpoints: Iterable[str] = ()) -> dict[str, Any]:
-        missing = [e for e in endpoints if e not in self._queues]
-        return {"complete": not missing, "missing": missing, "different": []}
-
-    def send(self, messages: Sequence[DelayedMessage], connection: Any = None) -> dict[str, Exception]:
-        failures: dict[str, Exception] = {}
-        now = self.clock()
-        with self._lock:
-            for m in messages:
-                queue = self._queues.get(m.destination)
-                if queue is None:
-                    failures[m.message_id] = DestinationNotFoundError(f"queue {m.destination!r} does not exist")
-                    continue
-                receipt = f"r{next(self._receipts)}"
-                if m.due_at > now:
-                    self._held[receipt] = (m, m.body)
-                else:
-                    self._enqueue(queue, receipt, m, now)
-        return failures
-
-    def hold_unreadable(self, body: bytes) -> None:
-        """Hold a message that cannot be read back (as a broker may hold one without the needed headers)."""
-        with self._lock:
-            self._held[f"r{next(self._receipts)}"] = (None, body)
-
-    @staticmethod
-    def _enqueue(queue: dict[str, tuple[ReceivedMessage, datetime]], receipt: str, m: DelayedMessage,
-                 now: datetime) -> None:
-        queue[receipt] = (ReceivedMessage(m.message_id, m.destination, m.body, dict(m.headers), receipt, now,
-                                          m.due_at), now)
-
-    def _deliver_due(self, now: datetime) -> None:
-        """Move held messages whose time has come to their queues (under the lock)."""
-        due = sorted(((m.due_at, receipt, m) for receipt, (m, _) in self._held.items()
-                      if m is not None and m.due_at <= now), key=lambda entry: entry[0])
-        for _, receipt, m in due:
-            del self._held[receipt]
-            self._enqueue(self._queues[m.destination], receipt, m, now)
-
-    def receive(self, endpoint: str, max_messages: int = 10, visibility_timeout: float = 30.0) -> list[ReceivedMessage]:
-        now = self.clock()
-        got: list[ReceivedMessage] = []
-        with self._lock:
-            self._deliver_due(now)
-            queue = self._queue(endpoint)
-            for receipt, (message, visible_at) in list(queue.items()):
-                if len(got) == max_messages:
-                    break
-                if visible_at <= now:
-                    queue[receipt] = (message, now + timedelta(seconds=visibility_timeout))
-                    got.append(message)
-        return got
-
-    def ack(self, endpoint: str, receipts: Iterable[Any]) -> int:
-        with self._lock:
-            queue = self._queue(endpoint)
-            return sum(queue.pop(r, None) is not None for r in receipts)
-
-    can_peek = True
-
-    def peek(self, endpoint: str, max_messages: int = 10) -> list[ReceivedMessage]:
-        now = self.clock()
-        with self._lock:
-            self._deliver_due(now)
-            visible = [m for m, visible_at in self._queue(endpoint).values() if visible_at <= now]
-        return [replace(m, receipt=None) for m in visible[:max_messages]]
-
-    def release(self, endpoint: str, receipts: Iterable[Any]) -> int:
-        """Make received, unacked messages visible again now."""
-        now = self.clock()
-        with self._lock:
-            queue = self._queue(endpoint)
-            released = [r for r in receipts if r in queue]
-            for r in released:
-                queue[r] = (queue[r][0], now)
-        return len(released)
-
-    def depth(self, endpoint: str) -> dict[str, int]:
-        now = self.clock()
-        with self._lock:
-            self._deliver_due(now)
-            states = [visible_at <= now for _, visible_at in self._queue(endpoint).values()]
-            scheduled = sum(m is not None and m.destination == endpoint for m, _ in self._held.values())
-        return {"visible": sum(states), "in_flight": len(states) - sum(states), "scheduled": scheduled}
-
-    def take_held(self, max_messages: int) -> list[HeldMessage]:
-        with self._lock:
-            self._deliver_due(self.clock())  # due ones are no longer held: they are in their queues
-            taken = list(itertools.islice(self._held.items(), max_messages))
-            for receipt, entry in taken:
-                del self._held[receipt]
-                self._taken[receipt] = entry
-        return [HeldMessage(m, receipt) for receipt, (m, _) in taken]
-
-    def ack_held(self, receipts: Iterable[Any]) -> int:
-        with self._lock:
-            return sum(self._taken.pop(r, None) is not None for r in receipts)
-
-    def poison_held(self, receipts: Iterable[Any]) -> int:
-        with self._lock:
-            bodies = [entry[1] for entry in (self._taken.pop(r, None) for r in receipts) if entry is not None]
-            self.poisoned.extend(bodies)
-        return len(bodies)
-
-    def release_held(self, receipts: Iterable[Any]) -> None:
-        with self._lock:
-            for r in receipts:
-                if r in self._taken:
-                    self._held[r] = self._taken.pop(r)
-
-    def _queue(self, endpoint: str) -> dict[str, tuple[ReceivedMessage, datetime]]:
-        if endpoint not in self._queues:
-            raise DestinationNotFoundError(f"queue {endpoint!r} does not exist")
-        return self._queues[endpoint]
