@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from airflow_delay_provider.core.checks import check_number
 from airflow_delay_provider.core.delays import MAX_DELAY_SECONDS
 from airflow_delay_provider.core.errors import InvalidInputError, UnknownDestinationError
 from airflow_delay_provider.core.message import MAX_MESSAGE_ID_LENGTH, DelayedMessage, check_destination, check_headers
@@ -140,11 +141,8 @@ def new_due_time(now: datetime, deliver_at: object = None, delay_seconds: object
     if delay_seconds not in (None, ""):
         if isinstance(delay_seconds, str):  # a rendered template
             delay_seconds = parse_int(delay_seconds, "delay_seconds")
-        if isinstance(delay_seconds, bool) or not isinstance(delay_seconds, (int, float)) \
-                or not 0 <= delay_seconds <= MAX_DELAY_SECONDS:
-            raise InvalidInputError(f"delay_seconds must be a number from 0 to {MAX_DELAY_SECONDS} (7 days), "
-                                    f"got {delay_seconds!r}")
-        return now + timedelta(seconds=delay_seconds)
+        return now + timedelta(seconds=check_number("delay_seconds", delay_seconds, 0, MAX_DELAY_SECONDS,
+                                                    hint="7 days"))
     at = _moment("deliver_at", deliver_at)
     assert at is not None
     if at < now - timedelta(seconds=1):  # a second of grace for clocks and form round trips

@@ -21,6 +21,7 @@ from functools import partial
 from typing import Any
 
 from airflow_delay_provider.core.breakers import CircuitBreaker, RateBreaker
+from airflow_delay_provider.core.checks import check_int, check_number
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import (
     CriticalError,
@@ -66,27 +67,17 @@ class PumpConfig:
     retry_jitter: float = 0.1
 
     def __post_init__(self) -> None:
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) \
-                or not 1 <= self.batch_size <= 10_000:
-            raise InvalidInputError(f"batch_size must be an int in 1..10000, got {self.batch_size!r}")
-        if isinstance(self.first_batch_size, bool) or not isinstance(self.first_batch_size, int) \
-                or self.first_batch_size < 1:
-            raise InvalidInputError(f"first_batch_size must be an int >= 1, got {self.first_batch_size!r}")
-        if isinstance(self.number_of_retries, bool) or not isinstance(self.number_of_retries, int) \
-                or not 0 <= self.number_of_retries <= 100:
-            raise InvalidInputError(f"number_of_retries must be an int in 0..100, got {self.number_of_retries!r}")
+        check_int("batch_size", self.batch_size, 1, 10_000)
+        check_int("first_batch_size", self.first_batch_size, 1)
+        check_int("number_of_retries", self.number_of_retries, 0, 100)
         try:
             check_destination(self.error_queue)
         except InvalidInputError as exc:
             raise InvalidInputError(f"error_queue: {exc}") from None
-        if isinstance(self.retry_jitter, bool) or not isinstance(self.retry_jitter, (int, float)) \
-                or not 0 <= self.retry_jitter <= 1:
-            raise InvalidInputError(f"retry_jitter must be a fraction in 0..1, got {self.retry_jitter!r}")
+        check_number("retry_jitter", self.retry_jitter, 0, 1, what="a fraction")
         for name in ("max_idle_seconds", "time_to_trigger_fetch_circuit_breaker",
                      "time_to_trigger_dispatch_circuit_breaker", "maximum_recovery_failures_per_second"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise InvalidInputError(f"{name} must be a number > 0, got {value!r}")
+            check_number(name, getattr(self, name), above=0)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
 from airflow_delay_provider.core.backlog import BODY_PREVIEW_BYTES, MAX_PAGE, Selector, preview
+from airflow_delay_provider.core.checks import check_int
 from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import (
     HEADER_DUE_AT,
@@ -94,8 +95,7 @@ def list_dead_letters(transport: Transport, error_queue: str = "error", destinat
                       body_bytes: int = BODY_PREVIEW_BYTES) -> dict[str, Any]:
     """Up to `limit` dead letters of `error_queue`, oldest first, consuming nothing; filtered by original
     destination and/or message ids, among the first SCAN_LIMIT messages of the queue."""
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
-        raise InvalidInputError(f"limit must be an int in 1..{MAX_PAGE}, got {limit!r}")
+    check_int("limit", limit, 1, MAX_PAGE)
     selector = Selector.build(message_ids, destination, allow_everything=True)
     filtered = bool(selector.message_ids or selector.destination)
     scan = max(limit, SCAN_LIMIT) if filtered else limit

@@ -13,6 +13,7 @@ from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOpe
 from airflow.sdk import Context
 
 from airflow_delay_provider import metrics
+from airflow_delay_provider.core.checks import check_int, check_number
 from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.pump import PumpConfig
 from airflow_delay_provider.core.requests import parse_moment
@@ -120,17 +121,12 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
         super().__init__(application=APPLICATION, conn_id=conn_id, **kwargs)
         if reader not in READERS:
             raise InvalidInputError(f"reader {reader!r} is not supported; choose one of {list(READERS)}")
-        if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 0:
-            raise InvalidInputError(
-                f"partitions must be an int >= 0 (0: twice Spark's parallelism), got {partitions!r}")
-        if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, (int, float)) or lease_seconds < 5:
-            raise InvalidInputError(f"lease_seconds must be a number >= 5, got {lease_seconds!r}")
+        check_int("partitions", partitions, 0, hint="0: twice Spark's parallelism")
+        check_number("lease_seconds", lease_seconds, 5)
         if isinstance(max_duration, timedelta):
             max_duration = max_duration.total_seconds()
-        if max_duration is not None and (isinstance(max_duration, bool) or not isinstance(max_duration, (int, float))
-                                         or max_duration <= 0):
-            raise InvalidInputError(f"max_duration must be a positive number of seconds, a timedelta or None, "
-                                    f"got {max_duration!r}")
+        if max_duration is not None:
+            check_number("max_duration", max_duration, above=0, what="a timedelta, None or a number of seconds")
         self.max_duration = max_duration
         self._claim_id: str | None = None
         # Checked when the DAG is parsed, like the dispatch operator's.

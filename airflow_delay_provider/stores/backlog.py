@@ -31,6 +31,7 @@ from airflow_delay_provider.core.backlog import (
     purge_report,
     rescheduled_report,
 )
+from airflow_delay_provider.core.checks import check_int
 from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import check_destination
 from airflow_delay_provider.stores.tables import COUNT_SLOT_US, _message, from_us, to_us
@@ -52,8 +53,7 @@ class BacklogControls:
             not see them).
         :return: ``{"messages": [...], "next": cursor or None}``.
         """
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
-            raise InvalidInputError(f"limit must be an int from 1 to {MAX_PAGE}, got {limit!r}")
+        check_int("limit", limit, 1, MAX_PAGE)
         t = self.table
         query = select(t, self._leased_now().label("in_flight")).where(*self._selected(selector))
         if after:

@@ -30,6 +30,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection
 from sqlalchemy.sql import Select
 
+from airflow_delay_provider.core.checks import check_number
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import (
     InvalidInputError,
@@ -142,10 +143,8 @@ class SqlDelayedMessageStore(
     ) -> None:
         self.table_name = check_store_table(table)
         super().__init__(url, schema, local_clock=local_clock)
-        if isinstance(dedup_window_seconds, bool) or not isinstance(dedup_window_seconds, (int, float)) \
-                or dedup_window_seconds < 0:
-            raise InvalidInputError(f"dedup_window_seconds must be a number of seconds >= 0 (0 turns "
-                                    f"de-duplication off), got {dedup_window_seconds!r}")
+        check_number("dedup_window_seconds", dedup_window_seconds, 0, what="a number of seconds",
+                     hint="0 turns de-duplication off")
         self.dedup_window_us = int(dedup_window_seconds * 1_000_000)
         self._expired_at = 0.0
         self.table = store_table(MetaData(), self.table_name, self.schema)

@@ -26,6 +26,7 @@ from airflow_delay_provider.core.backlog import (
     purge_report,
     rescheduled_report,
 )
+from airflow_delay_provider.core.checks import check_int
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import DelayedMessage, check_destination
@@ -182,8 +183,7 @@ class InMemoryStore(DelayedMessageStore):
     # -- the backlog ----------------------------------------------------------------------------------
     def browse(self, selector: Selector, limit: int = 50, after: str | None = None,
                body_bytes: int | None = BODY_PREVIEW_BYTES) -> dict[str, Any]:
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
-            raise InvalidInputError(f"limit must be an int from 1 to {MAX_PAGE}, got {limit!r}")
+        check_int("limit", limit, 1, MAX_PAGE)
         start = _cursor(after) if after else None
         with self._lock:
             rows = [(self._key(m), m, self._meta[m.message_id][1]) for m in self._select(selector)]

@@ -24,13 +24,13 @@ can find it; `watched_asset(name)` is any asset fed by the store.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import AsyncIterator, Hashable, Iterable, Mapping
 from typing import Any
 
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 from airflow.triggers.shared_stream import AdvanceItem, AdvanceOutcome, SharedStreamProducer
 
+from airflow_delay_provider.core.checks import check_int, check_number
 from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import check_destination
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
@@ -101,10 +101,7 @@ def message_payloads(events: Iterable[Any]) -> list[dict[str, Any]]:
 
 
 def _positive(name: str, value: Any, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not low <= value <= high:
-        raise InvalidInputError(f"{name} must be a number of seconds in {low:g}..{high:g}, got {value!r}")
-    return float(value)
+    return float(check_number(name, value, low, high, what="a number of seconds"))
 
 
 class DueMessageEventTrigger(DelayStoreMixin, SerializedFields, BaseEventTrigger):
@@ -176,8 +173,7 @@ class DueMessageEventTrigger(DelayStoreMixin, SerializedFields, BaseEventTrigger
                 f"{EVENT_PREFIX!r} (dispatchers leave those to asset watchers); use asset_destination(asset name)")
         if not delay_store_conn_id:
             raise InvalidInputError("delay_store_conn_id must name a `delay_store` connection")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= 1000:
-            raise InvalidInputError(f"batch_size must be an int in 1..1000, got {batch_size!r}")
+        check_int("batch_size", batch_size, 1, 1000)
         self.destination = destination
         self.batch_size = batch_size
         self.lease_seconds = _positive("lease_seconds", lease_seconds, 5, 3600)

@@ -19,6 +19,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from airflow_delay_provider.core.checks import check_int
 from airflow_delay_provider.core.errors import InvalidInputError, InvalidNameError
 from airflow_delay_provider.transports.rabbitmq.routing import LEVELS, check_endpoint
 
@@ -67,8 +68,7 @@ class Names:
     """Every name of the delay infrastructure under one prefix."""
 
     def __init__(self, prefix: str = "delay", levels: int = LEVELS) -> None:
-        if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= LEVELS:
-            raise InvalidNameError(f"levels must be an int in 1..{LEVELS}, got {levels!r}")
+        check_int("levels", levels, 1, LEVELS, error=InvalidNameError)
         try:
             check_endpoint(f"{prefix}.level-00")
         except InvalidInputError as exc:

@@ -17,6 +17,7 @@ from typing import Any
 import pika
 from pika.exceptions import AMQPConnectionError, AMQPError, ChannelClosedByBroker
 
+from airflow_delay_provider.core.checks import check_int
 from airflow_delay_provider.core.delays import seconds_until
 from airflow_delay_provider.core.errors import (
     DelayError,
@@ -115,12 +116,9 @@ class RabbitMQTransport(Transport):
         confirm_timeout: float = 30.0,
         delivery_limit: int = DELIVERY_LIMIT,
     ) -> None:
-        if isinstance(delivery_limit, bool) or not isinstance(delivery_limit, int) or delivery_limit < 1:
-            # RabbitMQ 4.x reads -1 as "no limit", 3.x as "drop at the first redelivery": neither is allowed.
-            raise InvalidInputError(f"delivery_limit must be an int >= 1, got {delivery_limit!r}")
-        if isinstance(confirm_window, bool) or not isinstance(confirm_window, int) or confirm_window < 1:
-            # 0 would publish nothing and time every send out
-            raise InvalidInputError(f"confirm_window must be an int >= 1, got {confirm_window!r}")
+        # RabbitMQ 4.x reads -1 as "no limit", 3.x as "drop at the first redelivery": neither is allowed.
+        check_int("delivery_limit", delivery_limit, 1)
+        check_int("confirm_window", confirm_window, 1)  # 0 would publish nothing and time every send out
         self.parameters = parameters
         self.names = Names(prefix, levels)
         self.delivery_limit = delivery_limit

@@ -9,8 +9,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from airflow_delay_provider.core.checks import check_int, check_number
 from airflow_delay_provider.core.delays import whole_seconds
-from airflow_delay_provider.core.errors import DelayError, InvalidInputError, InvalidMessageError, InvalidNameError
+from airflow_delay_provider.core.errors import DelayError, InvalidMessageError, InvalidNameError
 
 NATIVE_MAX_DELAY = 900
 DELAY_QUEUE_SUFFIX = "-delay.fifo"
@@ -59,10 +60,8 @@ def check_queue_name(name: str) -> str:
 
 
 def _check_queue_delay(queue_delay: object) -> int:
-    if isinstance(queue_delay, bool) or not isinstance(queue_delay, int) or not 1 <= queue_delay <= NATIVE_MAX_DELAY:
-        raise DelayError(
-            f"queue_delay must be an int in 1..{NATIVE_MAX_DELAY} seconds (SQS's limit), got {queue_delay!r}")
-    return queue_delay
+    return check_int("queue_delay", queue_delay, 1, NATIVE_MAX_DELAY, unit="seconds", hint="SQS's limit",
+                     error=DelayError)
 
 
 @dataclass(frozen=True)
@@ -96,8 +95,7 @@ PRICE_PER_REQUEST = 0.0000005
 def estimate_cost(delay_seconds: int | float, price_per_request: float = PRICE_PER_REQUEST,
                   queue_delay: int = NATIVE_MAX_DELAY) -> float:
     """USD the relay spends on one message: two FIFO requests per cycle (long polling not counted)."""
-    if isinstance(price_per_request, bool) or not isinstance(price_per_request, (int, float)) or price_per_request < 0:
-        raise InvalidInputError(f"price_per_request must be a number >= 0, got {price_per_request!r}")
+    check_number("price_per_request", price_per_request, 0)
     return delay_plan(delay_seconds, queue_delay).requests() * price_per_request
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from airflow_delay_provider.core.checks import check_int, check_number
 from airflow_delay_provider.core.delays import seconds_until
 from airflow_delay_provider.core.errors import (
     DelayError,
@@ -126,12 +127,8 @@ class SqsTransport(Transport):
         self.queue_delay = _check_queue_delay(queue_delay)
         if large_body_bucket and s3_client is None:
             raise InvalidInputError("large_body_bucket needs an S3 client (SqsDelayHook.get_transport makes one)")
-        if isinstance(max_relay_downtime, bool) or not isinstance(max_relay_downtime, (int, float)) \
-                or not max_relay_downtime > 0:
-            raise InvalidInputError(f"max_relay_downtime must be a number of seconds > 0, got {max_relay_downtime!r}")
-        if isinstance(body_expiration_days, bool) or not isinstance(body_expiration_days, int) \
-                or body_expiration_days < 1:
-            raise InvalidInputError(f"body_expiration_days must be an int >= 1, got {body_expiration_days!r}")
+        check_number("max_relay_downtime", max_relay_downtime, above=0, what="a number of seconds")
+        check_int("body_expiration_days", body_expiration_days, 1)
         self.max_relay_downtime = max_relay_downtime
         self.bodies = Bodies(s3_client, large_body_bucket, prefix, max_body_bytes, body_expiration_days)
         self._urls: dict[str, str] = {}
@@ -220,11 +217,9 @@ class SqsTransport(Transport):
         fifo = _is_fifo(name)
         attributes = {"FifoQueue": "true"} if fifo else {}
         if queue_delay_seconds:
-            if isinstance(queue_delay_seconds, bool) or not isinstance(queue_delay_seconds, int) \
-                    or not 0 <= queue_delay_seconds <= NATIVE_MAX_DELAY:
-                # moto accepts more; real SQS does not: check here so tests mean what production does
-                raise DelayError(f"queue_delay_seconds must be an int in 0..{NATIVE_MAX_DELAY} on SQS, "
-                                 f"got {queue_delay_seconds!r}")
+            # moto accepts more; real SQS does not: check here so tests mean what production does
+            check_int("queue_delay_seconds", queue_delay_seconds, 0, NATIVE_MAX_DELAY, unit="on SQS",
+                      error=DelayError)
             if not fifo:
                 attributes["DelaySeconds"] = str(queue_delay_seconds)
         try:
