@@ -23,7 +23,7 @@ from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.spark.local_cluster import LocalCluster
 from tests import helpers
 from tests.conftest import RABBIT_HOST, RABBIT_PORT, _rabbitmqctl
-from tests.helpers import collect, drain, make_store
+from tests.helpers import consume_ids, drain, make_store
 from tests.integration.test_airflow import _pg_conn
 from tests.integration.test_spark import due_messages
 
@@ -175,8 +175,7 @@ def test_the_sweep_sends_100000_at_least_once_to_rabbitmq_from_executors_without
 
     assert summary["status"] == "done" and summary["released"] == 0
     assert summary["destinations"]["orders"]["dispatched"] == N
-    got = collect(rabbit, "orders", N, timeout=60, rearm=True)
-    ids = Counter(m.message_id for _, m in got)
+    ids = consume_ids(rabbit.parameters, "orders", N, quiet=60)
     assert len(ids) == N, f"{N - len(ids)} missing"  # at least once: a redelivered batch may repeat
     assert store.count_scheduled() == {}
     rabbit.close()
