@@ -11,6 +11,7 @@ import json
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from functools import cached_property
 from typing import Any
 
 from airflow_delay_provider.core.checks import check_number
@@ -82,9 +83,13 @@ class Selector:
     def matches_headers(self, headers: Mapping[str, str]) -> bool:
         return all(headers.get(k) == v for k, v in self.headers.items())
 
+    @cached_property
+    def _id_set(self) -> frozenset[str]:
+        return frozenset(self.message_ids)
+
     def matches(self, message: DelayedMessage) -> bool:
         """Whether `message` is selected (what a SQL store's WHERE clause says for a row)."""
-        return ((not self.message_ids or message.message_id in self.message_ids)
+        return ((not self.message_ids or message.message_id in self._id_set)
                 and (self.destination is None or message.destination == self.destination)
                 and self.matches_headers(message.headers)
                 and (self.due_from is None or message.due_at >= self.due_from)
@@ -169,6 +174,15 @@ def preview(body: bytes, limit: int = BODY_PREVIEW_BYTES) -> dict[str, Any]:
     """A body as a browse shows it: text (invalid UTF-8 replaced), cut to `limit` bytes."""
     return {"body": body[:limit].decode("utf-8", errors="replace"), "body_bytes": len(body),
             "body_truncated": len(body) > limit}
+
+
+def parse_cursor(value: str) -> tuple[int, int]:
+    """The position a browse's `next` cursor names: `<due time in µs>:<order of storing>`."""
+    try:
+        due_us, order = (int(part) for part in value.split(":"))
+    except (ValueError, AttributeError):
+        raise InvalidInputError(f"after must be the `next` cursor of a previous page, got {value!r}") from None
+    return due_us, order
 
 
 def cancel_report(requested: Sequence[str], cancelled: Sequence[str], in_flight: Sequence[str],

@@ -27,12 +27,12 @@ from airflow_delay_provider.core.backlog import (
     backlog_report,
     change_report,
     destination_counts,
+    parse_cursor,
     preview,
     purge_report,
     rescheduled_report,
 )
 from airflow_delay_provider.core.checks import check_int
-from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import check_destination
 from airflow_delay_provider.stores.tables import COUNT_SLOT_US, _message, from_us, to_us
 
@@ -57,7 +57,7 @@ class BacklogControls:
         t = self.table
         query = select(t, self._leased_now().label("in_flight")).where(*self._selected(selector))
         if after:
-            due_us, row_id = _cursor(after)
+            due_us, row_id = parse_cursor(after)
             query = query.where(or_(t.c.due_at_us > due_us, and_(t.c.due_at_us == due_us, t.c.id > row_id)))
         query = query.order_by(t.c.due_at_us, t.c.id).limit(limit + 1)
         paused = {d for d, state in self.destinations().items() if state["paused"]}
@@ -251,12 +251,3 @@ class BacklogControls:
         t, s = self.table, self.sweeps
         return and_(t.c.claim_id.is_not(None),
                     t.c.claim_id.in_(select(s.c.claim_id).where(s.c.lease_until_us >= to_us(self.clock()))))
-
-
-def _cursor(value: str) -> tuple[int, int]:
-    try:
-        due_us, row_id = (int(part) for part in value.split(":"))
-    except (ValueError, AttributeError):
-        raise InvalidInputError(f"after must be the `next` cursor of a previous page, got {value!r}") from None
-    return due_us, row_id
-

@@ -20,6 +20,7 @@ from airflow_delay_provider.core.backlog import (
     change_report,
     check_known,
     destination_counts,
+    parse_cursor,
     pause_names,
     pause_report,
     preview,
@@ -28,7 +29,6 @@ from airflow_delay_provider.core.backlog import (
 )
 from airflow_delay_provider.core.checks import check_int
 from airflow_delay_provider.core.delays import utcnow
-from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import DelayedMessage, check_destination
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
 
@@ -184,7 +184,7 @@ class InMemoryStore(DelayedMessageStore):
     def browse(self, selector: Selector, limit: int = 50, after: str | None = None,
                body_bytes: int | None = BODY_PREVIEW_BYTES) -> dict[str, Any]:
         check_int("limit", limit, 1, MAX_PAGE)
-        start = _cursor(after) if after else None
+        start = parse_cursor(after) if after else None
         with self._lock:
             rows = [(self._key(m), m, self._meta[m.message_id][1]) for m in self._select(selector)]
             paused = {d for d in self._known if self._paused(d)}
@@ -294,11 +294,3 @@ class InMemoryStore(DelayedMessageStore):
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _US = timedelta(microseconds=1)
-
-
-def _cursor(value: str) -> tuple[int, int]:
-    try:
-        due_us, order = (int(part) for part in value.split(":"))
-    except (ValueError, AttributeError):
-        raise InvalidInputError(f"after must be the `next` cursor of a previous page, got {value!r}") from None
-    return due_us, order
