@@ -192,7 +192,7 @@ class Bench:
         rng = random.Random(target)
         started = time.perf_counter()
         chunk = 100_000
-        messages, ids = self.store.table.fullname, self.store.ids.fullname
+        messages, ids = self.store.table.fullname, self.store.tables.ids.fullname
         with psycopg.connect(libpq(self.args.pg_url)) as conn:
             for done in range(0, add, chunk):
                 size = min(chunk, add - done)
@@ -219,7 +219,7 @@ class Bench:
     def sizes(self) -> dict:
         """Bytes of the messages table (heap + TOAST) and of its indexes, and of the ids table with its."""
         out = {}
-        for key, table in (("messages", self.store.table), ("ids", self.store.ids)):
+        for key, table in (("messages", self.store.table), ("ids", self.store.tables.ids)):
             heap, index = self.conn.execute(
                 "SELECT pg_table_size(%s::regclass), pg_indexes_size(%s::regclass)",
                 [table.fullname, table.fullname]).fetchone()
@@ -240,8 +240,8 @@ class Bench:
             time.sleep(1)
         else:
             log("settle: the statistics were not fresh in time; measuring anyway")
-        if self.store._upkeep_thread is not None:
-            self.store._upkeep_thread.join()
+        if self.store.maintenance.thread is not None:
+            self.store.maintenance.thread.join()
         waited = time.perf_counter() - started
         log(f"settle: {waited:.0f} s until the store's upkeep had analysed the table")
         return {"settle_seconds": waited}

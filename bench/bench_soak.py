@@ -231,7 +231,7 @@ class Soak:
         received = Children.result(consumer, seconds + 120)["received"]
         log(f"maximum: {sent / seconds:,.0f} msg/s stored, {received / seconds:,.0f} msg/s through to the consumer")
         self.r["max_stored_rate"] = sent / seconds
-        for table in (self.queue.messages, self.store.table, self.store.ids):
+        for table in (self.queue.messages, self.store.table, self.store.tables.ids):
             self.conn.execute(f"TRUNCATE {table.fullname}")
         return received / seconds
 
@@ -263,7 +263,7 @@ class Soak:
                  "pg_total_relation_size(relid), n_tup_ins FROM pg_stat_user_tables WHERE relid = %s::regclass")
         row = self.conn.execute(stats, [self.store.table.fullname]).fetchone()
         queue = self.conn.execute(stats, [self.queue.messages.fullname]).fetchone()
-        ids = self.conn.execute(stats, [self.store.ids.fullname]).fetchone()
+        ids = self.conn.execute(stats, [self.store.tables.ids.fullname]).fetchone()
         # The oldest snapshot any session of the database holds: no row deleted after it can be vacuumed (the
         # sessions the upkeep's warning names).
         oldest = self.conn.execute("SELECT coalesce(max(extract(epoch FROM now() - xact_start)), 0) FROM "

@@ -289,7 +289,7 @@ class Bench:
     # -- helpers
     def reset(self) -> None:
         """Empty store, id and queue tables: every measure starts from the same table state."""
-        tables = ", ".join(t.fullname for t in (self.store.table, self.store.ids, self.sql.messages))
+        tables = ", ".join(t.fullname for t in (self.store.table, self.store.tables.ids, self.sql.messages))
         self.conn.execute(f"TRUNCATE {tables}")
         self.conn.commit()
         self.channel.queue_purge(QUEUE)

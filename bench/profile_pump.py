@@ -204,7 +204,7 @@ class Attribution:
 
 
 def reset(conn: psycopg.Connection, store: SqlDelayedMessageStore, sql: SqlTableTransport, channel) -> None:
-    conn.execute(f"TRUNCATE {store.table.fullname}, {store.ids.fullname}, {sql.messages.fullname}")
+    conn.execute(f"TRUNCATE {store.table.fullname}, {store.tables.ids.fullname}, {sql.messages.fullname}")
     conn.commit()
     channel.queue_purge(QUEUE)
 

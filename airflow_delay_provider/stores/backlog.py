@@ -1,7 +1,5 @@
 """Operating the backlog of a SQL store: browse, count, cancel, reschedule and purge scheduled messages.
 
-A mixin of SqlDelayedMessageStore, which gives it the engine, the clock and the tables.
-
 Cancel, reschedule and purge race safely with pumps: a pump claims rows by deleting them inside its
 transaction, so an action that reaches a claimed row waits for that claim to end (it never skips it).
 When the claim committed, the message was delivered (or dead-lettered) and the action reports it gone;
@@ -12,11 +10,12 @@ sweep holds under a live lease are reported `in_flight` and left alone: the swee
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, case, delete, func, inspect, literal, or_, select, union_all, update
+from sqlalchemy import ColumnElement, and_, case, delete, func, inspect, literal, or_, select, union_all, update
+from sqlalchemy.engine import Connection
 
 from airflow_delay_provider.core.backlog import (
     BODY_PREVIEW_BYTES,
@@ -34,13 +33,28 @@ from airflow_delay_provider.core.backlog import (
 )
 from airflow_delay_provider.core.checks import check_int
 from airflow_delay_provider.core.message import check_destination
-from airflow_delay_provider.stores.tables import COUNT_SLOT_US, _message, from_us, to_us
+from airflow_delay_provider.stores.destinations import DestinationSettings
+from airflow_delay_provider.stores.engine import Database
+from airflow_delay_provider.stores.tables import COUNT_SLOT_US, StoreTables, _message, from_us, to_us
 
 #: Passes an action makes: the second and later ones see rows that a claim it waited for wrote back.
 _PASSES = 4
 
 
 class BacklogControls:
+    """Browse, count and change one store's scheduled messages, on its database and tables.
+
+    :param settings: the store's destinations (known ones, paused ones).
+    :param scope: the conditions every read and change adds (a store restricted to some destinations)."""
+
+    def __init__(self, db: Database, tables: StoreTables, settings: DestinationSettings,
+                 scope: Callable[[], Sequence[ColumnElement[bool]]] = tuple) -> None:
+        self.db = db
+        self.tables = tables
+        self.settings = settings
+        self.scope = scope
+        self._has_counts = False
+
     # -- reading ------------------------------------------------------------------------------------
     def browse(self, selector: Selector, limit: int = 50, after: str | None = None,
                body_bytes: int | None = BODY_PREVIEW_BYTES) -> dict[str, Any]:
@@ -54,14 +68,14 @@ class BacklogControls:
         :return: ``{"messages": [...], "next": cursor or None}``.
         """
         check_int("limit", limit, 1, MAX_PAGE)
-        t = self.table
+        t = self.tables.messages
         query = select(t, self._leased_now().label("in_flight")).where(*self._selected(selector))
         if after:
             due_us, row_id = parse_cursor(after)
             query = query.where(or_(t.c.due_at_us > due_us, and_(t.c.due_at_us == due_us, t.c.id > row_id)))
         query = query.order_by(t.c.due_at_us, t.c.id).limit(limit + 1)
-        paused = {d for d, state in self.destinations().items() if state["paused"]}
-        with self._errors("browse scheduled messages"), self.engine.connect() as conn:
+        paused = {d for d, state in self.settings.destinations().items() if state["paused"]}
+        with self.db.errors("browse scheduled messages"), self.db.engine.connect() as conn:
             rows = conn.execute(query).all()
         page = []
         for row in rows[:limit]:
@@ -79,13 +93,13 @@ class BacklogControls:
     def backlog(self, destination: str | None = None) -> dict[str, Any]:
         """Counts per destination: scheduled, due now (`paused` instead while it is paused), held by a
         sweep, and the due-time histogram (due, next minute, hour, day, later)."""
-        now_us = to_us(self.clock())
+        now_us = to_us(self.db.clock())
         if destination is not None:
             check_destination(destination)
-        with self._errors("count the backlog"), self.engine.connect() as conn:
+        with self.db.errors("count the backlog"), self.db.engine.connect() as conn:
             # SQLite, or a store not yet migrated to version 6: count the rows themselves.
-            rows = (self._from_counts if self._counted() else self._from_rows)(conn, now_us, destination)
-        known = self.destinations()
+            rows = (self._from_counts if self.counted() else self._from_rows)(conn, now_us, destination)
+        known = self.settings.destinations()
         report = {name: destination_counts(known.get(name, {}).get("paused", False))
                   for name in sorted({r[0] for r in rows} | ({destination} if destination else set(known)))}
         for name, scheduled, leased, *cumulative in rows:
@@ -98,39 +112,39 @@ class BacklogControls:
             entry["histogram"]["later"] = scheduled - previous
         return backlog_report(from_us(now_us), report)
 
-    def _counted(self) -> bool:
+    def counted(self) -> bool:
         """Whether this store keeps counts per slot of due time (PostgreSQL, schema version 6 on)."""
-        if not self.is_postgres:
+        if not self.db.is_postgres:
             return False
-        if not getattr(self, "_has_counts", False):
-            with self.engine.connect() as conn:
-                self._has_counts = inspect(conn).has_table(self.counts.name, schema=self.schema)
+        if not self._has_counts:
+            with self.db.engine.connect() as conn:
+                self._has_counts = inspect(conn).has_table(self.tables.counts.name, schema=self.db.schema)
         return self._has_counts
 
-    def _sum_up_counts(self, conn) -> int:
+    def sum_up_counts(self, conn: Connection) -> int:
         """Replace the rows of changes in the counts table by one row per destination and slot (rows added
         meanwhile are left for the next time); returns how many rows it replaced."""
-        c = self._qualified(self.counts.name)
+        c = self.db.qualified(self.tables.counts.name)
         result = conn.exec_driver_sql(
             f"WITH gone AS (DELETE FROM {c} WHERE id <= (SELECT max(id) FROM {c}) RETURNING destination, slot, n) "
             f"INSERT INTO {c} (destination, slot, n) SELECT destination, slot, sum(n) FROM gone "
             "GROUP BY destination, slot HAVING sum(n) <> 0")
         return result.rowcount
 
-    def _from_rows(self, conn, now_us: int, destination: str | None) -> list[tuple]:
+    def _from_rows(self, conn: Connection, now_us: int, destination: str | None) -> list[tuple[Any, ...]]:
         """(destination, scheduled, in flight, due by each bucket's limit...), counted row by row."""
-        t = self.table
+        t = self.tables.messages
         buckets = [func.sum(case((t.c.due_at_us <= now_us + limit * 1_000_000, 1), else_=0)) for _, limit in BUCKETS]
         query = select(t.c.destination, func.count(), func.sum(case((self._leased_now(), 1), else_=0)), *buckets)
         if destination is not None:
             query = query.where(t.c.destination == destination)
         return [tuple(row) for row in conn.execute(query.group_by(t.c.destination))]
 
-    def _from_counts(self, conn, now_us: int, destination: str | None) -> list[tuple]:
+    def _from_counts(self, conn: Connection, now_us: int, destination: str | None) -> list[tuple[Any, ...]]:
         """(destination, scheduled, in flight, due by each bucket's limit...) from the counts per slot: whole
         slots before a limit's slot from the counts, the part of its own slot from the rows (ten minutes of
         rows at most), all in one snapshot."""
-        c, t = self.counts, self.table
+        c, t = self.tables.counts, self.tables.messages
         limits = [now_us + seconds * 1_000_000 for _, seconds in BUCKETS]
         slots = [limit // COUNT_SLOT_US for limit in limits]
         counted = select(c.c.destination, func.sum(c.c.n),
@@ -149,8 +163,8 @@ class BacklogControls:
             within: dict[str, list[int]] = {}
             for k, name, n in conn.execute(union_all(*parts)):
                 within.setdefault(name, [0] * len(BUCKETS))[k] = n
-            leased = {}
-            live = select(self.sweeps.c.claim_id).where(self.sweeps.c.lease_until_us >= now_us)
+            leased: dict[str, int] = {}
+            live = select(self.tables.sweeps.c.claim_id).where(self.tables.sweeps.c.lease_until_us >= now_us)
             if conn.execute(live.limit(1)).first():
                 held = select(t.c.destination, func.count()).where(self._leased_now())
                 if destination is not None:
@@ -174,33 +188,33 @@ class BacklogControls:
     def reschedule(self, selector: Selector, due_at: datetime) -> dict[str, Any]:
         """Make the selected messages due at `due_at` (checked by `core.backlog.new_due_time`: never before
         now). Pumps waiting past the new time are woken. Reports like `cancel`, with `rescheduled`."""
-        due_us = max(to_us(due_at), to_us(self.clock()))
+        due_us = max(to_us(due_at), to_us(self.db.clock()))
         changed, in_flight = self._change(selector, "reschedule messages", due_us)
         return rescheduled_report(change_report(selector, changed, in_flight, self._accepted), from_us(due_us))
 
     def purge(self, destination: str, dry_run: bool = True) -> dict[str, Any]:
         """Remove every scheduled message of one named destination; with `dry_run` (the default) only
         count what would go. Messages a running sweep holds stay (counted `in_flight`)."""
-        self.check_known([check_destination(destination)])
+        self.settings.check_known([check_destination(destination)])
         selector = Selector(destination=destination)
         if dry_run:
             counts = self.backlog(destination)["destinations"][destination]
             return purge_report(destination, True, counts["scheduled"] - counts["in_flight"], counts["in_flight"])
-        purged, in_flight = self._change(selector, "purge a destination", None, listed=0)
-        return purge_report(destination, False, purged, in_flight)
+        purged, in_flight = self._change(selector, "purge a destination", None)
+        return purge_report(destination, False, len(purged), len(in_flight))
 
-    def _change(self, selector: Selector, action: str, due_us: int | None, listed: int = LISTED):
+    def _change(self, selector: Selector, action: str, due_us: int | None) -> tuple[list[str], list[str]]:
         """Delete (due_us None) or re-time the selected rows no live sweep lease holds, in passes until a
-        pass finds nothing; returns (changed ids or count, in-flight ids or count)."""
+        pass finds nothing; returns (changed ids, in-flight ids: the first LISTED + 1)."""
         selector.require_something()
         if selector.destination is not None:
-            self.check_known([selector.destination])
-        t = self.table
-        where = [*self._selected(selector), self._unleased(to_us(self.clock()))]
+            self.settings.check_known([selector.destination])
+        t = self.tables.messages
+        where = [*self._selected(selector), self.tables.unleased(to_us(self.db.clock()))]
         if due_us is not None:
             where.append(t.c.due_at_us != due_us)  # rows already at the new time are done
         changed: list[str] = []
-        with self._errors(action), self.engine.begin() as conn:
+        with self.db.errors(action), self.db.engine.begin() as conn:
             for _ in range(_PASSES):
                 statement = delete(t) if due_us is None else update(t).values(due_at_us=due_us)
                 changed.extend(conn.execute(statement.where(*where).returning(t.c.message_id)).scalars())
@@ -213,26 +227,24 @@ class BacklogControls:
                 at_time = select(t.c.message_id).where(*where[:-1], t.c.due_at_us == due_us).limit(LISTED + 1)
                 done = set(changed)
                 changed.extend(m for m in conn.execute(at_time).scalars() if m not in done)
-                if changed and self.is_postgres:
-                    conn.execute(select(func.pg_notify(self.channel, str(due_us))))
+                if changed and self.db.is_postgres:
+                    conn.execute(select(func.pg_notify(self.tables.channel, str(due_us))))
             in_flight = list(conn.execute(select(t.c.message_id).where(
                 *self._selected(selector), self._leased_now()).limit(LISTED + 1)).scalars())
-        if not listed:
-            return len(changed), len(in_flight)
         return changed, in_flight
 
     def _accepted(self, message_ids: Sequence[str]) -> list[str]:
         """Of these ids, those the store accepted within its de-duplication window."""
         if not message_ids:
             return []
-        i = self.ids
-        with self._errors("read accepted message ids"), self.engine.connect() as conn:
+        i = self.tables.ids
+        with self.db.errors("read accepted message ids"), self.db.engine.connect() as conn:
             return list(conn.execute(select(i.c.message_id).where(i.c.message_id.in_(list(message_ids)))).scalars())
 
     # -- conditions ---------------------------------------------------------------------------------
-    def _selected(self, selector: Selector) -> list:
-        t = self.table
-        conditions = list(self._scope)
+    def _selected(self, selector: Selector) -> list[ColumnElement[bool]]:
+        t = self.tables.messages
+        conditions = list(self.scope())
         if selector.message_ids:
             conditions.append(t.c.message_id.in_(list(selector.message_ids)))
         if selector.destination is not None:
@@ -246,8 +258,5 @@ class BacklogControls:
             conditions.append(t.c.due_at_us < to_us(selector.due_before))
         return conditions
 
-    def _leased_now(self):
-        """Rows a running sweep holds under a live lease."""
-        t, s = self.table, self.sweeps
-        return and_(t.c.claim_id.is_not(None),
-                    t.c.claim_id.in_(select(s.c.claim_id).where(s.c.lease_until_us >= to_us(self.clock()))))
+    def _leased_now(self) -> ColumnElement[bool]:
+        return self.tables.leased(to_us(self.db.clock()))

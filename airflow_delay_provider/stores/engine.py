@@ -8,12 +8,13 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timedelta
+from typing import Any, Protocol
 
-from sqlalchemy import Engine, MetaData, create_engine, event, func, select
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy import Engine, Table, create_engine, event, func, select
+from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import OperationalError, PendingRollbackError
 from sqlalchemy.schema import CreateSchema
 
@@ -37,6 +38,25 @@ def check_identifier(kind: str, name: object) -> str:
             "starting with a letter or underscore"
         )
     return name
+
+
+class Database(Protocol):
+    """What the parts of a store (and the SQL-table queues) are given to work on: SqlDatabase has all of it."""
+
+    url: URL
+    schema: str | None
+    engine: Engine
+    is_postgres: bool
+
+    def clock(self) -> datetime: ...
+
+    def errors(self, action: str) -> AbstractContextManager[None]: ...
+
+    def qualified(self, name: str) -> str: ...
+
+    def in_index_order(self, conn: Connection) -> None: ...
+
+    def lock_schema(self, conn: Connection) -> None: ...
 
 
 class SqlDatabase:
@@ -79,20 +99,21 @@ class SqlDatabase:
         # The database read its clock at some moment of the round trip, which may be lopsided (a request that
         # left late): taken as read at the end of it, the estimate can only lag the database's clock, never lead
         # it, so no message is taken for due before the database says it is.
-        with self._errors("read the database clock"), self.engine.connect() as conn:
-            database = conn.execute(select(func.clock_timestamp())).scalar()
+        with self.errors("read the database clock"), self.engine.connect() as conn:
+            database: datetime = conn.execute(select(func.clock_timestamp())).scalar_one()
             after = self._local_clock()
         return database - after
 
-    def _errors(self, action: str):
+    def errors(self, action: str) -> AbstractContextManager[None]:
+        """Database errors while doing `action`, as this package's errors (no URL or password in them)."""
         return translate_errors(self.url, action)
 
-    def _qualified(self, name: str) -> str:
+    def qualified(self, name: str) -> str:
         """`name` in this database's schema, each part quoted as an identifier (for SQL written as text)."""
         preparer = self.engine.dialect.identifier_preparer
         return ".".join(preparer.quote_identifier(p) for p in filter(None, (self.schema, name)))
 
-    def in_index_order(self, conn) -> None:
+    def in_index_order(self, conn: Connection) -> None:
         """Make this transaction's queries read their index in order, whatever the statistics say: the claims of
         due messages (the due index) and the receives of SQL-table queues (queue order). A queue table is analysed
         while it is empty (or nearly) and then filled, and looks tiny to the planner, which then reads every due
@@ -103,14 +124,7 @@ class SqlDatabase:
             conn.exec_driver_sql("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; "
                                  "SET LOCAL jit = off")
 
-    def _create_tables(self, metadata: MetaData, what: str) -> None:
-        """Create the schema (PostgreSQL) and the tables of `metadata` if missing: idempotent, and safe
-        when several tasks provision at once."""
-        with self._errors(f"create {what}"), self.engine.begin() as conn:
-            self._lock_schema(conn)
-            metadata.create_all(conn, checkfirst=True)
-
-    def _lock_schema(self, conn) -> None:
+    def lock_schema(self, conn: Connection) -> None:
         """On PostgreSQL "check, then CREATE" races: a transaction-level advisory lock per schema makes
         concurrent creators wait and then find the tables there (SQLite's BEGIN IMMEDIATE already
         serialises them). Also creates the schema if missing."""
@@ -185,7 +199,8 @@ class IndexStart:
         self.value = min(self.value, value)
 
 
-def copy_rows(conn, table, columns: tuple[str, ...], types: tuple[str, ...], rows) -> None:
+def copy_rows(conn: Connection, table: Table, columns: tuple[str, ...], types: tuple[str, ...],
+              rows: Iterable[Sequence[Any]]) -> None:
     """PostgreSQL COPY (binary) of `rows` (sequences in `columns` order) on the connection's open transaction.
 
     Several times the rate of INSERTs; the table and column names are quoted as identifiers.
@@ -196,7 +211,8 @@ def copy_rows(conn, table, columns: tuple[str, ...], types: tuple[str, ...], row
     statement = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(
         target, sql.SQL(", ").join(map(sql.Identifier, columns))
     )
-    with conn.connection.driver_connection.cursor() as cursor, cursor.copy(statement) as copy:
+    driver: Any = conn.connection.driver_connection
+    with driver.cursor() as cursor, cursor.copy(statement) as copy:
         copy.set_types(types)
         for row in rows:
             copy.write_row(row)
@@ -225,7 +241,7 @@ def _create(url: URL) -> Engine:
     engine = create_engine(url, connect_args={"timeout": 30})
 
     @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection, _record):  # pragma: no branch
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:  # pragma: no branch
         # Take over transaction control from pysqlite so BEGIN IMMEDIATE can be issued:
         # a claim then holds the write lock from its first read, which SQLite needs in place
         # of SKIP LOCKED to keep two pumps from taking the same rows.
@@ -236,7 +252,7 @@ def _create(url: URL) -> Engine:
         dbapi_connection.execute("PRAGMA synchronous=FULL")
 
     @event.listens_for(engine, "begin")
-    def _on_begin(conn):
+    def _on_begin(conn: Connection) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
@@ -251,13 +267,13 @@ POSTGRES_DEFAULTS = {
     "lock_timeout": "30s",  # no statement waits longer than this for a lock
 }
 #: TCP keepalives: a silent peer is noticed in about a minute (30 s idle, then 3 probes 10 s apart).
-KEEPALIVES = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10, "keepalives_count": 3}
+KEEPALIVES: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10, "keepalives_count": 3}
 
 
 _DURATION = re.compile(r"^\d+(ms|s|min|h)?$")
 
 
-def postgres_session_options(url: URL) -> dict:
+def postgres_session_options(url: URL) -> dict[str, Any]:
     """psycopg connect arguments: keepalives, and the session timeouts above unless the URL sets its own."""
     settings = {name: url.query.get(name, default) for name, default in POSTGRES_DEFAULTS.items()}
     for name, value in settings.items():

@@ -1,6 +1,5 @@
 """Bulk-sweep leases: a sweep's claim on a window of rows, renewed while it settles them, and the rows
-one part of a sweep holds. `SweepLeases` is a mixin of SqlDelayedMessageStore, which gives it the
-engine, the clock and the tables."""
+one part of a sweep holds."""
 
 from __future__ import annotations
 
@@ -8,32 +7,34 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import Any
 
-from sqlalchemy import bindparam, delete, func, insert, or_, select, update
+from sqlalchemy import ColumnElement, Select, Table, Update, bindparam, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
 
 from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
-from airflow_delay_provider.stores.tables import SWEEP_COLUMNS, _rebuild, check_claim_id, to_us
-
-if TYPE_CHECKING:
-    from sqlalchemy import Table
-
-    from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
+from airflow_delay_provider.stores.engine import Database
+from airflow_delay_provider.stores.tables import SWEEP_COLUMNS, StoreTables, _rebuild, check_claim_id, to_us
 
 log = logging.getLogger("airflow_delay_provider.stores.sql")
 
 
 class SweepLeases:
+    """One store's bulk-sweep leases, on its database and tables (the sweeps table holds one row per lease)."""
+
+    def __init__(self, db: Database, tables: StoreTables) -> None:
+        self.db = db
+        self.tables = tables
+
     def start_sweep(
         self, claim_id: str, due_before: datetime, due_from: datetime | None = None,
         lease_seconds: float = 600.0, chunk: int = 100_000,
-    ) -> dict:
+    ) -> dict[str, int]:
         """Lease the messages due in [due_from, due_before) and already due to `claim_id`.
 
         The lease row is committed first, so the pump skips the rows from the moment they carry the
@@ -41,12 +42,12 @@ class SweepLeases:
         that moment are skipped (it is dispatching them). Returns how many rows were claimed.
         """
         now_us = self.open_sweep(claim_id, due_before, due_from, lease_seconds)
-        t, s = self.table, self.sweeps
+        t, s = self.tables.messages, self.tables.sweeps
         window = self._sweep_window(now_us, to_us(due_before), None if due_from is None else to_us(due_from))
         expired = select(s.c.claim_id).where(s.c.lease_until_us < now_us)
         taken_over = self._lease(claim_id, [*window, t.c.claim_id.in_(expired)], chunk)
         claimed = taken_over + self._lease(claim_id, [*window, t.c.claim_id.is_(None)], chunk)
-        with self._errors("record a sweep"), self.engine.begin() as conn:
+        with self.db.errors("record a sweep"), self.db.engine.begin() as conn:
             conn.execute(update(s).where(s.c.claim_id == claim_id).values(claimed=claimed, taken_over=taken_over))
         return {"claimed": claimed, "taken_over": taken_over}
 
@@ -56,11 +57,11 @@ class SweepLeases:
         """Commit a sweep's lease row (status `running`) without leasing any message yet; returns its start
         on the database clock (microseconds): its window holds the messages already due then."""
         check_claim_id(claim_id)
-        now_us = to_us(self.clock())
+        now_us = to_us(self.db.clock())
         if lease_seconds <= 0:
             raise InvalidInputError(f"lease_seconds must be > 0, got {lease_seconds!r}")
-        s = self.sweeps
-        with self._errors("start a sweep"), self.engine.begin() as conn:
+        s = self.tables.sweeps
+        with self.db.errors("start a sweep"), self.db.engine.begin() as conn:
             if conn.execute(select(s.c.claim_id).where(s.c.claim_id == claim_id)).first():
                 raise InvalidInputError(f"claim id {claim_id!r} was used by an earlier sweep; use a new one")
             conn.execute(insert(s).values(
@@ -70,21 +71,22 @@ class SweepLeases:
             ))
         return now_us
 
-    def _sweep_window(self, now_us: int, due_before_us: int, due_from_us: int | None) -> list:
-        t = self.table
+    def _sweep_window(self, now_us: int, due_before_us: int, due_from_us: int | None) -> list[ColumnElement[bool]]:
+        t = self.tables.messages
         # A paused destination's rows stay stored: the sweep leaves them, as the pump does.
         # Event destinations are handed to Airflow by their asset watchers, not swept.
-        window = [t.c.due_at_us <= now_us, t.c.due_at_us < due_before_us, self._not_paused(), self._dispatchable()]
+        window = [t.c.due_at_us <= now_us, t.c.due_at_us < due_before_us, self.tables.not_paused(),
+                  self.tables.dispatchable()]
         if due_from_us is not None:
             window.append(t.c.due_at_us >= due_from_us)
         return window
 
-    def _lease(self, claim_id: str, conditions: list, chunk: int) -> int:
-        t = self.table
+    def _lease(self, claim_id: str, conditions: list[ColumnElement[bool]], chunk: int) -> int:
+        t = self.tables.messages
         total = 0
         while True:
             ids = select(t.c.id).where(*conditions).limit(chunk).with_for_update(skip_locked=True)
-            with self._errors("claim messages for a sweep"), self.engine.begin() as conn:
+            with self.db.errors("claim messages for a sweep"), self.db.engine.begin() as conn:
                 n = conn.execute(update(t).where(t.c.id.in_(ids.scalar_subquery())).values(claim_id=claim_id)).rowcount
             total += n
             if n < chunk:
@@ -93,48 +95,48 @@ class SweepLeases:
 
     def renew_lease(self, claim_id: str, lease_seconds: float) -> bool:
         """Extend a running sweep's lease; False when it is no longer running (finished or never started)."""
-        s = self.sweeps
-        until = to_us(self.clock()) + int(lease_seconds * 1e6)
-        with self._errors("renew a sweep's lease"), self.engine.begin() as conn:
+        s = self.tables.sweeps
+        until = to_us(self.db.clock()) + int(lease_seconds * 1e6)
+        with self.db.errors("renew a sweep's lease"), self.db.engine.begin() as conn:
             stmt = update(s).where(s.c.claim_id == claim_id, s.c.status == "running").values(lease_until_us=until)
             return conn.execute(stmt).rowcount == 1
 
     def claimed_range(self, claim_id: str) -> tuple[int, int, int]:
         """(lowest id, highest id, count) of the rows a sweep still holds; (0, -1, 0) when none."""
-        t = self.table
+        t = self.tables.messages
         query = select(func.min(t.c.id), func.max(t.c.id), func.count()).where(t.c.claim_id == claim_id)
-        with self._errors("read a sweep's claim"), self.engine.connect() as conn:
+        with self.db.errors("read a sweep's claim"), self.db.engine.connect() as conn:
             low, high, n = conn.execute(query).one()
         return (0, -1, 0) if not n else (low, high, n)
 
     def read_claimed(
         self, claim_id: str, low: int, high: int, chunk: int = 10_000, limit: int | None = None,
-    ) -> Iterator[tuple]:
+    ) -> Iterator[tuple[Any, ...]]:
         """The rows a sweep holds with low <= id <= high, in id order, as SWEEP_COLUMNS tuples; the first
         `limit` of them when given."""
-        t = self.table
+        t = self.tables.messages
         query = (select(*(t.c[c] for c in SWEEP_COLUMNS))
                  .where(t.c.claim_id == claim_id, t.c.id >= low, t.c.id <= high).order_by(t.c.id).limit(limit))
-        with self._errors("read swept messages"), self.engine.connect() as conn:
+        with self.db.errors("read swept messages"), self.db.engine.connect() as conn:
             for row in conn.execution_options(yield_per=chunk).execute(query):
                 yield tuple(row)
 
-    def _open_window(self, conn: Connection, claim_id: str) -> list | None:
+    def _open_window(self, conn: Connection, claim_id: str) -> list[ColumnElement[bool]] | None:
         """The conditions of the rows a running sweep may lease: due in its window, and free or held under
         another sweep's expired lease; None when the sweep is not running (finished, killed or unknown)."""
-        t, s = self.table, self.sweeps
+        t, s = self.tables.messages, self.tables.sweeps
         row = conn.execute(select(s).where(s.c.claim_id == check_claim_id(claim_id))).first()
         if row is None or row.status != "running":
             return None
-        expired = select(s.c.claim_id).where(s.c.lease_until_us < to_us(self.clock()), s.c.claim_id != claim_id)
+        expired = select(s.c.claim_id).where(s.c.lease_until_us < to_us(self.db.clock()), s.c.claim_id != claim_id)
         return [*self._sweep_window(row.started_at_us, row.due_before_us, row.due_from_us),
                 or_(t.c.claim_id.is_(None), t.c.claim_id.in_(expired))]
 
     def window_range(self, claim_id: str) -> tuple[int, int, int]:
         """(lowest id, highest id, count) of the rows an opened sweep may lease (`lease_range`): due in its
         window, free or under an expired lease; (0, -1, 0) when none or the sweep is not running."""
-        t = self.table
-        with self._errors("plan a sweep"), self.engine.connect() as conn:
+        t = self.tables.messages
+        with self.db.errors("plan a sweep"), self.db.engine.connect() as conn:
             leasable = self._open_window(conn, claim_id)
             if leasable is None:
                 return 0, -1, 0
@@ -142,12 +144,14 @@ class SweepLeases:
                                         .where(*leasable)).one()
         return (0, -1, 0) if not n else (low, high, n)
 
-    def leasable_ids(self, claim_id: str, low: int, high: int, limit: int, exclude: Collection[str] = ()):
+    def leasable_ids(
+        self, claim_id: str, low: int, high: int, limit: int, exclude: Collection[str] = ()
+    ) -> Select[int] | None:
         """The query of up to `limit` ids, in id order, of rows a running sweep may lease with low <= id <= high
         (not those of `exclude`), locked, skipping rows others hold: for a move that leases and settles them in
         one statement (`SqlTableTransport.move_window`). None when the sweep is not running."""
-        t = self.table
-        with self._errors("plan a sweep's move"), self.engine.connect() as conn:
+        t = self.tables.messages
+        with self.db.errors("plan a sweep's move"), self.db.engine.connect() as conn:
             leasable = self._open_window(conn, claim_id)
         if leasable is None:
             return None
@@ -156,22 +160,22 @@ class SweepLeases:
             ids = ids.where(t.c.destination.not_in(list(exclude)))
         return ids.order_by(t.c.id).limit(limit).with_for_update(skip_locked=True)
 
-    def count_leased(self, claim_id: str, claimed, taken_over):
+    def count_leased(self, claim_id: str, claimed: Any, taken_over: Any) -> Update:
         """The statement adding `claimed` rows, `taken_over` of them from expired leases (SQL expressions), to a
         running sweep's counts; it returns the sweep's id, or no row when the sweep is no longer running."""
-        s = self.sweeps
+        s = self.tables.sweeps
         return (update(s).where(s.c.claim_id == claim_id, s.c.status == "running")
                 .values(claimed=s.c.claimed + claimed, taken_over=s.c.taken_over + taken_over).returning(s.c.claim_id))
 
-    def lease_range(self, claim_id: str, low: int, high: int, step: int = 10_000) -> dict:
+    def lease_range(self, claim_id: str, low: int, high: int, step: int = 10_000) -> dict[str, int]:
         """Lease to an opened sweep the rows of its window with low <= id <= high (expired leases' rows are
         taken over, rows a pump holds are skipped), the next `step` of them per transaction, so that sparse
         ids cost no empty steps. Each transaction adds its rows to the sweep's claimed and taken-over
         counts, and commits only while the sweep runs: once it is finished or killed, nothing more is
         leased. Returns {"claimed": n, "taken_over": m}."""
-        t, s = self.table, self.sweeps
+        t, s = self.tables.messages, self.tables.sweeps
         claimed = taken_over = 0
-        with self._errors("claim messages for a sweep"), self.engine.connect() as conn:
+        with self.db.errors("claim messages for a sweep"), self.db.engine.connect() as conn:
             while low <= high:
                 with conn.begin() as tx:
                     leasable = self._open_window(conn, claim_id)
@@ -199,21 +203,18 @@ class SweepLeases:
     def sweep_progress(self, claim_id: str) -> tuple[int, int]:
         """(rows leased so far, rows still held) of a sweep, read in one statement so that a lease committing
         between two reads cannot pass for progress; settled = leased - held."""
-        t, s = self.table, self.sweeps
+        t, s = self.tables.messages, self.tables.sweeps
         held = select(func.count()).where(t.c.claim_id == claim_id).scalar_subquery()
-        with self._errors("read a sweep's progress"), self.engine.connect() as conn:
+        with self.db.errors("read a sweep's progress"), self.db.engine.connect() as conn:
             row = conn.execute(select(s.c.claimed, held).where(s.c.claim_id == claim_id)).first()
         return (0, 0) if row is None else (row[0], row[1])
 
-    def leased_rows(self, claim_id: str, rows: Iterable[tuple]) -> LeasedRows:
-        return LeasedRows(self, claim_id, rows)
-
-    def finish_sweep(self, claim_id: str, status: str, summary: dict) -> int:
+    def finish_sweep(self, claim_id: str, status: str, summary: Mapping[str, Any]) -> int:
         """End a sweep: rows it still holds are released to the pump at once, its lease ends, its
         summary is kept. Returns how many rows were released."""
-        t, s = self.table, self.sweeps
-        now_us = to_us(self.clock())
-        with self._errors("finish a sweep"), self.engine.begin() as conn:
+        t, s = self.tables.messages, self.tables.sweeps
+        now_us = to_us(self.db.clock())
+        with self.db.errors("finish a sweep"), self.db.engine.begin() as conn:
             released = conn.execute(update(t).where(t.c.claim_id == claim_id).values(claim_id=None)).rowcount
             conn.execute(update(s).where(s.c.claim_id == claim_id).values(
                 status=status, finished_at_us=now_us, lease_until_us=0,
@@ -221,10 +222,10 @@ class SweepLeases:
             ))
         return released
 
-    def sweep_record(self, claim_id: str) -> dict | None:
+    def sweep_record(self, claim_id: str) -> dict[str, Any] | None:
         """A sweep's row: window, status, claimed and taken-over counts, and its summary."""
-        s = self.sweeps
-        with self._errors("read a sweep"), self.engine.connect() as conn:
+        s = self.tables.sweeps
+        with self.db.errors("read a sweep"), self.db.engine.connect() as conn:
             row = conn.execute(select(s).where(s.c.claim_id == claim_id)).first()
         if row is None:
             return None
@@ -237,7 +238,8 @@ class _LeasedClaim(Claim):
     """A batch of rows a sweep holds, locked again in this transaction; settled rows are deleted or
     rescheduled in it, unsettled ones go back to the sweep's queue (still under its lease)."""
 
-    def __init__(self, conn: Connection, table: Table, rows: list[tuple], hand_back) -> None:
+    def __init__(self, conn: Connection, table: Table, rows: list[tuple[Any, ...]],
+                 hand_back: Callable[[Iterable[tuple[Any, ...]]], None]) -> None:
         self.connection = conn
         self._table = table
         self._rows = {row[1]: row for row in rows}
@@ -284,34 +286,38 @@ class LeasedRows(DelayedMessageStore):
     is skipped, never sent twice. Rows come as tuples in SWEEP_COLUMNS order.
     """
 
-    def __init__(self, store: SqlDelayedMessageStore, claim_id: str, rows: Iterable[tuple]) -> None:
-        self.home = store
-        self.clock = store.clock
-        self.shared_throttle = store.shared_throttle  # a sweep's partitions and the pumps share one bucket
-        self.engine = store.engine  # a SQL transport on the same database joins the settling transaction
-        self.table = store.table
+    def __init__(self, home: DelayedMessageStore, db: Database, table: Table, claim_id: str,
+                 rows: Iterable[tuple[Any, ...]]) -> None:
+        """:param home: the store the rows are in, which stores retries and keeps the throttle and the policies.
+        :param db: its database: a SQL transport on the same database joins the settling transaction.
+        :param table: its messages table."""
+        self.home = home
+        self.db = db
+        self.engine = db.engine
+        self.table = table
+        self.shared_throttle = home.shared_throttle  # a sweep's partitions and the pumps share one bucket
         self.claim_id = check_claim_id(claim_id)
-        self.concurrent_claims = store.concurrent_claims
+        self.concurrent_claims = home.concurrent_claims
         self.skipped = 0
         self._rows = iter(rows)
-        self._held: deque[tuple] = deque()  # handed back unsettled (throttled or broker outage)
+        self._held: deque[tuple[Any, ...]] = deque()  # handed back unsettled (throttled or broker outage)
         self._exhausted = False
 
     def __repr__(self) -> str:
         return f"LeasedRows({self.home!r}, claim_id={self.claim_id!r})"
 
-    def _take(self, limit: int, exclude: Collection[str]) -> list[tuple]:
-        taken: list[tuple] = []
-        passed: list[tuple] = []
+    def _take(self, limit: int, exclude: Collection[str]) -> list[tuple[Any, ...]]:
+        taken: list[tuple[Any, ...]] = []
+        passed: list[tuple[Any, ...]] = []
         while self._held and len(taken) < limit:
             row = self._held.popleft()
             (passed if row[2] in exclude else taken).append(row)
         while not self._exhausted and len(taken) < limit:
-            row = next(self._rows, None)
-            if row is None:
+            found = next(self._rows, None)
+            if found is None:
                 self._exhausted = True
             else:
-                (passed if row[2] in exclude else taken).append(row)
+                (passed if found[2] in exclude else taken).append(found)
         self._held.extendleft(reversed(passed))
         return taken
 
@@ -333,7 +339,7 @@ class LeasedRows(DelayedMessageStore):
     ) -> Iterator[Claim]:
         rows = self._take(limit, exclude)
         t = self.table
-        with self.home._errors("lock swept messages"), self.engine.begin() as conn:
+        with self.db.errors("lock swept messages"), self.engine.begin() as conn:
             held: set[int] = set()
             if rows:
                 mine = select(t.c.id).where(t.c.id.in_([r[0] for r in rows]), t.c.claim_id == self.claim_id)
@@ -343,6 +349,9 @@ class LeasedRows(DelayedMessageStore):
             claim = _LeasedClaim(conn, t, kept, self._held.extend)
             yield claim
             claim.restore_unsettled()
+
+    def clock(self) -> datetime:
+        return self.home.clock()
 
     def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:
         return self.clock() if self.remaining else None
@@ -356,7 +365,7 @@ class LeasedRows(DelayedMessageStore):
     def store(self, messages: Sequence[DelayedMessage], deduplicate: bool = True) -> int:
         return self.home.store(messages, deduplicate)
 
-    def policies(self) -> dict[str, dict]:
+    def policies(self) -> dict[str, dict[str, Any]]:
         return self.home.policies()
 
     def take_tokens(self, destination: str, rate: float, n: int) -> tuple[int, float]:

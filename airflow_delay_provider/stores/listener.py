@@ -19,8 +19,12 @@ import logging
 import threading
 from collections.abc import Callable
 from contextlib import suppress
+from typing import TYPE_CHECKING
 
 from airflow_delay_provider.stores.engine import KEEPALIVES, safe_url
+
+if TYPE_CHECKING:
+    from psycopg import Notify
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +58,8 @@ class Subscription:
         self._in_place = False  # a wait saw LISTEN in effect
         self._left = False
         self._until_us = 0
-        self._woken: asyncio.Future | None = None  # while a wait runs
-        self._pending = None  # the soonest notification received between waits
+        self._woken: asyncio.Future[None] | None = None  # while a wait runs
+        self._pending: Notify | None = None  # the soonest notification received between waits
 
     @property
     def closed(self) -> bool:
@@ -82,7 +86,7 @@ class Subscription:
         finally:
             self._woken = None
 
-    def notify(self, note) -> None:
+    def notify(self, note: Notify) -> None:
         if self._woken is None:
             if sooner(note, _due(self._pending) if self._pending else 2**63, self.wants):
                 self._pending = note
@@ -139,7 +143,7 @@ class _Listener:
             if conn is not None:
                 await conn.close()
 
-    def drop(self, subscription: Subscription) -> asyncio.Task | None:
+    def drop(self, subscription: Subscription) -> asyncio.Task[None] | None:
         """Remove a subscriber; after the last, the task that closes the connection."""
         self.subscriptions.discard(subscription)
         if self.subscriptions:
@@ -163,7 +167,7 @@ class _Listener:
             subscription.wake()
 
 
-def sooner(note, until_us: int, wants: Callable[[str], bool] | None = None) -> bool:
+def sooner(note: Notify, until_us: int, wants: Callable[[str], bool] | None = None) -> bool:
     """A notification of a message due before `until_us` for a destination the waiter serves (`wants`; None:
     all). The payload is the due time in microseconds, then the destination after a space when one was named
     (a send to a few destinations names each: a team's dispatcher sleeps through the other teams' sends)."""
@@ -173,5 +177,5 @@ def sooner(note, until_us: int, wants: Callable[[str], bool] | None = None) -> b
     return not destination or wants is None or wants(destination)
 
 
-def _due(note) -> int:
+def _due(note: Notify) -> int:
     return int(note.payload.partition(" ")[0])

@@ -1,7 +1,9 @@
 """The SQL delayed-message store (an external store of delayed messages, claimed in batches): SQLite and PostgreSQL.
 
-The store's messages, claims, de-duplication and waiting are here; per-destination settings are in
-destinations.py, bulk-sweep leases in leases.py, the tables in tables.py.
+The store's messages, claims, de-duplication and waiting are here; it is composed of parts that each get its
+database and tables: per-destination settings (destinations.py), bulk-sweep leases (leases.py), event claims
+(event_leases.py), backlog controls (backlog.py), upkeep (upkeep.py) and migrations (migrations.py). The tables
+are declared in tables.py.
 """
 
 from __future__ import annotations
@@ -14,63 +16,41 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import (
-    MetaData,
-    Table,
-    any_,
-    delete,
-    func,
-    insert,
-    inspect,
-    or_,
-    select,
-)
+from sqlalchemy import ColumnElement, Table, any_, delete, func, insert, inspect, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import URL, Connection
+from sqlalchemy.engine import URL, Connection, Row
 from sqlalchemy.sql import Select
 
+from airflow_delay_provider.core.backlog import BODY_PREVIEW_BYTES, Selector
 from airflow_delay_provider.core.checks import check_number
 from airflow_delay_provider.core.delays import utcnow
-from airflow_delay_provider.core.errors import (
-    InvalidInputError,
-    InvalidMessageError,
-)
+from airflow_delay_provider.core.errors import InvalidMessageError
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
 from airflow_delay_provider.stores.backlog import BacklogControls
 from airflow_delay_provider.stores.destinations import DestinationSettings
-from airflow_delay_provider.stores.engine import (
-    KEEPALIVES,
-    IndexStart,
-    SqlDatabase,
-    copy_rows,
-    engine_url,
-    safe_url,
-)
+from airflow_delay_provider.stores.engine import KEEPALIVES, IndexStart, SqlDatabase, copy_rows, engine_url, safe_url
 from airflow_delay_provider.stores.event_leases import EventLeases
 from airflow_delay_provider.stores.leases import LeasedRows, SweepLeases
-from airflow_delay_provider.stores.listener import sooner, subscribe
-from airflow_delay_provider.stores.migrations import SchemaMigrations, versions_table
+from airflow_delay_provider.stores.listener import Subscription, sooner, subscribe
+from airflow_delay_provider.stores.migrations import STORE_SCHEMA, SchemaMigrations, VersionedTables
 from airflow_delay_provider.stores.tables import (
     DEFAULT_TABLE,
     MAX_TABLE_NAME,
     SWEEP_COLUMNS,
+    StoreTables,
     _message,
     check_claim_id,
     check_store_table,
-    counts_table,
-    destinations_table,
     from_us,
-    ids_table,
-    policies_table,
-    queue_delays_table,
-    store_table,
-    sweeps_table,
-    throttle_table,
     to_us,
 )
 from airflow_delay_provider.stores.upkeep import TableUpkeep
+
+if TYPE_CHECKING:
+    import psycopg
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +81,7 @@ class _SqlClaim(Claim):
     due time; anything left unsettled is restored before commit; an error rolls all of it back.
     """
 
-    def __init__(self, conn: Connection, table: Table, rows) -> None:
+    def __init__(self, conn: Connection, table: Table, rows: Iterable[Row[Any]]) -> None:
         self.connection = conn
         self._table = table
         rows = sorted(rows, key=lambda r: (r.due_at_us, r.id))  # RETURNING has no order
@@ -124,17 +104,21 @@ class _SqlClaim(Claim):
         if self._unsettled:
             self._write_back({m: {} for m in self._unsettled})
 
-    def _write_back(self, changes: Mapping[str, dict]) -> None:
+    def _write_back(self, changes: Mapping[str, dict[str, Any]]) -> None:
         rows = [{**self._rows[m]._asdict(), "claim_id": None, **change} for m, change in changes.items()]
         self.connection.execute(insert(self._table), rows)
         self._unsettled.difference_update(changes)
 
 
-class SqlDelayedMessageStore(
-    BacklogControls, SchemaMigrations, SweepLeases, EventLeases, DestinationSettings, TableUpkeep, SqlDatabase,
-    DelayedMessageStore,
-):
-    """Delayed messages in one table; claims lock rows (`FOR UPDATE SKIP LOCKED` on PostgreSQL)."""
+class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
+    """Delayed messages in one table; claims lock rows (`FOR UPDATE SKIP LOCKED` on PostgreSQL).
+
+    The store is its database (SqlDatabase) and its tables (`tables`, declared in tables.py), and the parts that
+    each work on those two: `settings` (destinations, pauses, policies, queue delays, throttles), `leases` (bulk
+    sweeps), `events` (event claims), `controls` (browse, count, cancel, reschedule, purge), `maintenance`
+    (vacuum and analyse) and `migrations`. Claims, de-duplication and waiting are here; the parts' public
+    methods are the store's too.
+    """
 
     def __init__(
         self, url: URL | str, table: str = DEFAULT_TABLE, schema: str | None = None,
@@ -147,28 +131,43 @@ class SqlDelayedMessageStore(
                      hint="0 turns de-duplication off")
         self.dedup_window_us = int(dedup_window_seconds * 1_000_000)
         self._expired_at = 0.0
-        self.table = store_table(MetaData(), self.table_name, self.schema)
-        self.ids = ids_table(self.table.metadata, self.table_name, self.schema)
-        self.throttle = throttle_table(self.table.metadata, self.table_name, self.schema)
-        self.delays = queue_delays_table(self.table.metadata, self.table_name, self.schema)
-        self.policy_table = policies_table(self.table.metadata, self.table_name, self.schema)
-        self.dests = destinations_table(self.table.metadata, self.table_name, self.schema)
-        self.counts = counts_table(self.table.metadata, self.table_name, self.schema)
-        self.sweeps = sweeps_table(self.table.metadata, f"{self.table_name}_sweeps", self.schema)
-        self.versions = versions_table(MetaData(), self.table_name, self.schema)
+        self.tables = StoreTables.declare(self.table_name, self.schema)
         self.concurrent_claims = self.is_postgres  # SQLite locks the whole database per write transaction
         self.threaded_claims = self.is_postgres
         # On SQLite a claim holds the database's write lock, which a second transaction would wait for:
         # there each pump keeps its own bucket (pumps on one SQLite file take turns anyway).
         self.shared_throttle = self.is_postgres
-        qualified = f"{self.schema}.{self.table_name}" if self.schema else self.table_name
-        # LISTEN takes an identifier of at most 63 bytes; a hash keeps any schema.table pair within it.
-        self.channel = "delay_" + hashlib.sha1(qualified.encode()).hexdigest()[:24]
-        self._listener = None
-        self._alistener = None  # this object's place on the loop's shared LISTEN connection
-        self._scope: list = []  # conditions every claim and read of this store object adds
+        self._listener: psycopg.Connection[Any] | None = None
+        self._alistener: Subscription | None = None  # this object's place on the loop's shared LISTEN connection
+        self._scope: list[ColumnElement[bool]] = []  # conditions every claim and read of this store object adds
         self._wants: Callable[[str], bool] | None = None  # the destinations it serves, when restricted
         self._due_start = IndexStart()  # where this object's claims start reading the due index
+        self.settings = DestinationSettings(self, self.tables)
+        self.leases = SweepLeases(self, self.tables)
+        self.events = EventLeases(self, self.tables, self.leases)
+        self.controls = BacklogControls(self, self.tables, self.settings, lambda: self._scope)
+        t = self.tables
+        self.maintenance = TableUpkeep(
+            self, kept=lambda: (t.messages, t.ids, t.counts) if self.controls.counted() else (t.messages, t.ids),
+            rebuilt=(t.messages,), analyzed=(t.messages,),  # the claims' plans need statistics; the rest: by key
+            before=lambda conn: self.controls.counted() and self.controls.sum_up_counts(conn))
+        self.migrations = SchemaMigrations(self, VersionedTables(
+            package=STORE_SCHEMA, kind="delay store", label=f"Delay store {t.where}", versions=t.versions,
+            tables=t.of_store(), names=self._template_names(),
+            # claim_id is the one column a store from before bulk sweeps lacks; its migration adds it.
+            optional_columns=frozenset({"claim_id"}), adopt=self._adopt,
+            refuse_hint="choose another `table` (or `db_schema`) for the store",
+            before=self.maintenance.stop,  # its VACUUM would hold the migration's table locks for minutes
+        ))
+
+    @property
+    def table(self) -> Table:
+        """The messages table (`tables.messages`)."""
+        return self.tables.messages
+
+    @property
+    def channel(self) -> str:
+        return self.tables.channel
 
     def restrict(
         self, destinations: Collection[str] | None = None, prefix: str | None = None, due_from: datetime | None = None
@@ -179,7 +178,7 @@ class SqlDelayedMessageStore(
         t = self.table
         self._scope = []
         self._due_start = IndexStart()
-        wanted = []
+        wanted: list[ColumnElement[bool]] = []
         names = frozenset(destinations or ())
         if names:
             wanted.append(t.c.destination.in_(sorted(names)))
@@ -188,7 +187,7 @@ class SqlDelayedMessageStore(
         if wanted:
             self._scope.append(or_(*wanted))
             # Wake-ups naming another destination are not this object's (see listener.sooner).
-            self._wants = lambda d: d in names or bool(prefix) and d.startswith(prefix)
+            self._wants = lambda d: d in names or prefix is not None and d.startswith(prefix)
         if due_from is not None:
             self._scope.append(t.c.due_at_us >= to_us(due_from))
         return self
@@ -203,39 +202,46 @@ class SqlDelayedMessageStore(
 
         A table of that name that is not a delay store (another application's) is refused before
         anything is created or changed."""
-        self.migrate()
+        self.migrations.migrate()
 
-    # -- upkeep (stores/upkeep.py) ------------------------------------------------------------------
-    def _kept_tables(self) -> tuple:
-        return (self.table, self.ids, self.counts) if self._counted() else (self.table, self.ids)
+    def schema_version(self) -> int:
+        """The newest migration applied to this store (0: no store here yet)."""
+        return self.migrations.schema_version()
 
-    def _rebuilt_tables(self) -> tuple:
-        return (self.table,)
+    def migrate(self, up_to: int | None = None) -> list[int]:
+        """Apply the migrations this store lacks, up to `up_to` (default: all); returns the versions applied.
+        Safe to run concurrently: the others find the store up to date."""
+        return self.migrations.migrate(up_to)
 
-    def _analyzed_tables(self) -> tuple:
-        return (self.table,)  # the claims' plans need statistics; the other tables are read by key
+    def _adopt(self, conn: Connection) -> int:
+        """The version of a store made before versioning: claim_id came with bulk sweeps (2); the later
+        migrations only create tables, IF NOT EXISTS."""
+        columns = {c["name"] for c in inspect(conn).get_columns(self.table_name, schema=self.schema)}
+        return 2 if "claim_id" in columns else 1
 
-    def _before_upkeep(self, conn) -> None:
-        if self._counted():
-            self._sum_up_counts(conn)
+    def _template_names(self) -> dict[str, str]:
+        preparer, q = self.engine.dialect.identifier_preparer, self.qualified
+        t = self.table_name
+        ids_index = "ix_ids_" + hashlib.sha1(f"{self.schema}.{t}_ids".encode()).hexdigest()[:16]
+        return {
+            "messages": q(t), "policies": q(f"{t}_policies"), "sweeps": q(f"{t}_sweeps"), "ids": q(f"{t}_ids"),
+            "throttle": q(f"{t}_throttle"), "delays": q(f"{t}_delays"), "dests": q(f"{t}_dests"),
+            "counts": q(f"{t}_counts"),
+            "count_fn": q("delay_counts_" + hashlib.sha1(f"{self.schema}.{t}".encode()).hexdigest()[:16]),
+            # Index names live in the table's schema on PostgreSQL and may not be qualified there.
+            "ix_due": preparer.quote_identifier(f"ix_{t}_due"), "ix_ids": preparer.quote_identifier(ids_index),
+            "ix_leased": preparer.quote_identifier(ids_index.replace("ix_ids_", "ix_leased_")),
+            "id_type": "BIGSERIAL" if self.is_postgres else "INTEGER",  # SQLite's INTEGER key is the rowid
+            "bytes_type": "BYTEA" if self.is_postgres else "BLOB",
+        }
 
-    def _check_existing_shape(self, conn: Connection) -> None:
-        inspector = inspect(conn)
-        for table in (self.table, self.policy_table, self.sweeps, self.ids, self.throttle, self.delays, self.dests):
-            if not inspector.has_table(table.name, schema=self.schema):
-                continue
-            found = {c["name"] for c in inspector.get_columns(table.name, schema=self.schema)}
-            # claim_id is the one column a store from before bulk sweeps lacks; its migration adds it.
-            missing = sorted({c.name for c in table.columns} - found - {"claim_id"})
-            if missing:
-                where = f"{self.schema}.{table.name}" if self.schema else table.name
-                raise InvalidInputError(
-                    f"table {where} exists but is not a delay store table (missing columns {missing}); "
-                    "nothing was changed: choose another `table` (or `db_schema`) for the store"
-                )
+    def upkeep(self) -> None:
+        """Vacuum and analyse the store's tables when their counters call for it (stores/upkeep.py), in a
+        background thread; never blocks, PostgreSQL only."""
+        self.maintenance.start()
 
     def exists(self) -> bool:
-        with self._errors("inspect the delay store"), self.engine.connect() as conn:
+        with self.errors("inspect the delay store"), self.engine.connect() as conn:
             return inspect(conn).has_table(self.table_name, schema=self.schema)
 
     # -- writes -----------------------------------------------------------------------------------
@@ -250,7 +256,7 @@ class SqlDelayedMessageStore(
             raise InvalidMessageError(f"messages must be DelayedMessage objects (each checked when it is built), "
                                       f"got {type(wrong).__name__}")
         now = to_us(self.clock())
-        rows = [
+        rows: list[dict[str, Any]] = [
             {
                 "message_id": m.message_id,
                 "destination": m.destination,
@@ -263,12 +269,12 @@ class SqlDelayedMessageStore(
             for m in messages
         ]
         remember = deduplicate and self.dedup_window_us > 0
-        with self._errors("store delayed messages"), self.engine.begin() as conn:
+        with self.errors("store delayed messages"), self.engine.begin() as conn:
             if remember:
                 self._expire_ids(conn, now)
             stored = self._insert_new(conn, rows, now if remember else None)
             if stored:
-                self._register(conn, {r["destination"] for r in rows}, now)
+                self.settings.register(conn, {r["destination"] for r in rows}, now)
             if self.is_postgres and stored:
                 # Delivered at commit; wakes idle pumps that sleep past this due time. Each destination's
                 # soonest, for a few: dispatchers restricted to other destinations sleep on.
@@ -286,7 +292,7 @@ class SqlDelayedMessageStore(
     _COPY_COLUMNS = ("message_id", "destination", "body", "headers", "due_at_us", "stored_at_us", "failures")
     _COPY_TYPES = ("text", "text", "bytea", "text", "int8", "int8", "int4")
 
-    def _insert_new(self, conn: Connection, rows: list[dict], seen_at_us: int | None) -> int:
+    def _insert_new(self, conn: Connection, rows: list[dict[str, Any]], seen_at_us: int | None) -> int:
         """Insert the rows whose message id is new (a retried task stores nothing twice); returns how many.
         With `seen_at_us`, their ids are remembered in the ids table and ids found there are skipped."""
         if self.is_postgres:
@@ -295,7 +301,7 @@ class SqlDelayedMessageStore(
             try:
                 with conn.begin_nested():  # COPY is the fast way, for the usual case of all-new ids
                     if seen_at_us is not None:
-                        copy_rows(conn, self.ids, ("message_id", "seen_at_us"), ("text", "int8"),
+                        copy_rows(conn, self.tables.ids, ("message_id", "seen_at_us"), ("text", "int8"),
                                   ((r["message_id"], seen_at_us) for r in rows))
                     copy_rows(conn, self.table, self._COPY_COLUMNS, self._COPY_TYPES,
                               ([r[c] for c in self._COPY_COLUMNS] for r in rows))
@@ -314,7 +320,7 @@ class SqlDelayedMessageStore(
     def _remember(self, conn: Connection, message_ids: Sequence[str], seen_at_us: int) -> list[str]:
         """Add ids to the ids table; returns those that were not there within the window (the new ones:
         an id seen longer ago than the window counts as new, even before the expiry deleted it)."""
-        t = self.ids
+        t = self.tables.ids
         insert = (postgresql.insert if self.is_postgres else sqlite.insert)(t)
         stmt = insert.on_conflict_do_update(
             index_elements=["message_id"], set_={"seen_at_us": insert.excluded.seen_at_us},
@@ -326,15 +332,15 @@ class SqlDelayedMessageStore(
     def _expire_ids(self, conn: Connection, now_us: int) -> None:
         if time.monotonic() - self._expired_at >= _EXPIRE_EVERY_SECONDS:
             self._expired_at = time.monotonic()
-            conn.execute(delete(self.ids).where(self.ids.c.seen_at_us < now_us - self.dedup_window_us))
+            conn.execute(delete(self.tables.ids).where(self.tables.ids.c.seen_at_us < now_us - self.dedup_window_us))
 
     def unseen(self, message_ids: Sequence[str]) -> list[str]:
         """The ids not accepted within the de-duplication window: what a native send may still send."""
         if self.dedup_window_us <= 0 or not message_ids:
             return list(message_ids)
         cutoff = to_us(self.clock()) - self.dedup_window_us
-        t = self.ids
-        with self._errors("read sent message ids"), self.engine.connect() as conn:
+        t = self.tables.ids
+        with self.errors("read sent message ids"), self.engine.connect() as conn:
             seen = set(conn.execute(select(t.c.message_id).where(
                 t.c.message_id.in_(list(message_ids)), t.c.seen_at_us >= cutoff)).scalars())
         return [m for m in message_ids if m not in seen]
@@ -344,16 +350,18 @@ class SqlDelayedMessageStore(
         if self.dedup_window_us <= 0 or not message_ids:
             return
         now = to_us(self.clock())
-        with self._errors("record sent message ids"), self.engine.begin() as conn:
+        with self.errors("record sent message ids"), self.engine.begin() as conn:
             self._expire_ids(conn, now)
             self._remember(conn, message_ids, now)
 
-    def due_ids(self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = ()):
+    def due_ids(
+        self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = ()
+    ) -> Select[int]:
         """The query of the ids a claim takes: due, not leased, paused or an event destination; oldest first;
         rows another claim holds are skipped, never waited for or handed out twice."""
-        t = self.table
-        due = select(t.c.id).where(t.c.due_at_us <= to_us(now), self._unleased(to_us(now)), self._not_paused(),
-                                   self._dispatchable(), *self._scope)
+        t, tables = self.table, self.tables
+        due = select(t.c.id).where(t.c.due_at_us <= to_us(now), tables.unleased(to_us(now)), tables.not_paused(),
+                                   tables.dispatchable(), *self._scope)
         if self.is_postgres and (start := self._claims_start(now)):
             due = due.where(t.c.due_at_us >= start)
         if due_before is not None:
@@ -369,23 +377,23 @@ class SqlDelayedMessageStore(
         def read(walk_from: int, _look_ahead: float) -> tuple[int | None, int]:
             # Due rows stay due: what a claim could take later is in the earliest due time already.
             first = self._earliest_due(to_us(now)).where(self.table.c.due_at_us >= walk_from)
-            with self._errors("read where claims start"), self.engine.begin() as conn:
+            with self.errors("read where claims start"), self.engine.begin() as conn:
                 self.in_index_order(conn)
                 return conn.execute(first).scalar(), to_us(self.clock()) - _START_MARGIN_US
 
         return self._due_start.current(read)
 
-    def _earliest_due(self, now_us: int) -> Select:
+    def _earliest_due(self, now_us: int) -> Select[int]:
         """The earliest due time of the messages a claim of this object could take, now or later.
 
         The first row in due order, not `min(due_at_us)`: under `in_index_order` (the claims' reading) the planner
         priced out the plan that stops at the first row and read the whole due index instead, 7-10 s on a store of
         9,000,000, so a pump fell behind by a minute each minute."""
-        t = self.table
-        return select(t.c.due_at_us).where(self._unleased(now_us), self._not_paused(), self._dispatchable(),
+        t, tables = self.table, self.tables
+        return select(t.c.due_at_us).where(tables.unleased(now_us), tables.not_paused(), tables.dispatchable(),
                                            *self._scope).order_by(t.c.due_at_us).limit(1)
 
-    def claimed(self, ids):
+    def claimed(self, ids: Select[int]) -> ColumnElement[bool]:
         """The condition on the table's rows whose ids the subquery `ids` gives."""
         # `id = ANY(ARRAY(...))` looks each claimed row up by its key; with `IN (...)` PostgreSQL's planner
         # hash-joins the subquery against a scan of the whole table (measured: 10-30% slower claims).
@@ -398,17 +406,124 @@ class SqlDelayedMessageStore(
     ) -> Iterator[Claim]:
         t = self.table
         claim_rows = delete(t).where(self.claimed(self.due_ids(now, limit, due_before, exclude))).returning(*t.c)
-        with self._errors("claim due messages"), self.engine.begin() as conn:
+        with self.errors("claim due messages"), self.engine.begin() as conn:
             self.in_index_order(conn)
             claim = _SqlClaim(conn, t, conn.execute(claim_rows).all())
             yield claim
             claim.restore_unsettled()
 
-    def _unleased(self, now_us: int):
-        """Rows no running sweep holds: never claimed by one, or its lease has expired."""
-        t, s = self.table, self.sweeps
-        return or_(t.c.claim_id.is_(None),
-                   t.c.claim_id.not_in(select(s.c.claim_id).where(s.c.lease_until_us >= now_us)))
+    # -- the parts' methods, the store's public API --------------------------------------------------
+    # destinations (stores/destinations.py)
+    def register_destinations(self, destinations: Collection[str]) -> None:
+        self.settings.register_destinations(destinations)
+
+    def destinations(self) -> dict[str, dict[str, Any]]:
+        return self.settings.destinations()
+
+    def check_known(self, destinations: Collection[str]) -> None:
+        self.settings.check_known(destinations)
+
+    def set_paused(self, destinations: Collection[str], paused: bool) -> dict[str, list[str]]:
+        return self.settings.set_paused(destinations, paused)
+
+    def set_policies(self, policies: Mapping[str, dict[str, Any]]) -> None:
+        self.settings.set_policies(policies)
+
+    def policies(self) -> dict[str, dict[str, Any]]:
+        return self.settings.policies()
+
+    def set_queue_delays(self, delays: Mapping[str, int]) -> None:
+        self.settings.set_queue_delays(delays)
+
+    def queue_delays(self, destinations: Collection[str] | None = None) -> dict[str, int]:
+        return self.settings.queue_delays(destinations)
+
+    def take_tokens(self, destination: str, rate: float, n: int) -> tuple[int, float]:
+        return self.settings.take_tokens(destination, rate, n)
+
+    # the backlog (stores/backlog.py)
+    def browse(self, selector: Selector, limit: int = 50, after: str | None = None,
+               body_bytes: int | None = BODY_PREVIEW_BYTES) -> dict[str, Any]:
+        return self.controls.browse(selector, limit, after, body_bytes)
+
+    def backlog(self, destination: str | None = None) -> dict[str, Any]:
+        return self.controls.backlog(destination)
+
+    def cancel(self, selector: Selector) -> dict[str, Any]:
+        return self.controls.cancel(selector)
+
+    def reschedule(self, selector: Selector, due_at: datetime) -> dict[str, Any]:
+        return self.controls.reschedule(selector, due_at)
+
+    def purge(self, destination: str, dry_run: bool = True) -> dict[str, Any]:
+        return self.controls.purge(destination, dry_run)
+
+    # bulk sweeps (stores/leases.py)
+    def start_sweep(self, claim_id: str, due_before: datetime, due_from: datetime | None = None,
+                    lease_seconds: float = 600.0, chunk: int = 100_000) -> dict[str, int]:
+        return self.leases.start_sweep(claim_id, due_before, due_from, lease_seconds, chunk)
+
+    def open_sweep(self, claim_id: str, due_before: datetime, due_from: datetime | None = None,
+                   lease_seconds: float = 600.0) -> int:
+        return self.leases.open_sweep(claim_id, due_before, due_from, lease_seconds)
+
+    def renew_lease(self, claim_id: str, lease_seconds: float) -> bool:
+        return self.leases.renew_lease(claim_id, lease_seconds)
+
+    def claimed_range(self, claim_id: str) -> tuple[int, int, int]:
+        return self.leases.claimed_range(claim_id)
+
+    def read_claimed(self, claim_id: str, low: int, high: int, chunk: int = 10_000,
+                     limit: int | None = None) -> Iterator[tuple[Any, ...]]:
+        return self.leases.read_claimed(claim_id, low, high, chunk, limit)
+
+    def window_range(self, claim_id: str) -> tuple[int, int, int]:
+        return self.leases.window_range(claim_id)
+
+    def lease_range(self, claim_id: str, low: int, high: int, step: int = 10_000) -> dict[str, int]:
+        return self.leases.lease_range(claim_id, low, high, step)
+
+    def sweep_progress(self, claim_id: str) -> tuple[int, int]:
+        return self.leases.sweep_progress(claim_id)
+
+    def finish_sweep(self, claim_id: str, status: str, summary: Mapping[str, Any]) -> int:
+        return self.leases.finish_sweep(claim_id, status, summary)
+
+    def sweep_record(self, claim_id: str) -> dict[str, Any] | None:
+        return self.leases.sweep_record(claim_id)
+
+    def leased_rows(self, claim_id: str, rows: Iterable[tuple[Any, ...]]) -> LeasedRows:
+        """The rows a part of a sweep holds, for a Pump to send batch by batch (retries are stored here)."""
+        return LeasedRows(self, self, self.tables.messages, claim_id, rows)
+
+    # event claims (stores/event_leases.py)
+    def open_event_claim(self, claim_id: str, destination: str, lease_seconds: float) -> None:
+        self.events.open_event_claim(claim_id, destination, lease_seconds)
+
+    def close_event_claim(self, claim_id: str, summary: Mapping[str, Any] | None = None) -> int:
+        return self.events.close_event_claim(claim_id, summary)
+
+    def event_claims(self, destination: str | None = None) -> list[dict[str, Any]]:
+        return self.events.event_claims(destination)
+
+    def lease_events(self, claim_id: str, destination: str, limit: int) -> tuple[list[DelayedMessage], int]:
+        return self.events.lease_events(claim_id, destination, limit)
+
+    def ack_events(self, claim_id: str, message_ids: Collection[str]) -> int:
+        return self.events.ack_events(claim_id, message_ids)
+
+    def release_events(self, claim_id: str, message_ids: Collection[str]) -> int:
+        return self.events.release_events(claim_id, message_ids)
+
+    def retry_events(self, claim_id: str, next_due: Mapping[str, datetime],
+                     headers: Mapping[str, dict[str, str]] | None = None) -> int:
+        return self.events.retry_events(claim_id, next_due, headers)
+
+    def next_event_due(self, destination: str) -> datetime | None:
+        return self.events.next_event_due(destination)
+
+    def lease_expiry(self, destination: str) -> datetime | None:
+        return self.events.lease_expiry(destination)
 
     # -- reads -----------------------------------------------------------------------------------
     def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:
@@ -418,7 +533,7 @@ class SqlDelayedMessageStore(
             query = query.where(t.c.destination == destination)
         if due_before is not None:
             query = query.where(t.c.due_at_us < to_us(due_before))
-        with self._errors("read the next due time"), self.engine.connect() as conn:
+        with self.errors("read the next due time"), self.engine.connect() as conn:
             value = conn.execute(query).scalar()
         if value is None:
             return None
@@ -434,13 +549,13 @@ class SqlDelayedMessageStore(
             query = query.where(t.c.due_at_us < to_us(due_before))
         if destination is not None:
             query = query.where(t.c.destination == destination)
-        with self._errors("count scheduled messages"), self.engine.connect() as conn:
+        with self.errors("count scheduled messages"), self.engine.connect() as conn:
             return {dest: n for dest, n in conn.execute(query).all()}
 
     def get(self, message_id: str) -> DelayedMessage | None:
         """A stored message by id (for inspection and tests)."""
         t = self.table
-        with self._errors("read a stored message"), self.engine.connect() as conn:
+        with self.errors("read a stored message"), self.engine.connect() as conn:
             row = conn.execute(select(t).where(t.c.message_id == message_id)).first()
         return None if row is None else _message(row)
 
@@ -495,7 +610,7 @@ class SqlDelayedMessageStore(
     def _listen_url(self) -> str:
         return engine_url(self.url).set(drivername="postgresql").render_as_string(hide_password=False)
 
-    def _listen(self):
+    def _listen(self) -> psycopg.Connection[Any]:
         import psycopg  # only PostgreSQL stores get here
 
         conn = psycopg.connect(self._listen_url(), autocommit=True, **KEEPALIVES)

@@ -1,5 +1,8 @@
 """The store's tables and the value rules every part of it shares.
 
+The tables are declared here once, as SQLAlchemy metadata the queries are built from; the numbered SQL files in
+`schema/` create and upgrade them, and a test checks that the two agree (columns, nullability, indexes).
+
 Times are integer microseconds since the epoch (UTC), which compare and index the same way on every
 database.
 """
@@ -9,15 +12,34 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
-from sqlalchemy import BigInteger, Column, Float, Index, Integer, LargeBinary, MetaData, String, Table, Text
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    ColumnElement,
+    Float,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+    and_,
+    or_,
+    select,
+)
 
 from airflow_delay_provider.core.errors import InvalidInputError, InvalidNameError
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.stores.engine import check_identifier
 
 DEFAULT_TABLE = "delayed_messages"
+#: Destinations under this prefix are handed to Airflow as trigger events (asset watchers), never dispatched.
+EVENT_PREFIX = "airflow.asset."
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _US = timedelta(microseconds=1)
 
@@ -87,7 +109,7 @@ def ids_table(metadata: MetaData, store_table_name: str, schema: str | None) -> 
     )
 
 
-def _per_destination(metadata: MetaData, name: str, schema: str | None, *columns: Column) -> Table:
+def _per_destination(metadata: MetaData, name: str, schema: str | None, *columns: Column[Any]) -> Table:
     """A table of one row per destination, beside the messages, so every pump of the store sees the same."""
     return Table(name, metadata, Column("destination", String(255), primary_key=True), *columns, schema=schema)
 
@@ -136,11 +158,89 @@ def counts_table(metadata: MetaData, store_table_name: str, schema: str | None) 
     )
 
 
-def _message(row) -> DelayedMessage:
+def versions_table(metadata: MetaData, name: str, schema: str | None) -> Table:
+    """One row per applied migration (a store's is `<table>_schema`)."""
+    return Table(
+        name,
+        metadata,
+        Column("version", Integer, primary_key=True, autoincrement=False),
+        Column("name", String(100), nullable=False),
+        Column("applied_at_us", BigInteger, nullable=False),
+        schema=schema,
+    )
+
+
+@dataclass(frozen=True)
+class StoreTables:
+    """Every table of one store (a name and a schema), and the row conditions that several of its parts add to
+    their queries. The parts of the store (stores/destinations.py, leases.py, event_leases.py, backlog.py) are
+    given this and a `Database`, and use nothing else of the store."""
+
+    name: str
+    schema: str | None
+    messages: Table
+    ids: Table
+    sweeps: Table
+    throttle: Table
+    delays: Table
+    policies: Table
+    dests: Table
+    counts: Table
+    versions: Table
+    #: The NOTIFY channel that wakes the store's waiting pumps: LISTEN takes an identifier of at most 63 bytes,
+    #: and a hash keeps any schema.table pair within it.
+    channel: str
+
+    @classmethod
+    def declare(cls, name: str, schema: str | None) -> StoreTables:
+        md = MetaData()
+        qualified = f"{schema}.{name}" if schema else name
+        return cls(
+            name=name, schema=schema, messages=store_table(md, name, schema), ids=ids_table(md, name, schema),
+            sweeps=sweeps_table(md, f"{name}_sweeps", schema), throttle=throttle_table(md, name, schema),
+            delays=queue_delays_table(md, name, schema), policies=policies_table(md, name, schema),
+            dests=destinations_table(md, name, schema), counts=counts_table(md, name, schema),
+            versions=versions_table(MetaData(), f"{name}_schema", schema),
+            channel="delay_" + hashlib.sha1(qualified.encode()).hexdigest()[:24],
+        )
+
+    @property
+    def where(self) -> str:
+        return f"{self.schema}.{self.name}" if self.schema else self.name
+
+    def of_store(self) -> tuple[Table, ...]:
+        """The tables the migrations create (without the versions table), messages first."""
+        return tuple(self.messages.metadata.tables.values())
+
+    # -- conditions on the messages table -------------------------------------------------------------
+    def not_paused(self) -> ColumnElement[bool]:
+        """Rows of destinations that are not paused: every claim and lease adds this."""
+        d = self.dests
+        return self.messages.c.destination.not_in(select(d.c.destination).where(d.c.paused_at_us.is_not(None)))
+
+    def dispatchable(self) -> ColumnElement[bool]:
+        """Rows a pump or a sweep may take: not those of event destinations (Airflow takes them as events)."""
+        return ~self.messages.c.destination.startswith(EVENT_PREFIX, autoescape=True)
+
+    def unleased(self, now_us: int) -> ColumnElement[bool]:
+        """Rows no running sweep holds: never claimed by one, or its lease has expired."""
+        t, s = self.messages, self.sweeps
+        return or_(t.c.claim_id.is_(None),
+                   t.c.claim_id.not_in(select(s.c.claim_id).where(s.c.lease_until_us >= now_us)))
+
+    def leased(self, now_us: int) -> ColumnElement[bool]:
+        """Rows a running sweep holds under a live lease."""
+        t, s = self.messages, self.sweeps
+        return and_(t.c.claim_id.is_not(None),
+                    t.c.claim_id.in_(select(s.c.claim_id).where(s.c.lease_until_us >= now_us)))
+
+
+def _message(row: Any) -> DelayedMessage:
     return _rebuild(row.message_id, row.destination, row.body, row.headers, row.due_at_us, row.failures)
 
 
-def _rebuild(message_id: str, destination: str, body, headers: str, due_at_us: int, failures: int) -> DelayedMessage:
+def _rebuild(message_id: str, destination: str, body: bytes | memoryview, headers: str, due_at_us: int,
+             failures: int) -> DelayedMessage:
     return DelayedMessage.trusted(
         destination, bytes(body), from_us(due_at_us), {} if headers == "{}" else json.loads(headers), message_id,
         failures,

@@ -21,9 +21,14 @@ import hashlib
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import Table, text
+from sqlalchemy.engine import Connection
+
+from airflow_delay_provider.stores.engine import Database
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +46,7 @@ HOLDS_BACK_VACUUM = (
     "AND backend_type <> 'autovacuum worker' AND NOT (state = 'active' AND ltrim(lower(query)) LIKE 'vacuum%')"
 )
 #: The sessions named so far, as (pid, start of their transaction): each is named once per process.
-_named_holders: set[tuple] = set()
+_named_holders: set[tuple[Any, ...]] = set()
 
 
 @dataclass(frozen=True)
@@ -73,38 +78,55 @@ class Thresholds:
 
 
 class TableUpkeep:
-    """A mixin of SqlDatabase classes (the store, the SQL-table queues): `upkeep()` for the tables
-    `_kept_tables()` names."""
+    """The upkeep of one set of tables (a store's, or the SQL-table queues'), on their database.
 
-    upkeep_thresholds = Thresholds()
-    _upkeep_checked = -float("inf")
-    _upkeep_thread: threading.Thread | None = None
+    :param kept: the tables to vacuum, the first one the table that names the set (called at each check: a
+        store's set grows when it is migrated).
+    :param rebuilt: those of them whose B-tree indexes may grow sparse (see `_rebuild_sparse_indexes`).
+    :param analyzed: those whose queries need fresh statistics (the others are read by key); default: all kept.
+    :param before: work to do at each check, before the counters are read.
+    """
 
-    def upkeep(self) -> None:
+    def __init__(self, db: Database, kept: Callable[[], Sequence[Table]], rebuilt: Sequence[Table] = (),
+                 analyzed: Sequence[Table] | None = None,
+                 before: Callable[[Connection], object] | None = None) -> None:
+        self.db = db
+        self.kept = kept
+        self.rebuilt = tuple(rebuilt)
+        self.analyzed = None if analyzed is None else tuple(analyzed)
+        self.before = before
+        self.thresholds = Thresholds()
+        self.checked = -float("inf")
+        self.thread: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        return f"TableUpkeep({self.db!r})"
+
+    def start(self) -> None:
         """Start the check in a background thread when it is time (never blocks; PostgreSQL only)."""
-        if not self.is_postgres or time.monotonic() - self._upkeep_checked < UPKEEP_CHECK_SECONDS:
+        if not self.db.is_postgres or time.monotonic() - self.checked < UPKEEP_CHECK_SECONDS:
             return
-        if self._upkeep_thread is not None and self._upkeep_thread.is_alive():
+        if self.thread is not None and self.thread.is_alive():
             return
-        self._upkeep_checked = time.monotonic()
-        self._upkeep_thread = threading.Thread(target=self._upkeep_now, name="delay-store-upkeep", daemon=True)
-        self._upkeep_thread.start()
+        self.checked = time.monotonic()
+        self.thread = threading.Thread(target=self.run, name="delay-store-upkeep", daemon=True)
+        self.thread.start()
 
-    def _upkeep_now(self) -> list[tuple[str, str, float]]:
+    def run(self) -> list[tuple[str, str, float]]:
         """Check the counters and do what they call for; returns (table, work, seconds) of what was done."""
         # SKIP_LOCKED passes over a table someone holds with a warning, not an error.
         skipped: list[str] = []
 
-        def on_notice(notice) -> None:
+        def on_notice(notice: Any) -> None:
             if "skipping" in (notice.message_primary or ""):
                 skipped.append(notice.message_primary)
 
         try:
-            with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                key = self._upkeep_key()
+            with self.db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                key = self.key()
                 if not conn.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": key}).scalar():
                     return []  # another process is at it
-                driver = conn.connection.driver_connection
+                driver: Any = conn.connection.driver_connection
                 driver.add_notice_handler(on_notice)
                 try:
                     # Never queued behind a lock; named, so that a migration can cancel it; paced as autovacuum
@@ -118,38 +140,40 @@ class TableUpkeep:
                     conn.execute(text("RESET lock_timeout; RESET application_name; RESET vacuum_cost_delay"))
                     conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": key})
         except Exception as exc:  # an outage, a lock, a migration: the pumps meet outages under their breakers
-            log.warning("upkeep of %r skipped: %s", self, exc)  # repr: no password, no query of an unreachable db
+            log.warning("upkeep of %r skipped: %s", self.db, exc)  # repr: no password, no query of an unreachable db
             return []
 
-    def _do_upkeep(self, conn, skipped: list[str]) -> list[tuple[str, str, float]]:
+    def _do_upkeep(self, conn: Connection, skipped: list[str]) -> list[tuple[str, str, float]]:
         done = []
-        self._name_old_snapshots(conn)
-        self._before_upkeep(conn)
-        for table in self._rebuilt_tables():
+        self.name_old_snapshots(conn)
+        if self.before is not None:
+            self.before(conn)
+        for table in self.rebuilt:
             done.extend(self._rebuild_sparse_indexes(conn, table))
-        for table in self._kept_tables():
+        analyzed = self.kept() if self.analyzed is None else self.analyzed
+        for table in self.kept():
             row = conn.execute(text(
                 "SELECT n_live_tup, n_dead_tup, n_mod_since_analyze FROM pg_stat_user_tables "
-                "WHERE relid = to_regclass(:name)"), {"name": self._qualified(table.name)}).first()
+                "WHERE relid = to_regclass(:name)"), {"name": self.db.qualified(table.name)}).first()
             if row is None:
                 continue
-            for work in self.upkeep_thresholds.work(*row):
-                if work == "analyze" and table not in self._analyzed_tables():
+            for work in self.thresholds.work(*row):
+                if work == "analyze" and table not in analyzed:
                     continue
                 started = time.monotonic()
                 # Identifiers come from the store's checked names, quoted by the dialect.
                 statement = "VACUUM (SKIP_LOCKED)" if work == "vacuum" else "ANALYZE (SKIP_LOCKED)"
-                conn.exec_driver_sql(f"{statement} {self._qualified(table.name)}")
+                conn.exec_driver_sql(f"{statement} {self.db.qualified(table.name)}")
                 took = time.monotonic() - started
                 if skipped:
-                    log.info("upkeep: %s of %s skipped: %s", work, self._qualified(table.name), skipped.pop())
+                    log.info("upkeep: %s of %s skipped: %s", work, self.db.qualified(table.name), skipped.pop())
                     continue
                 done.append((table.name, work, took))
                 log.info("upkeep: %s %s in %.1f s (%d rows, %d dead, %d changed since analysed)",
-                         work, self._qualified(table.name), took, row[0], row[1], row[2])
+                         work, self.db.qualified(table.name), took, row[0], row[1], row[2])
         return done
 
-    def _name_old_snapshots(self, conn) -> list[dict]:
+    def name_old_snapshots(self, conn: Connection) -> list[dict[str, Any]]:
         """Warn, once each, of the sessions and prepared transactions of this database that have held a snapshot or a
         transaction id for more than `OLD_SNAPSHOT_SECONDS` (a backup, a report, a session left idle in a
         transaction, an index rebuild): until they end, no row deleted since can be vacuumed, so the tables and
@@ -175,12 +199,12 @@ class TableUpkeep:
                 see = f"end it, or see why it stays open: SELECT * FROM pg_stat_activity WHERE pid = {holder['pid']}"
             log.warning("%s has held a snapshot for %.0f s: the rows of %s delivered since cannot be vacuumed until it "
                         "ends, so its tables and indexes grow with every delivery (claims keep their speed); %s",
-                        who, holder["seconds"], self._kept_names()[0], see)
+                        who, holder["seconds"], self.kept_names()[0], see)
         if len(_named_holders) > 10_000:  # a process that lives for years
             _named_holders.clear()
         return [dict(h) for h in holders]
 
-    def _rebuild_sparse_indexes(self, conn, table) -> list[tuple[str, str, float]]:
+    def _rebuild_sparse_indexes(self, conn: Connection, table: Table) -> list[tuple[str, str, float]]:
         """REINDEX CONCURRENTLY the table's unique B-tree indexes that take more than `Thresholds.rebuild_ratio`
         times the pages their entries would fill packed. Writes go on meanwhile (the new index is built beside the
         old one).
@@ -192,7 +216,7 @@ class TableUpkeep:
         the due index stayed the same size (VACUUM reuses a heap page's free space, and the due index empties
         from its left edge: its emptied pages are reused, though the file keeps its size, which is why it is not
         judged by its size here)."""
-        name = self._qualified(table.name)
+        name = self.db.qualified(table.name)
         for (leftover,) in conn.execute(text(
                 "SELECT indexrelid::regclass::text FROM pg_index JOIN pg_class ON pg_class.oid = indexrelid "
                 "WHERE indrelid = to_regclass(:t) AND NOT indisvalid AND relname ~ '_cc(new|old)[0-9]*$' "
@@ -213,7 +237,7 @@ class TableUpkeep:
             "WHERE i.indrelid = to_regclass(:t) AND i.indisvalid AND (i.indisprimary OR i.indisunique) "
             "GROUP BY 1, 2, 3"), {"t": name}).all()
         for index, pages, entries, columns in indexes:
-            if pages < self.upkeep_thresholds.rebuild_min_pages or entries <= 0:
+            if pages < self.thresholds.rebuild_min_pages or entries <= 0:
                 continue
             # An entry: its 8-byte header and the key, aligned to 8 bytes, and a 4-byte line pointer; leaf pages
             # filled to 90% as a build fills them. The key's width is sampled from the table's rows.
@@ -223,7 +247,7 @@ class TableUpkeep:
             if width is None:
                 continue
             packed = entries * ((8 + float(width) + 7) // 8 * 8 + 4) / (8192 * 0.9 - 24)
-            if not self.upkeep_thresholds.rebuild(pages, packed):
+            if not self.thresholds.rebuild(pages, packed):
                 continue
             started = time.monotonic()
             conn.exec_driver_sql(f"REINDEX INDEX CONCURRENTLY {index} /* {name} */")
@@ -232,38 +256,23 @@ class TableUpkeep:
             done.append((index, "reindex", took))
         return done
 
-    def stop_upkeep(self, conn) -> int:
+    def stop(self, conn: Connection) -> int:
         """Cancel the upkeep's statements on these tables in every process (a VACUUM of millions of rows
         runs for minutes and holds a lock that DDL waits for, and every claim would queue behind the DDL); the
         upkeep tries again at its next check. Returns how many were cancelled."""
         cancelled = 0
-        for name in self._kept_names():
+        for name in self.kept_names():
             cancelled += sum(conn.execute(text(
                 "SELECT pg_cancel_backend(pid) FROM pg_stat_activity WHERE application_name = :app AND "
                 "datname = current_database() AND pid <> pg_backend_pid() AND position(:name in query) > 0"),
                 {"app": APPLICATION_NAME, "name": name}).scalars())
         return cancelled
 
-    def _kept_tables(self) -> tuple:
-        """The tables to vacuum (SQLAlchemy Tables), the first one the table that names the set."""
-        raise NotImplementedError
+    def kept_names(self) -> list[str]:
+        return [self.db.qualified(t.name) for t in self.kept()]
 
-    def _rebuilt_tables(self) -> tuple:
-        """Those of the kept tables whose B-tree indexes may grow sparse (see _rebuild_sparse_indexes)."""
-        return ()
-
-    def _analyzed_tables(self) -> tuple:
-        """Those of the kept tables whose queries need fresh statistics (the others are read by key)."""
-        return self._kept_tables()
-
-    def _before_upkeep(self, conn) -> None:  # noqa: B027 - a hook: nothing to do by default
-        """Work to do at each check before the counters are read."""
-
-    def _kept_names(self) -> list[str]:
-        return [self._qualified(t.name) for t in self._kept_tables()]
-
-    def _upkeep_key(self) -> int:
+    def key(self) -> int:
         # One process at a time per set of tables (a store and its queue table in one schema are kept apart).
-        where = self._kept_names()[0]
+        where = self.kept_names()[0]
         digest = hashlib.sha1(f"airflow_delay_provider.upkeep:{where}".encode()).digest()
         return int.from_bytes(digest[:8], "big", signed=True)

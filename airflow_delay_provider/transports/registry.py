@@ -77,12 +77,12 @@ def transport_class(name: object) -> type[Transport]:
     return cls
 
 
-def from_spec(spec: dict) -> Transport:
+def from_spec(spec: dict[str, Any]) -> Transport:
     """A transport from the plain data a hook's `transport_spec()` gives (holds secrets)."""
     return transport_class(spec.get("kind")).from_spec(spec)
 
 
-def check_options(name: str, options: dict, field: str = "transport_options") -> dict:
+def check_options(name: str, options: dict[str, Any], field: str = "transport_options") -> dict[str, Any]:
     """`options` if every key is one the transport takes (`field`: transport_options or endpoint_options).
     A transport that takes no transport_options refuses any: ignored, they would hide a mistake (options
     meant for another transport, or the wrong transport)."""

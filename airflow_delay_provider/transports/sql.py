@@ -13,6 +13,7 @@ on when a message is visible.
 from __future__ import annotations
 
 import json
+import typing
 from collections.abc import Callable, Collection, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -40,10 +41,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection
-from sqlalchemy.sql.expression import CTE, Select
+from sqlalchemy.sql.expression import CTE, ColumnElement, Select
 
 from airflow_delay_provider.core.delays import utcnow
-from airflow_delay_provider.core.errors import DestinationNotFoundError
+from airflow_delay_provider.core.errors import DestinationNotFoundError, InvalidNameError
 from airflow_delay_provider.core.message import DelayedMessage, check_destination
 from airflow_delay_provider.core.ports import DelayedMessageStore, ReceivedMessage, Transport
 from airflow_delay_provider.stores.engine import (
@@ -53,8 +54,15 @@ from airflow_delay_provider.stores.engine import (
     copy_rows,
     safe_url,
 )
+from airflow_delay_provider.stores.migrations import SchemaMigrations, VersionedTables
 from airflow_delay_provider.stores.sql import LeasedRows, SqlDelayedMessageStore, from_us, to_us
+from airflow_delay_provider.stores.tables import versions_table
 from airflow_delay_provider.stores.upkeep import TableUpkeep
+
+#: The queue tables' migrations.
+QUEUE_SCHEMA = "airflow_delay_provider.transports.queue_schema"
+#: The longest name of the queue tables after the prefix.
+_LONGEST = "queue_messages"
 
 _Id = BigInteger().with_variant(Integer, "sqlite")
 # Column order of the rows _insert builds (COPY on PostgreSQL, executemany elsewhere).
@@ -62,17 +70,20 @@ _COPY_COLUMNS = ("queue", "message_id", "body", "headers", "due_at_us", "enqueue
 _COPY_TYPES = ("text", "text", "bytea", "text", "int8", "int8", "int8")
 
 
-class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
+class SqlTableTransport(SqlDatabase, Transport):
     name = "sql"
 
     @classmethod
-    def from_spec(cls, spec: dict) -> SqlTableTransport:
+    def from_spec(cls, spec: dict[str, Any]) -> SqlTableTransport:
         """From the plain data of DelayStoreHook.transport_spec() (a process without Airflow)."""
         return cls(spec["url"], schema=spec.get("schema"), table_prefix=spec.get("table_prefix", "delay_"))
 
     def __init__(self, url: URL | str, schema: str | None = None, table_prefix: str = "delay_",
                  local_clock: Callable[[], datetime] = utcnow) -> None:
         check_identifier("table prefix", table_prefix + "queues")
+        if len(table_prefix + _LONGEST) > 63:
+            raise InvalidNameError(f"table prefix {table_prefix!r} is too long: at most {63 - len(_LONGEST)} "
+                                   f"characters, since the tables are named <prefix>{_LONGEST} (63 characters at most)")
         super().__init__(url, schema, local_clock)
         md = MetaData()
         self.queues = Table(
@@ -100,11 +111,26 @@ class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
             Index(f"ix_{table_prefix}queue_messages_order", "queue", "seq"),
             schema=self.schema,
         )
-        #: The index queue tables had before: replaced when the tables are next created or provisioned.
-        self._old_index = f"ix_{table_prefix}queue_messages_visible"
         #: Per queue: where its receives start (see `_start_of`).
         self._starts: dict[str, IndexStart] = {}
         self._sequence: str | None = None
+        # Receives update and acks delete, so the queue table churns as the store does (stores/upkeep.py).
+        self.maintenance = TableUpkeep(self, kept=lambda: (self.messages,))
+        preparer = self.engine.dialect.identifier_preparer
+        where = ".".join(filter(None, (self.schema, self.queues.name)))
+        self.migrations = SchemaMigrations(self, VersionedTables(
+            package=QUEUE_SCHEMA, kind="delay queue", label=f"SQL-table queues {where}",
+            versions=versions_table(MetaData(), f"{table_prefix}queue_versions", self.schema),
+            tables=(self.queues, self.messages), refuse_hint="choose another `table_prefix` (or schema) for the queues",
+            names={"queues": self.qualified(self.queues.name), "messages": self.qualified(self.messages.name),
+                   # Index names live in the table's schema on PostgreSQL and may not be qualified there.
+                   "ix_order": preparer.quote_identifier(f"ix_{table_prefix}queue_messages_order"),
+                   # The index tables of earlier releases had instead (dropped by name: qualified).
+                   "ix_visible": self.qualified(f"ix_{table_prefix}queue_messages_visible"),
+                   "id_type": "BIGSERIAL" if self.is_postgres else "INTEGER",
+                   "bytes_type": "BYTEA" if self.is_postgres else "BLOB"},
+            before=self.maintenance.stop,
+        ))
 
     def __repr__(self) -> str:
         return f"SqlTableTransport({safe_url(self.url)!r}, schema={self.schema!r})"
@@ -116,32 +142,29 @@ class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
         return self
 
     def create_schema(self) -> None:
-        self._create_tables(self.queues.metadata, "the queue tables")
-        with self._errors("update the queue table's index"), self.engine.begin() as conn:
-            found = {ix["name"] for ix in inspect(conn).get_indexes(self.messages.name, schema=self.schema)}
-            if self._old_index in found:
-                self._lock_schema(conn)
-                for index in self.messages.indexes:
-                    index.create(conn, checkfirst=True)
-                conn.exec_driver_sql(f"DROP INDEX IF EXISTS {self._qualified(self._old_index)}")
+        """Create the queue tables, or bring those of an earlier release up to date (versioned migrations, as the
+        store's): idempotent, cheap when up to date, safe to run concurrently."""
+        self.migrations.migrate()
 
-    # -- upkeep (stores/upkeep.py): receives update and acks delete, so the queue table churns as the store does
-    def _kept_tables(self) -> tuple:
-        return (self.messages,)
+    def upkeep(self) -> None:
+        self.maintenance.start()
 
-    def provision(self, endpoint: str) -> dict:
+    def provision(self, endpoint: str) -> dict[str, Any]:
         check_destination(endpoint)
         self.create_schema()
         stmt = (postgresql.insert if self.is_postgres else sqlite.insert)(self.queues)
         stmt = stmt.on_conflict_do_nothing(index_elements=["name"])
-        with self._errors(f"provision queue {endpoint!r}"), self.engine.begin() as conn:
-            created = conn.execute(stmt, {"name": endpoint, "created_at_us": to_us(self.clock())}).rowcount == 1
+        with self.errors(f"provision queue {endpoint!r}"), self.engine.begin() as conn:
+            # The row it inserted, if any: rowcount of a single-row INSERT is not reliable across drivers
+            # (psycopg reported none for the first queue on a new database).
+            created = conn.execute(stmt.returning(self.queues.c.name),
+                                   {"name": endpoint, "created_at_us": to_us(self.clock())}).first() is not None
         return {"transport": self.name, "endpoint": endpoint, "created": created}
 
-    def verify(self, endpoints: Iterable[str] = ()) -> dict:
+    def verify(self, endpoints: Iterable[str] = ()) -> dict[str, Any]:
         """Which queues provisioning would create, changing nothing."""
         wanted = list(endpoints)
-        with self._errors("inspect the queue tables"), self.engine.connect() as conn:
+        with self.errors("inspect the queue tables"), self.engine.connect() as conn:
             if not inspect(conn).has_table(self.queues.name, schema=self.schema):
                 found: set[str] = set()
             else:
@@ -151,7 +174,7 @@ class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
 
     def teardown(self, endpoint: str) -> int:
         """Remove a queue and the messages in it; later sends to it are dead-lettered as not found."""
-        with self._errors(f"tear down queue {endpoint!r}"), self.engine.begin() as conn:
+        with self.errors(f"tear down queue {endpoint!r}"), self.engine.begin() as conn:
             conn.execute(delete(self.queues).where(self.queues.c.name == endpoint))
             return conn.execute(delete(self.messages).where(self.messages.c.queue == endpoint)).rowcount
 
@@ -168,7 +191,7 @@ class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
         the send of the pump's exactly-once path, without the rows coming to Python and going back."""
         assert isinstance(store, SqlDelayedMessageStore)
         _, counts = self._moving(store, store.due_ids(now, limit, due_before, exclude), now)
-        with store._errors("move due messages into their queues"), store.engine.begin() as conn:
+        with store.errors("move due messages into their queues"), store.engine.begin() as conn:
             store.in_index_order(conn)
             return [(queue, from_us(due_us), n) for queue, due_us, n in conn.execute(counts)]
 
@@ -178,15 +201,15 @@ class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
         low <= id <= high (free, or under another sweep's expired lease), leased and moved in one statement that
         adds them to the sweep's claimed and taken-over counts, so no lease is written row by row. Returns the
         moved groups and how many were taken over; None when the sweep is not running (nothing is moved)."""
-        ids = store.leasable_ids(claim_id, low, high, limit, exclude)
+        ids = store.leases.leasable_ids(claim_id, low, high, limit, exclude)
         if ids is None:
             return None
         claimed, counts = self._moving(store, ids, store.clock())
         total = select(func.count()).select_from(claimed).scalar_subquery()
         taken = select(func.count()).select_from(claimed).where(claimed.c.claim_id.is_not(None)).scalar_subquery()
-        counted = store.count_leased(claim_id, total, taken).cte("counted")
+        counted = store.leases.count_leased(claim_id, total, taken).cte("counted")
         counts = counts.add_columns(select(func.count()).select_from(counted).scalar_subquery(), taken)
-        with store._errors("move a sweep's messages into their queues"), store.engine.connect() as conn, \
+        with store.errors("move a sweep's messages into their queues"), store.engine.connect() as conn, \
                 conn.begin() as tx:
             rows = conn.execute(counts).all()
             if rows and rows[0][3] == 0:  # the sweep finished meanwhile: its window is no longer its to move
@@ -194,10 +217,12 @@ class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
                 return None
         return [(queue, from_us(due_us), n) for queue, due_us, n, _, _ in rows], (rows[0][4] if rows else 0)
 
-    def _moving(self, store: SqlDelayedMessageStore, ids, now: datetime) -> tuple[CTE, Select]:
+    def _moving(
+        self, store: SqlDelayedMessageStore, ids: Select[int], now: datetime
+    ) -> tuple[CTE, Select[*tuple[Any, ...]]]:
         """The move of the rows `ids` selects (those of provisioned queues): the CTE of the rows deleted from
         the store, and the statement inserting them into the queue table that returns (queue, due time, count)."""
-        t, q = store.table, self.messages
+        t, q = store.tables.messages, self.messages
         # Other destinations are dead-lettered by a claim. `= ANY(ARRAY(...))` is a filter on the due index's
         # ordered scan; with `IN (SELECT ...)` the planner may hash-join every due row and sort them all for a
         # batch of 16, which it did with statistics gathered before the due rows were stored.
@@ -224,7 +249,7 @@ class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
             # A savepoint keeps a failed insert from aborting the store's claim transaction.
             with connection.begin_nested():
                 return self._insert(connection, messages)
-        with self._errors("send to SQL queues"), self.engine.begin() as conn:
+        with self.errors("send to SQL queues"), self.engine.begin() as conn:
             return self._insert(conn, messages)
 
     def _insert(self, conn: Connection, messages: Sequence[DelayedMessage]) -> dict[str, Exception]:
@@ -248,14 +273,14 @@ class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
             conn.execute(insert(self.messages), [dict(zip(_COPY_COLUMNS, row, strict=False)) for row in rows])
         return failures
 
-    def _now_us(self, now: datetime):
+    def _now_us(self, now: datetime) -> ColumnElement[int] | int:
         """Now, for comparing visibility times. On PostgreSQL the database's clock as the statement starts: a move
         stamps rows with the database's clock, and this process's estimate of it lags by up to a round trip."""
         if self.is_postgres:
             return cast(func.extract("epoch", func.statement_timestamp()) * 1_000_000, BigInteger)
         return to_us(now)
 
-    def _visible_now(self, now: datetime):
+    def _visible_now(self, now: datetime) -> ColumnElement[bool]:
         return self.messages.c.visible_at_us <= self._now_us(now)
 
     def receive(self, endpoint: str, max_messages: int = 10, visibility_timeout: float = 30.0) -> list[ReceivedMessage]:
@@ -263,7 +288,7 @@ class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
         t = self.messages
         now = self.clock()
         hidden_until = to_us(now + timedelta(seconds=visibility_timeout))
-        with self._errors(f"receive from queue {endpoint!r}"), self.engine.begin() as conn:
+        with self.errors(f"receive from queue {endpoint!r}"), self.engine.begin() as conn:
             self.in_index_order(conn)
             start = self._start_of(conn, endpoint, now) if self.is_postgres else 0
             rows = conn.execute(self._receiving(endpoint, max_messages, now, start)).all()
@@ -279,7 +304,7 @@ class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
         """Where a receive starts reading the queue (engine.IndexStart): the first seq that is visible or turns
         visible before the next full reading, and the queue sequence's value as the mark."""
         if self._sequence is None:
-            self._sequence = conn.execute(select(func.pg_get_serial_sequence(self._qualified(self.messages.name),
+            self._sequence = conn.execute(select(func.pg_get_serial_sequence(self.qualified(self.messages.name),
                                                                              "seq"))).scalar()
             if self._sequence is None:  # not a table this class created: read it from the beginning, as before
                 return 0
@@ -290,16 +315,18 @@ class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
             first = conn.execute(select(t.c.seq).where(t.c.queue == endpoint, t.c.visible_at_us <= soon,
                                                        t.c.seq >= walk_from).order_by(t.c.seq).limit(1)).scalar()
             # The last seq handed out, committed or not (a sequence is not transactional); its name comes quoted.
-            return first, conn.exec_driver_sql(f"SELECT last_value FROM {self._sequence}").scalar()
+            # (A sequence always has a last_value: typing.cast, as sqlalchemy's `cast` is SQL's CAST here.)
+            last = typing.cast(int, conn.exec_driver_sql(f"SELECT last_value FROM {self._sequence}").scalar())
+            return first, last
 
         return self._starts.setdefault(endpoint, IndexStart()).current(read)
 
-    def _visible_in_order(self, endpoint: str, max_messages: int, now: datetime) -> Select:
+    def _visible_in_order(self, endpoint: str, max_messages: int, now: datetime) -> Select[*tuple[Any, ...]]:
         """The oldest visible messages of the queue."""
         t = self.messages
         return select(t).where(t.c.queue == endpoint, self._visible_now(now)).order_by(t.c.seq).limit(max_messages)
 
-    def _receiving(self, endpoint: str, max_messages: int, now: datetime, start: int = 0) -> Select:
+    def _receiving(self, endpoint: str, max_messages: int, now: datetime, start: int = 0) -> Select[*tuple[Any, ...]]:
         """The oldest visible messages of the queue from seq `start` on, locked (those another receive holds are
         skipped)."""
         query = self._visible_in_order(endpoint, max_messages, now).with_for_update(skip_locked=True)
@@ -310,7 +337,7 @@ class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
     def peek(self, endpoint: str, max_messages: int = 10) -> list[ReceivedMessage]:
         """A plain SELECT of the visible messages, oldest first: nothing is locked, hidden or counted."""
         query = self._visible_in_order(endpoint, max_messages, self.clock())
-        with self._errors(f"peek at queue {endpoint!r}"), self.engine.connect() as conn:
+        with self.errors(f"peek at queue {endpoint!r}"), self.engine.connect() as conn:
             self.in_index_order(conn)  # as a receive reads it: the batch, not every visible message sorted
             rows = conn.execute(query).all()
         return [_received(r, receipt=None, receive_count=r.receive_count) for r in rows]
@@ -321,7 +348,7 @@ class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
         if not seqs:
             return 0
         t = self.messages
-        with self._errors(f"release messages of queue {endpoint!r}"), self.engine.begin() as conn:
+        with self.errors(f"release messages of queue {endpoint!r}"), self.engine.begin() as conn:
             released = conn.execute(update(t).where(t.c.queue == endpoint, t.c.seq.in_(seqs))
                                     .values(visible_at_us=to_us(self.clock()))).rowcount
         if endpoint in self._starts:  # this consumer's next receive finds them at once
@@ -333,7 +360,7 @@ class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
         if not seqs:
             return 0
         t = self.messages
-        with self._errors(f"ack messages of queue {endpoint!r}"), self.engine.begin() as conn:
+        with self.errors(f"ack messages of queue {endpoint!r}"), self.engine.begin() as conn:
             return conn.execute(delete(t).where(t.c.queue == endpoint, t.c.seq.in_(seqs))).rowcount
 
     def depth(self, endpoint: str) -> dict[str, int]:
@@ -344,7 +371,7 @@ class SqlTableTransport(TableUpkeep, SqlDatabase, Transport):
             func.count(case((t.c.visible_at_us <= now, 1))),
             func.count(case((t.c.visible_at_us > now, 1))),
         ).where(t.c.queue == endpoint)
-        with self._errors(f"read the depth of queue {endpoint!r}"), self.engine.connect() as conn:
+        with self.errors(f"read the depth of queue {endpoint!r}"), self.engine.connect() as conn:
             visible, in_flight = conn.execute(query).one()
         return {"visible": visible, "in_flight": in_flight}
 
@@ -362,6 +389,6 @@ def _received(r: Any, receipt: Any, receive_count: int) -> ReceivedMessage:
     )
 
 
-def _database_now_us():
+def _database_now_us() -> ColumnElement[int]:
     """PostgreSQL's clock at the moment the statement reads it, in microseconds."""
     return cast(func.extract("epoch", func.clock_timestamp()) * 1_000_000, BigInteger)

@@ -26,7 +26,7 @@ def _store(pg) -> SqlDelayedMessageStore:
     url, schema, table = pg
     store = SqlDelayedMessageStore(url, table=table, schema=schema)
     store.create_schema()
-    assert store._counted()
+    assert store.controls.counted()
     return store
 
 
@@ -39,13 +39,13 @@ def _spread(n: int, destination: str, start: float = 0.0) -> list[DelayedMessage
 def assert_counts_match(store: SqlDelayedMessageStore) -> None:
     now_us = to_us(store.clock())
     with store.engine.connect() as conn:
-        counted = sorted(store._from_counts(conn, now_us, None))
+        counted = sorted(store.controls._from_counts(conn, now_us, None))
     with store.engine.connect() as conn:
-        scanned = sorted(store._from_rows(conn, now_us, None))
+        scanned = sorted(store.controls._from_rows(conn, now_us, None))
     assert counted == scanned
     for destination, *_ in scanned:
         with store.engine.connect() as conn:
-            one = store._from_counts(conn, now_us, destination)
+            one = store.controls._from_counts(conn, now_us, destination)
         assert one == [row for row in scanned if row[0] == destination]
 
 
@@ -108,7 +108,7 @@ def test_truncate_empties_the_counts(pg):
     store = _store(pg)
     store.store(_spread(50, "orders"))
     with store.engine.begin() as conn:
-        conn.exec_driver_sql(f"TRUNCATE {store._qualified(store.table_name)}")
+        conn.exec_driver_sql(f"TRUNCATE {store.qualified(store.table_name)}")
     assert store.backlog()["totals"]["scheduled"] == 0
     assert_counts_match(store)
 
@@ -119,10 +119,11 @@ def test_upkeep_sums_the_rows_of_changes_up(pg):
         store.store(_spread(24, "orders"))
     before = store.backlog()
     rows = _count_rows(store)
-    store._upkeep_now()
+    store.maintenance.run()
+    c = store.tables.counts.c
     with store.engine.connect() as conn:
         groups = conn.execute(select(func.count()).select_from(
-            select(store.counts.c.slot).group_by(store.counts.c.destination, store.counts.c.slot).subquery())).scalar()
+            select(c.slot).group_by(c.destination, c.slot).subquery())).scalar()
     assert _count_rows(store) == groups < rows  # one row per destination and slot
     assert store.backlog()["destinations"] == before["destinations"]
     Pump(store, _provisioned("orders")).run(stop_when_idle=True)  # its upkeep sums up the claims' rows too
@@ -163,7 +164,7 @@ def test_a_store_upgraded_with_rows_starts_with_their_counts(pg):
     old = SqlDelayedMessageStore(url, table=table, schema=schema)
     old.migrate(up_to=5)
     old.store(_spread(100, "orders") + _spread(7, "billing"))
-    assert not old._counted()
+    assert not old.controls.counted()
     store = SqlDelayedMessageStore(url, table=table, schema=schema)
     assert store.migrate() == [6, 7]
     assert_counts_match(store)
@@ -175,15 +176,15 @@ def test_hourly_counts_become_ten_minute_counts_with_their_rows(pg):
     old = SqlDelayedMessageStore(url, table=table, schema=schema)
     old.migrate(up_to=6)
     old.store(_spread(140, "orders") + _spread(9, "billing"))
-    counts = old._qualified(old.counts.name)
+    counts = old.qualified(old.tables.counts.name)
     with old.engine.connect() as conn:
         hourly = conn.exec_driver_sql(f"SELECT sum(n), count(DISTINCT hour) FROM {counts}").one()
     assert hourly[0] == 149
     store = SqlDelayedMessageStore(url, table=table, schema=schema)
     assert store.migrate() == [7]
     with store.engine.connect() as conn:
-        total, slots = conn.execute(select(func.sum(store.counts.c.n),
-                                           func.count(store.counts.c.slot.distinct()))).one()
+        total, slots = conn.execute(select(func.sum(store.tables.counts.c.n),
+                                           func.count(store.tables.counts.c.slot.distinct()))).one()
     assert total == 149 and slots > hourly[1]  # 599 s and 601 s fall in two slots of one hour
     assert_counts_match(store)
     store.store(_spread(14, "orders", start=30))  # the triggers count new rows per slot too
@@ -198,9 +199,9 @@ def _provisioned(destination: str) -> InMemoryTransport:
 
 def _scan(store):
     with store.engine.connect() as conn:
-        return store._from_rows(conn, to_us(store.clock()), None)
+        return store.controls._from_rows(conn, to_us(store.clock()), None)
 
 
 def _count_rows(store) -> int:
     with store.engine.connect() as conn:
-        return conn.execute(select(func.count()).select_from(store.counts)).scalar()
+        return conn.execute(select(func.count()).select_from(store.tables.counts)).scalar()

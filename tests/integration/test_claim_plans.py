@@ -29,11 +29,11 @@ def _store(pg, later: int) -> tuple[SqlDelayedMessageStore, SqlTableTransport]:
     queue = SqlTableTransport(url, schema=schema, table_prefix=f"{table}_")
     queue.provision("orders")
     with store.engine.begin() as conn:
-        conn.execute(text(f"INSERT INTO {store._qualified(store.table_name)} (message_id, destination, body, headers, "
+        conn.execute(text(f"INSERT INTO {store.qualified(store.table_name)} (message_id, destination, body, headers, "
                           "due_at_us, stored_at_us) SELECT 'later-' || g, 'later-' || (g % 20), '\\x00', '{}', "
                           ":later + (random() * 6e11)::bigint, 0 FROM generate_series(1, :n) g"),
                      {"later": to_us(store.clock() + timedelta(days=1)), "n": later})
-        conn.execute(text(f"ANALYZE {store._qualified(store.table_name)}"))
+        conn.execute(text(f"ANALYZE {store.qualified(store.table_name)}"))
     due = store.clock() - timedelta(seconds=1)
     for _ in range(5):
         store.store([DelayedMessage("orders", b"x", due) for _ in range(1000)])
@@ -93,7 +93,7 @@ def test_a_receive_reads_only_its_batch_from_a_long_queue(pg, analysed):
     assert len(queue.receive("orders", max_messages=200, visibility_timeout=600)) == 200
     if analysed:
         with queue.engine.begin() as conn:
-            conn.execute(text(f"ANALYZE {queue._qualified(queue.messages.name)}"))
+            conn.execute(text(f"ANALYZE {queue.qualified(queue.messages.name)}"))
     sql = str(queue._receiving("orders", 10, queue.clock()).compile(
         dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))
     with queue.engine.connect() as conn:

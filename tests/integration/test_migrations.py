@@ -8,20 +8,53 @@ import threading
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import func, inspect, select, text
+from sqlalchemy import Table, func, inspect, select, text
 
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.stores.migrations import latest_version, migrations
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
 from airflow_delay_provider.stores.tables import to_us
+from airflow_delay_provider.transports.sql import QUEUE_SCHEMA, SqlTableTransport
 from tests.helpers import drain, messages
 from tests.waiting import wait_for
 
 
 def _tables(store):
     """The tables the store creates: the backlog counts only on PostgreSQL."""
-    return tuple(t for t in store.table.metadata.tables.values() if store.is_postgres or t is not store.counts)
+    return tuple(t for t in store.table.metadata.tables.values() if store.is_postgres or t is not store.tables.counts)
+
+
+def _declared_shape(table: Table, extra: list) -> dict:
+    """Columns (name: nullable), primary key and indexes (name, columns, unique) as the code declares them."""
+    return {"columns": {c.name: c.nullable for c in table.columns},
+            "primary_key": [c.name for c in table.primary_key.columns],
+            "indexes": sorted([(ix.name, tuple(c.name for c in ix.columns), bool(ix.unique)) for ix in table.indexes]
+                              + extra)}
+
+
+def _found_shape(conn, table: Table) -> dict:
+    """The same, read from the database."""
+    inspector = inspect(conn)
+    indexes = [ix for ix in inspector.get_indexes(table.name, schema=table.schema)
+               if not ix.get("duplicates_constraint")]
+    return {"columns": {c["name"]: c["nullable"] for c in inspector.get_columns(table.name, schema=table.schema)},
+            "primary_key": inspector.get_pk_constraint(table.name, schema=table.schema)["constrained_columns"],
+            "indexes": sorted((ix["name"], tuple(ix["column_names"]), bool(ix["unique"])) for ix in indexes)}
+
+
+def test_queue_tables_are_made_by_their_migrations_as_the_code_declares_them(db):
+    url, schema, table = db
+    queues = SqlTableTransport(url, schema=schema, table_prefix=f"{table}_")
+    assert queues.migrations.schema_version() == 0
+    queues.create_schema()
+    assert queues.migrations.schema_version() == latest_version(QUEUE_SCHEMA)
+    with queues.engine.connect() as conn:
+        for t in (queues.queues, queues.messages):
+            assert _found_shape(conn, t) == _declared_shape(t, []), t.name
+        assert inspect(conn).has_table(f"{table}_queue_versions", schema=schema)  # the record of versions
+    assert queues.migrations.migrate() == []
+    assert queues.provision("orders")["created"] is True
 
 
 def _insert_v1_row(store, message_id: str, due) -> None:
@@ -39,16 +72,13 @@ def test_fresh_store_records_every_version_and_matches_the_table_definitions(db)
     store.create_schema()
     assert store.schema_version() == latest_version()
     with store.engine.connect() as conn:
-        rows = conn.execute(select(store.versions.c.version, store.versions.c.name)).all()
-        inspector = inspect(conn)
-        # What the SQL files create is what the code reads and writes: same columns, same nullability.
+        rows = conn.execute(select(store.tables.versions.c.version, store.tables.versions.c.name)).all()
+        # What the SQL files create is what the code declares (tables.py) and reads and writes.
+        leased = store._template_names()["ix_leased"].strip('"')
         for t in _tables(store):
-            found = {c["name"]: c["nullable"] for c in inspector.get_columns(t.name, schema=schema)}
-            assert found == {c.name: c.nullable for c in t.columns}, t.name
-        indexes = [ix for ix in inspector.get_indexes(table, schema=schema) if not ix.get("duplicates_constraint")]
-        leased = [(store._template_names()["ix_leased"].strip('"'), ["claim_id"])] if store.is_postgres else []
-        assert sorted((ix["name"], ix["column_names"]) for ix in indexes) == sorted(
-            [(f"ix_{table}_due", ["due_at_us", "id"]), *leased])
+            # The one index the SQL files add beyond the declarations: partial, for the rows sweeps hold.
+            assert _found_shape(conn, t) == _declared_shape(t, extra=[(leased, ("claim_id",), False)] if (
+                t is store.table and store.is_postgres) else []), t.name
     assert sorted(rows) == [(m.version, m.name) for m in migrations()]
     assert store.migrate() == []  # up to date: nothing applied twice
 
@@ -83,7 +113,7 @@ def test_store_made_before_versions_were_recorded_is_adopted(db, with_claim_id, 
     old = SqlDelayedMessageStore(url, table=table, schema=schema)
     old.migrate(up_to=2 if with_claim_id else 1)
     with old.engine.begin() as conn:  # what an older release left: the tables and no record of versions
-        old.versions.drop(conn)
+        old.tables.versions.drop(conn)
     _insert_v1_row(old, "kept", utcnow())
 
     store = SqlDelayedMessageStore(url, table=table, schema=schema)
@@ -115,7 +145,7 @@ def test_concurrent_upgrades_apply_each_migration_once(pg):
     assert sorted(v for r in results for v in r) == list(range(1, latest_version() + 1))
     store = SqlDelayedMessageStore(url, table=table, schema=schema)
     with store.engine.connect() as conn:
-        count = conn.execute(select(func.count()).select_from(store.versions)).scalar()
+        count = conn.execute(select(func.count()).select_from(store.tables.versions)).scalar()
     assert count == latest_version()
 
 
@@ -137,7 +167,7 @@ def test_a_store_newer_than_this_release_is_used_as_is(db, caplog):
     store = SqlDelayedMessageStore(url, table=table, schema=schema)
     store.create_schema()
     with store.engine.begin() as conn:
-        conn.execute(store.versions.insert(), {"version": latest_version() + 1, "name": "future",
+        conn.execute(store.tables.versions.insert(), {"version": latest_version() + 1, "name": "future",
                                                "applied_at_us": 0})
     with caplog.at_level(logging.WARNING, logger="airflow_delay_provider.stores.migrations"):
         assert store.migrate() == []

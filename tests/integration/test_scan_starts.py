@@ -50,7 +50,7 @@ def _entries_read(database, table: str, query) -> int:
     sql = str(query.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))
     # The counts a backend has not reported yet, which include its earlier transactions': read before and after.
     count = text("SELECT coalesce(sum(pg_stat_get_xact_tuples_returned(indexrelid)), 0) FROM pg_index "
-                 "WHERE indrelid = to_regclass(:table)").bindparams(table=database._qualified(table))
+                 "WHERE indrelid = to_regclass(:table)").bindparams(table=database.qualified(table))
     with database.engine.connect() as conn:
         database.in_index_order(conn)
         before = conn.execute(count).scalar()
@@ -103,7 +103,7 @@ def test_messages_turning_visible_below_the_start_are_received(queue, clock, pg)
         assert [m.message_id for m in queue.receive("orders", 1, visibility_timeout=7200)] == ["m-1"]
         # Another consumer's message whose visibility timeout ends: in the reading before it ends, it is "soon".
         with queue.engine.begin() as conn:
-            conn.execute(text(f"UPDATE {queue._qualified(queue.messages.name)} SET visible_at_us = visible_at_us "
+            conn.execute(text(f"UPDATE {queue.qualified(queue.messages.name)} SET visible_at_us = visible_at_us "
                               "- 29500000 WHERE message_id = 'm-0'"))  # ends within the next reading's second
         clock.reading_due()
         assert queue.receive("orders", 1) == []  # not visible yet
@@ -206,7 +206,7 @@ def test_a_message_stored_by_a_transaction_that_commits_late_is_claimed_at_the_n
     _claim(store)  # the first (full) reading
     store._due_start._full_every = 3600
     with store.engine.connect() as conn, conn.begin():
-        conn.execute(text(f"INSERT INTO {store._qualified(store.table_name)} (message_id, destination, body, headers, "
+        conn.execute(text(f"INSERT INTO {store.qualified(store.table_name)} (message_id, destination, body, headers, "
                           "due_at_us, stored_at_us) VALUES ('slow', 'orders', '\\x00', '{}', :due, :due)"),
                      {"due": to_us(store.clock() - timedelta(seconds=10))})  # before any mark
         for round_ in range(3):

@@ -36,7 +36,7 @@ def _loaded(pg) -> SqlDelayedMessageStore:
     url, schema, table = pg
     store = SqlDelayedMessageStore(url, table=table, schema=schema)
     store.create_schema()
-    store.upkeep_thresholds = SMALL
+    store.maintenance.thresholds = SMALL
     _bulk(store, 1000, delay=60)
     wait_for(lambda: (_counters(store)[1] or 0) >= 1000, 10, "the insert counters")
     return store
@@ -52,24 +52,24 @@ def _counters(store: SqlDelayedMessageStore) -> tuple:
     with store.engine.connect() as conn:
         return conn.execute(text("SELECT n_dead_tup, n_mod_since_analyze, last_vacuum, last_analyze "
                                  "FROM pg_stat_user_tables WHERE relid = to_regclass(:t)"),
-                            {"t": store._qualified(store.table_name)}).first()
+                            {"t": store.qualified(store.table_name)}).first()
 
 
 def test_a_bulk_load_is_analysed_and_deliveries_are_vacuumed(pg):
     url, schema, table = pg
     store = SqlDelayedMessageStore(url, table=table, schema=schema)
     store.create_schema()
-    store.upkeep_thresholds = SMALL
+    store.maintenance.thresholds = SMALL
     _bulk(store, 2000, delay=-1)
     # The statistics counters reach the views when the writing backend flushes them (within a second or so).
     wait_for(lambda: (_counters(store)[1] or 0) >= 2000, 10, "the insert counters")
-    done = store._upkeep_now()
+    done = store.maintenance.run()
     assert (table, "analyze") in [(t, w) for t, w, _ in done]
     assert _counters(store)[3] is not None  # last_analyze
 
     Pump(store, _transport()).run(stop_when_idle=True)  # claims delete every row
     wait_for(lambda: (_counters(store)[0] or 0) >= 2000, 10, "the dead-row counters")
-    done = store._upkeep_now()
+    done = store.maintenance.run()
     assert (table, "vacuum") in [(t, w) for t, w, _ in done]
     # (How many dead rows it could remove depends on the oldest snapshot of the whole server: other tests'.)
     assert _counters(store)[2] is not None  # last_vacuum
@@ -80,19 +80,19 @@ def test_a_store_with_nothing_to_do_does_nothing(pg):
     store = SqlDelayedMessageStore(url, table=table, schema=schema)
     store.create_schema()
     _bulk(store, 100, delay=60)
-    assert store._upkeep_now() == []  # 100 rows: far below the default thresholds
+    assert store.maintenance.run() == []  # 100 rows: far below the default thresholds
 
 
 def test_one_process_at_a_time(pg):
     url, _, table = pg
     store = _loaded(pg)
     with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as other:
-        assert other.execute("SELECT pg_try_advisory_lock(%s)", [store._upkeep_key()]).fetchone()[0]
-        assert store._upkeep_now() == []  # the other holder is at it
+        assert other.execute("SELECT pg_try_advisory_lock(%s)", [store.maintenance.key()]).fetchone()[0]
+        assert store.maintenance.run() == []  # the other holder is at it
         # Released here, not by closing: a closed connection's backend lets go of its locks some time after
         # the client has moved on, and the next try could still find the lock held.
-        assert other.execute("SELECT pg_advisory_unlock(%s)", [store._upkeep_key()]).fetchone()[0]
-    assert [w for t, w, _ in store._upkeep_now() if t == table] == ["analyze"]
+        assert other.execute("SELECT pg_advisory_unlock(%s)", [store.maintenance.key()]).fetchone()[0]
+    assert [w for t, w, _ in store.maintenance.run() if t == table] == ["analyze"]
 
 
 def test_upkeep_never_waits_for_a_lock(pg):
@@ -101,11 +101,11 @@ def test_upkeep_never_waits_for_a_lock(pg):
     url, _, table = pg
     store = _loaded(pg)
     with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")) as other:
-        other.execute(f"LOCK TABLE {store._qualified(store.table_name)} IN SHARE UPDATE EXCLUSIVE MODE")
+        other.execute(f"LOCK TABLE {store.qualified(store.table_name)} IN SHARE UPDATE EXCLUSIVE MODE")
         # SKIP_LOCKED: nothing done to the held table, nothing waited for (its ids table is analysed).
-        assert [w for t, w, _ in store._upkeep_now() if t == table] == []
+        assert [w for t, w, _ in store.maintenance.run() if t == table] == []
         other.rollback()
-    assert [w for t, w, _ in store._upkeep_now() if t == table] == ["analyze"]
+    assert [w for t, w, _ in store.maintenance.run() if t == table] == ["analyze"]
 
 
 def test_upkeep_starts_in_the_background_at_most_every_check_interval(pg, monkeypatch):
@@ -113,12 +113,12 @@ def test_upkeep_starts_in_the_background_at_most_every_check_interval(pg, monkey
     store = SqlDelayedMessageStore(url, table=table, schema=schema)
     store.create_schema()
     started = []
-    monkeypatch.setattr(SqlDelayedMessageStore, "_upkeep_now", lambda self: started.append(1))
+    monkeypatch.setattr(upkeep.TableUpkeep, "run", lambda self: started.append(1))
     store.upkeep()
     wait_for(lambda: started, 10, "the first check")
-    store._upkeep_thread.join(10)
+    store.maintenance.thread.join(10)
     store.upkeep()  # within the interval: nothing
-    assert store._upkeep_thread is None or not store._upkeep_thread.is_alive()
+    assert store.maintenance.thread is None or not store.maintenance.thread.is_alive()
     assert started == [1]
     monkeypatch.setattr(upkeep, "UPKEEP_CHECK_SECONDS", 0.0)
     store.upkeep()
@@ -129,7 +129,7 @@ def test_sqlite_stores_have_no_upkeep(tmp_path, monkeypatch):
     store = SqlDelayedMessageStore(f"sqlite:///{tmp_path}/s.db")
     store.create_schema()
     store.upkeep()
-    assert store._upkeep_thread is None
+    assert store.maintenance.thread is None
 
 
 def test_pumps_call_upkeep_between_batches():
@@ -152,7 +152,7 @@ def test_upkeep_leaves_its_connection_as_it_found_it(pg):
     store = _loaded(pg)
     with store.engine.connect() as conn:
         before = conn.execute(settings).one()
-    assert store._upkeep_now()
+    assert store.maintenance.run()
     for _ in range(store.engine.pool.size() + 2):  # whichever pooled connection it used
         with store.engine.connect() as conn:
             assert conn.execute(settings).one() == before
@@ -170,10 +170,10 @@ def test_a_migration_cancels_the_upkeep_instead_of_waiting_for_it(pg):
     def upkeep_at_work() -> None:  # what a long VACUUM looks like to the migration: its lock, its name, its query
         with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"),
                              application_name=upkeep.APPLICATION_NAME) as conn:
-            conn.execute(f"LOCK TABLE {store._qualified(store.table_name)} IN SHARE UPDATE EXCLUSIVE MODE")
+            conn.execute(f"LOCK TABLE {store.qualified(store.table_name)} IN SHARE UPDATE EXCLUSIVE MODE")
             holding.set()
             try:
-                conn.execute(f"SELECT pg_sleep(120), '{store._qualified(store.table_name)}'")
+                conn.execute(f"SELECT pg_sleep(120), '{store.qualified(store.table_name)}'")
                 outcome.append("finished")
             except psycopg.errors.QueryCanceled:
                 outcome.append("cancelled")
@@ -194,7 +194,7 @@ def test_a_migration_cancels_the_upkeep_instead_of_waiting_for_it(pg):
     finally:
         worker.join(timeout=150)
     assert outcome == ["cancelled"]
-    assert store._counted()
+    assert store.controls.counted()
 
 
 def test_a_queue_table_is_looked_after_by_its_consumers_and_pumps(pg, monkeypatch):
@@ -204,7 +204,7 @@ def test_a_queue_table_is_looked_after_by_its_consumers_and_pumps(pg, monkeypatc
     url, schema, table = pg
     queue = SqlTableTransport(url, schema=schema, table_prefix=f"{table}_")
     queue.provision("orders")
-    queue.upkeep_thresholds = SMALL
+    queue.maintenance.thresholds = SMALL
     queue.send([DelayedMessage("orders", b"x", utcnow()) for _ in range(2000)])
     while received := queue.receive("orders", max_messages=500):
         queue.ack("orders", [m.receipt for m in received])
@@ -214,11 +214,11 @@ def test_a_queue_table_is_looked_after_by_its_consumers_and_pumps(pg, monkeypatc
         with queue.engine.connect() as conn:
             return conn.execute(text("SELECT vacuum_count > 0 AND analyze_count > 0 FROM pg_stat_user_tables "
                                      "WHERE relid = to_regclass(:t)"),
-                                {"t": queue._qualified(queue.messages.name)}).scalar()
+                                {"t": queue.qualified(queue.messages.name)}).scalar()
 
     wait_for(looked_after, 30, "the consumer's upkeep to vacuum and analyse the queue table")
     store = SqlDelayedMessageStore(url, table=table, schema=schema)
-    assert queue._upkeep_key() != store._upkeep_key()  # neither waits for the other's turn
+    assert queue.maintenance.key() != store.maintenance.key()  # neither waits for the other's turn
 
 
 def test_pumps_call_the_transports_upkeep_too():
@@ -244,19 +244,22 @@ def test_a_queue_table_from_before_gets_its_queue_order_index(pg, tmp_path, data
     queue = SqlTableTransport(url, schema=schema, table_prefix=f"{table}_")
     queue.provision("orders")
     queue.send([DelayedMessage("orders", b"kept", utcnow())])
-    new = next(iter(queue.messages.indexes)).name
-    with queue.engine.begin() as conn:  # the table as an earlier release made it
-        conn.exec_driver_sql(f"DROP INDEX {queue._qualified(new)}")
-        conn.exec_driver_sql(f"CREATE INDEX {queue._old_index} ON {queue._qualified(queue.messages.name)} "
+    new, old = next(iter(queue.messages.indexes)).name, f"ix_{table}_queue_messages_visible"
+    versions = queue.migrations.target.versions
+    with queue.engine.begin() as conn:  # the tables as an earlier release made them: another index, no versions
+        conn.exec_driver_sql(f"DROP INDEX {queue.qualified(new)}")
+        conn.exec_driver_sql(f"CREATE INDEX {old} ON {queue.qualified(queue.messages.name)} "
                              "(queue, visible_at_us, seq)")
+        conn.exec_driver_sql(f"DROP TABLE {queue.qualified(versions.name)}")
 
     def indexes() -> set[str]:
         with queue.engine.connect() as conn:
             return {ix["name"] for ix in inspect(conn).get_indexes(queue.messages.name, schema=schema)}
 
-    assert queue._old_index in indexes() and new not in indexes()
+    assert old in indexes() and new not in indexes()
     queue.provision("billing")
-    assert new in indexes() and queue._old_index not in indexes()
+    assert new in indexes() and old not in indexes()
+    assert queue.migrations.schema_version() == 1  # adopted, and recorded
     assert [m.body for m in queue.receive("orders")] == [b"kept"]
 
 
@@ -264,7 +267,7 @@ def _index_pages(store: SqlDelayedMessageStore) -> dict[str, int]:
     with store.engine.connect() as conn:
         return dict(conn.execute(text(
             "SELECT c.relname, pg_relation_size(c.oid) / 8192 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
-            "WHERE i.indrelid = to_regclass(:t)"), {"t": store._qualified(store.table_name)}).all())
+            "WHERE i.indrelid = to_regclass(:t)"), {"t": store.qualified(store.table_name)}).all())
 
 
 def test_indexes_left_sparse_by_mixed_delays_are_rebuilt(pg):
@@ -274,8 +277,8 @@ def test_indexes_left_sparse_by_mixed_delays_are_rebuilt(pg):
     url, schema, table = pg
     store = SqlDelayedMessageStore(url, table=table, schema=schema)
     store.create_schema()
-    store.upkeep_thresholds = Thresholds(rebuild_min_pages=64)
-    name = store._qualified(store.table_name)
+    store.maintenance.thresholds = Thresholds(rebuild_min_pages=64)
+    name = store.qualified(store.table_name)
     now = to_us(store.clock())
     with store.engine.begin() as conn:
         # 100,000 messages in order of sending, one in 50 due a day later, the others due within the minute.
@@ -294,12 +297,12 @@ def test_indexes_left_sparse_by_mixed_delays_are_rebuilt(pg):
             conn.exec_driver_sql(f'CREATE UNIQUE INDEX CONCURRENTLY "{store.table_name}_due_ccnew" ON {name} '
                                  "(due_at_us)")
         assert f"{store.table_name}_due_ccnew" in _index_pages(store)
-        assert store._upkeep_now() == []  # packed: nothing to rebuild
+        assert store.maintenance.run() == []  # packed: nothing to rebuild
         conn.exec_driver_sql(f"DELETE FROM {name} WHERE due_at_us < {now + 3_600_000_000}")  # delivered
         conn.exec_driver_sql(f"VACUUM ANALYZE {name}")
     sparse = _index_pages(store)
     assert f"{store.table_name}_due_ccnew" not in sparse  # dropped by the check above
-    rebuilt = {index.split(".")[-1].strip('"'): work for index, work, _ in store._upkeep_now() if work == "reindex"}
+    rebuilt = {index.split(".")[-1].strip('"'): work for index, work, _ in store.maintenance.run() if work == "reindex"}
     assert rebuilt == {f"{store.table_name}_pkey": "reindex", f"{store.table_name}_message_id_key": "reindex"}
     after = _index_pages(store)
     for index in rebuilt:
@@ -315,8 +318,8 @@ def test_an_index_filled_by_a_bulk_load_is_not_taken_for_sparse(pg):
     url, schema, table = pg
     store = SqlDelayedMessageStore(url, table=table, schema=schema)
     store.create_schema()
-    store.upkeep_thresholds = Thresholds(rebuild_min_pages=64)
-    name = store._qualified(store.table_name)
+    store.maintenance.thresholds = Thresholds(rebuild_min_pages=64)
+    name = store.qualified(store.table_name)
     insert = text(f"INSERT INTO {name} (message_id, destination, body, headers, due_at_us, stored_at_us) "
                   "SELECT 'm-' || lpad(g::text, 12, '0'), 'orders', '\\x00', '{}', :due, 0 "
                   "FROM generate_series(CAST(:first AS int), CAST(:last AS int)) g")
@@ -326,13 +329,13 @@ def test_an_index_filled_by_a_bulk_load_is_not_taken_for_sparse(pg):
         conn.exec_driver_sql(f"VACUUM ANALYZE {name}")
         conn.execute(insert, {"due": to_us(store.clock()) + 3_600_000_000, "first": 5_001, "last": 200_000})
     wait_for(lambda: (_live(store) or 0) >= 200_000, 10, "the insert counters")
-    assert [work for _, work, _ in store._upkeep_now() if work == "reindex"] == []
+    assert [work for _, work, _ in store.maintenance.run() if work == "reindex"] == []
 
 
 def _live(store: SqlDelayedMessageStore) -> int:
     with store.engine.connect() as conn:
         return conn.execute(text("SELECT n_live_tup FROM pg_stat_user_tables WHERE relid = to_regclass(:t)"),
-                            {"t": store._qualified(store.table_name)}).scalar()
+                            {"t": store.qualified(store.table_name)}).scalar()
 
 
 def test_a_session_holding_an_old_snapshot_is_named_once(pg, monkeypatch, caplog):
@@ -351,19 +354,19 @@ def test_a_session_holding_an_old_snapshot_is_named_once(pg, monkeypatch, caplog
         pid = report.info.backend_pid
         with caplog.at_level("WARNING", logger=upkeep.__name__):
             monkeypatch.setattr(upkeep, "OLD_SNAPSHOT_SECONDS", 3600.0)
-            store._upkeep_now()
+            store.maintenance.run()
             assert named(pid) == []  # not old enough
             monkeypatch.setattr(upkeep, "OLD_SNAPSHOT_SECONDS", 1.0)
             with store.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
                 wait_for(lambda: conn.execute(text(
                     "SELECT now() - xact_start > interval '1.5 s' FROM pg_stat_activity WHERE pid = :pid"),
                     {"pid": pid}).scalar(), 30, "the report's snapshot to be older than the threshold", 0.1)
-            store._upkeep_now()
+            store.maintenance.run()
             (warning,) = named(pid)
             assert "adp-test-report" in warning and "idle in transaction" in warning
-            assert store._qualified(store.table_name) in warning
-            store._upkeep_now()
+            assert store.qualified(store.table_name) in warning
+            store.maintenance.run()
             assert len(named(pid)) == 1  # once per session and transaction
         report.rollback()
     with store.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        assert pid not in [h["pid"] for h in store._name_old_snapshots(conn)]
+        assert pid not in [h["pid"] for h in store.maintenance.name_old_snapshots(conn)]

@@ -137,7 +137,7 @@ class LevelHolder:
         except AMQPError:
             pass  # a channel that cannot close is gone already: the broker puts its messages back
 
-    def _stored_form(self, key: str, properties, body: bytes) -> DelayedMessage | None:
+    def _stored_form(self, key: str, properties: Any, body: bytes) -> DelayedMessage | None:
         words = key.split(".", self.names.levels)
         if len(words) <= self.names.levels or not properties.message_id:
             return None

@@ -48,7 +48,7 @@ class Publication:
     headers: dict[str, Any]
 
 
-def unwrap(properties) -> tuple[dict[str, str], datetime | None]:
+def unwrap(properties: pika.spec.BasicProperties) -> tuple[dict[str, str], datetime | None]:
     """The caller's headers (the delay mechanics' own stripped) and the due time, as published."""
     raw = dict(properties.headers or {})
     due = raw.get(HEADER_DUE_AT)
@@ -142,7 +142,7 @@ class ConfirmingPublisher:
         self.window = window
         self.timeout = timeout
         self._error: BaseException | None = None
-        self._channel = None
+        self._channel: Any = None  # the pika channel in confirm mode, once open
         self._body_max = 0
         self._ready = False
         self._tag = 0
@@ -156,7 +156,7 @@ class ConfirmingPublisher:
         self._renewing = False  # nacked: publish nothing more on this channel, replace it when settled
         self._stuck = False  # confirmed nothing for a whole timeout: takes no new batch, closes once idle
         self._method_frames: dict[tuple[int, str, str], bytes] = {}
-        self._until = lambda: True
+        self._until: Callable[[], bool] = lambda: True
         self._last_io = time.monotonic()
         self._connection = pika.SelectConnection(
             parameters,
@@ -188,9 +188,9 @@ class ConfirmingPublisher:
     def stale(self, heartbeat: int | None) -> bool:
         """Idle, with nothing in flight, for more than half the heartbeat interval."""
         idle = time.monotonic() - self._last_io
-        return not self.busy and bool(heartbeat) and idle > heartbeat / 2
+        return not self.busy and bool(heartbeat and idle > heartbeat / 2)
 
-    def _on_channel(self, channel) -> None:
+    def _on_channel(self, channel: Any) -> None:
         self._channel = channel
         # A body frame's payload: the frame size the connection negotiated, less the frame's header and end.
         self._body_max = self._connection.params.frame_max - pika.spec.FRAME_HEADER_SIZE - pika.spec.FRAME_END_SIZE
@@ -198,13 +198,13 @@ class ConfirmingPublisher:
         channel.add_on_return_callback(self._on_return)
         channel.confirm_delivery(self._on_confirm, callback=self._on_confirm_mode)
 
-    def _on_confirm_mode(self, _frame) -> None:
+    def _on_confirm_mode(self, _frame: pika.frame.Method) -> None:
         self._ready = True
         self._tag = 0
         self._fill()
         self._check_done()
 
-    def _on_channel_closed(self, channel, error) -> None:
+    def _on_channel_closed(self, channel: Any, error: BaseException) -> None:
         if channel is self._channel:  # a channel retired after a nack closes quietly
             self._on_failure(channel, error)
 
@@ -217,14 +217,14 @@ class ConfirmingPublisher:
         retired.close()
         self._connection.channel(on_open_callback=self._on_channel)
 
-    def _on_failure(self, _source, error) -> None:
+    def _on_failure(self, _source: Any, error: BaseException) -> None:
         self._error = error
         self._stop()
 
     def _stop(self) -> None:
         self._connection.ioloop.stop()
 
-    def _run(self, until, timeout: float) -> None:
+    def _run(self, until: Callable[[], bool], timeout: float) -> None:
         if until():
             return
         timer = self._connection.ioloop.call_later(timeout, self._stop)
@@ -238,7 +238,7 @@ class ConfirmingPublisher:
             self._stop()
 
     # confirms: tags count publishes on this channel from 1
-    def _on_confirm(self, frame) -> None:
+    def _on_confirm(self, frame: pika.frame.Method) -> None:
         if self._channel is None or frame.channel_number != self._channel.channel_number:
             return  # from a channel retired after a nack, whose tags are no longer ours
         self._confirmed_at = time.monotonic()
@@ -277,7 +277,8 @@ class ConfirmingPublisher:
             self._renew_channel()
         self._fill()
 
-    def _on_return(self, _channel, method, properties, _body) -> None:
+    def _on_return(self, _channel: Any, method: pika.spec.Basic.Return, properties: pika.spec.BasicProperties,
+                   _body: bytes) -> None:
         # A return comes before the ack of the same message: remember it until then.
         self._returned[properties.message_id] = DestinationNotFoundError(
             f"no queue takes routing key {method.routing_key!r} ({method.reply_code} {method.reply_text}); "

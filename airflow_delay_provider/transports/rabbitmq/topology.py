@@ -18,6 +18,7 @@ import re
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from airflow_delay_provider.core.checks import check_int
 from airflow_delay_provider.core.errors import InvalidInputError, InvalidNameError
@@ -32,16 +33,16 @@ DELIVERY_LIMIT = 20
 class Exchange:
     name: str
     type: str
-    arguments: dict = field(default_factory=dict)
+    arguments: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Queue:
     name: str
-    arguments: dict = field(default_factory=dict)
+    arguments: dict[str, Any] = field(default_factory=dict)
     #: Arguments an earlier version declared this queue with: such a queue is kept (arguments
     #: cannot change in place) and reported as outdated instead of failing the declaration.
-    legacy_arguments: dict | None = None
+    legacy_arguments: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ def endpoint_binding_key(names: Names, endpoint: str) -> str:
     return "*." * names.levels + endpoint
 
 
-def endpoint_arguments(names: Names, delivery_limit: int) -> dict:
+def endpoint_arguments(names: Names, delivery_limit: int) -> dict[str, Any]:
     """A quorum queue that dead-letters a message redelivered more than `delivery_limit` times to
     poison, at least once (which needs reject-publish), through the default exchange."""
     return {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -61,7 +61,7 @@ _INT_EXTRAS = {"heartbeat": (60, 0, None), "levels": (LEVELS, 1, LEVELS), "confi
                "delivery_limit": (DELIVERY_LIMIT, 1, None)}
 
 
-def _int_extra(spec: dict, name: str) -> int:
+def _int_extra(spec: dict[str, Any], name: str) -> int:
     """An integer extra (a string from URI-style connections); the error names the extra and its range."""
     default, low, high = _INT_EXTRAS[name]
     value = spec.get(name, default)
@@ -75,7 +75,7 @@ def _int_extra(spec: dict, name: str) -> int:
     return n
 
 
-def parameters_from_spec(spec: dict) -> tuple[pika.ConnectionParameters, dict]:
+def parameters_from_spec(spec: dict[str, Any]) -> tuple[pika.ConnectionParameters, dict[str, Any]]:
     """pika parameters and transport options from a connection spec (see hooks.rabbitmq.connection_spec)."""
     heartbeat, levels, window, delivery_limit = (
         _int_extra(spec, name) for name in ("heartbeat", "levels", "confirm_window", "delivery_limit"))
@@ -127,13 +127,13 @@ class RabbitMQTransport(Transport):
         self._publisher: ConfirmingPublisher | None = None
         self._retired: list[ConfirmingPublisher] = []  # stuck ones still finishing the batches they have
         self._admin: pika.BlockingConnection | None = None
-        self._consumer = None  # the channel receive() and ack() share: delivery tags belong to it
+        self._consumer: Any = None  # the channel receive() and ack() share: delivery tags belong to it
         #: Messages taken from the levels, on a channel of the admin connection, until settled.
         self._holding = LevelHolder(self.names, self.where, self._channel, self._connection_lost)
         self._levels_declared = False
 
     @classmethod
-    def from_spec(cls, spec: dict) -> RabbitMQTransport:
+    def from_spec(cls, spec: dict[str, Any]) -> RabbitMQTransport:
         """A transport from a connection spec (plain data), in a process without Airflow."""
         params, options = parameters_from_spec(spec)
         return cls(params, **options)
@@ -148,7 +148,7 @@ class RabbitMQTransport(Transport):
         return f"RabbitMQ at {p.host}:{p.port} (vhost {p.virtual_host!r})"
 
     # -- connections -----------------------------------------------------------------------------
-    def _channel(self):
+    def _channel(self) -> Any:
         """A fresh channel on the admin connection, reconnecting once if the broker dropped it."""
         for attempt in (1, 2):
             if self._admin is None or self._admin.is_closed:
@@ -175,7 +175,7 @@ class RabbitMQTransport(Transport):
         self._retired = []
 
     # -- provisioning ------------------------------------------------------------------------------
-    def declare(self, topology: Topology) -> dict:
+    def declare(self, topology: Topology) -> dict[str, Any]:
         """Declare everything in `topology`; a queue an earlier version declared is kept as it is and
         listed under `outdated` (with what its arguments lack)."""
         outdated: dict[str, str] = {}
@@ -215,7 +215,7 @@ class RabbitMQTransport(Transport):
             "outdated": outdated,
         }
 
-    def _declare_legacy(self, channel, queue: Queue, refusal: ChannelClosedByBroker) -> None:
+    def _declare_legacy(self, channel: Any, queue: Queue, refusal: ChannelClosedByBroker) -> None:
         """Accept `queue` as an earlier version declared it; otherwise re-raise the first refusal,
         which names the argument that differs."""
         try:
@@ -226,7 +226,7 @@ class RabbitMQTransport(Transport):
     def check_endpoint(self, endpoint: str, **options: Any) -> str:
         return check_endpoint(endpoint, self.names.levels)
 
-    def provision(self, endpoint: str) -> dict:
+    def provision(self, endpoint: str) -> dict[str, Any]:
         """Declare the endpoint's queue and binding, and (once per transport) the delay levels.
 
         An endpoint of an earlier version is brought up to date where RabbitMQ allows it: its
@@ -249,7 +249,7 @@ class RabbitMQTransport(Transport):
                         self.names.poison)
         return result
 
-    def teardown(self, endpoint: str) -> dict:
+    def teardown(self, endpoint: str) -> dict[str, Any]:
         """Delete an endpoint's queue. Its delayed messages still in the levels land in `unroutable`."""
         check_endpoint(endpoint, self.names.levels)
         channel = self._channel()
@@ -261,7 +261,7 @@ class RabbitMQTransport(Transport):
                 channel.close()
         return {"endpoint": endpoint, "deleted_messages": deleted}
 
-    def verify(self, endpoints: Iterable[str] = ()) -> dict:
+    def verify(self, endpoints: Iterable[str] = ()) -> dict[str, Any]:
         """Report what is missing or declared with other arguments, changing nothing.
 
         An endpoint queue an earlier version declared (no delivery limit) still works: it is listed
@@ -289,7 +289,9 @@ class RabbitMQTransport(Transport):
         report["complete"] = not report["missing"] and not report["different"]
         return report
 
-    def _check(self, report: dict, name: str, exists, equivalent, legacy=None) -> None:
+    def _check(self, report: dict[str, Any], name: str, exists: Callable[..., object],
+               equivalent: Callable[..., object], legacy: Callable[..., object] | None = None) -> None:
+        # Each callable takes a channel; `...`: the callers' lambdas bind their queue or exchange as a default argument.
         channel = self._channel()
         try:
             exists(channel)
@@ -335,7 +337,9 @@ class RabbitMQTransport(Transport):
     def send(self, messages: Sequence[DelayedMessage], connection: Any = None) -> dict[str, Exception]:
         return self.send_start(messages, connection)()
 
-    def send_start(self, messages: Sequence[DelayedMessage], connection: Any = None):
+    def send_start(
+        self, messages: Sequence[DelayedMessage], connection: Any = None
+    ) -> Callable[[], dict[str, Exception]]:
         """Publish a batch without waiting: the returned function waits for its confirms and gives the failures.
 
         Each message's remaining delay is its due time minus now on `clock()`: the store's, on which due times
@@ -347,12 +351,14 @@ class RabbitMQTransport(Transport):
         for m in messages:
             if m.destination not in bad_names:  # each name checked once per batch
                 try:
-                    bad_names[m.destination] = check_endpoint(m.destination, self.names.levels) and None
+                    check_endpoint(m.destination, self.names.levels)
+                    bad_names[m.destination] = None
                 except InvalidNameError as exc:
                     bad_names[m.destination] = exc
             try:
-                if bad_names[m.destination] is not None:
-                    raise bad_names[m.destination]
+                bad_name = bad_names[m.destination]
+                if bad_name is not None:
+                    raise bad_name
                 publishes.append(self._publication(m, now))
             except (DelayError, InvalidNameError) as exc:
                 failures[m.message_id] = exc
@@ -386,7 +392,7 @@ class RabbitMQTransport(Transport):
 
     def _publication(self, m: DelayedMessage, now: datetime) -> Publication:
         delay = seconds_until(m.due_at, now)
-        headers = {**m.headers, HEADER_DUE_AT: m.due_at.isoformat()}
+        headers: dict[str, Any] = {**m.headers, HEADER_DUE_AT: m.due_at.isoformat()}
         if delay:
             headers[DELAY_HEADER] = delay
         if delay == 0:
@@ -474,7 +480,8 @@ class RabbitMQTransport(Transport):
         self._admin = self._consumer = None
 
 
-def _received(endpoint: str, method, properties, body: bytes, now: datetime) -> ReceivedMessage:
+def _received(endpoint: str, method: pika.spec.Basic.GetOk, properties: pika.spec.BasicProperties, body: bytes,
+              now: datetime) -> ReceivedMessage:
     headers, due = unwrap(properties)
     return ReceivedMessage(
         message_id=properties.message_id or "",

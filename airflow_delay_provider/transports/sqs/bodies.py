@@ -38,7 +38,7 @@ class Bodies:
         self.max_bytes = max_bytes
         self.expiration_days = expiration_days
 
-    def body(self, m: DelayedMessage, attributes: dict) -> str:
+    def body(self, m: DelayedMessage, attributes: dict[str, Any]) -> str:
         """The SQS body; one over the size limit goes to S3 and the message carries a pointer."""
         body = _encode_body(m.body, attributes)
         if len(body.encode()) <= self.max_bytes:
@@ -88,7 +88,8 @@ class Bodies:
         """The body at `pointer` (`<bucket>/<key>`), or None when it is gone; UnavailableError when S3 fails."""
         bucket, key = pointer.split("/", 1)
         try:
-            return self.s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+            body: bytes = self.s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+            return body
         except ClientError as exc:
             if _code(exc) not in ("NoSuchKey", "404"):
                 raise UnavailableError(
@@ -101,7 +102,8 @@ class Bodies:
     def peek(self, pointer: str) -> bytes:
         bucket, key = pointer.split("/", 1)
         try:
-            return self.s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+            body: bytes = self.s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+            return body
         except (ClientError, BotoCoreError, AttributeError):
             return b""  # gone (or no S3 client): the listing says so; nothing is deleted while peeking
 
@@ -118,7 +120,7 @@ class Bodies:
 _SQS_TEXT = re.compile("[\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]*")
 
 
-def _encode_body(body: bytes, attributes: dict) -> str:
+def _encode_body(body: bytes, attributes: dict[str, Any]) -> str:
     """SQS bodies are text: UTF-8 as is when SQS keeps every character, anything else base64 with an
     attribute saying so."""
     try:
@@ -131,7 +133,8 @@ def _encode_body(body: bytes, attributes: dict) -> str:
     return base64.b64encode(body).decode("ascii")
 
 
-def _decode_body(message: dict) -> bytes:
+def _decode_body(message: dict[str, Any]) -> bytes:
     if _attr(message, ATTR_ENCODING) == "base64":
         return base64.b64decode(message["Body"])
-    return message["Body"].encode("utf-8")
+    text: str = message["Body"]
+    return text.encode("utf-8")

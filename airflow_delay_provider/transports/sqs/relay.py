@@ -160,7 +160,7 @@ def relay_once(transport: SqsTransport, endpoint: str, wait_time_seconds: int = 
     return counts
 
 
-def _refused_for_good(transport: SqsTransport, m: dict, endpoint: str, queue: str, error: Exception,
+def _refused_for_good(transport: SqsTransport, m: dict[str, Any], endpoint: str, queue: str, error: Exception,
                       error_queue: str, delay_url: str, counts: RelayCounts) -> bool:
     """A relayed message SQS will never take as it is: to the error queue, as the pump dead-letters (True:
     the caller deletes it), or when that fails too, hidden in the delay queue for a while (False)."""
@@ -184,7 +184,8 @@ def _refused_for_good(transport: SqsTransport, m: dict, endpoint: str, queue: st
     return False
 
 
-def _dead_letter(transport: SqsTransport, m: dict, endpoint: str, error: Exception, error_queue: str) -> str | None:
+def _dead_letter(transport: SqsTransport, m: dict[str, Any], endpoint: str, error: Exception,
+                 error_queue: str) -> str | None:
     """Send a relayed message, body and attributes as they are, to the error queue with the pump's
     dead-letter headers; None when it went, else why not."""
     message_id = _message_id(m)
@@ -223,7 +224,7 @@ def relay_until(transport: SqsTransport, endpoint: str, deadline: datetime, tota
     return "deadline"
 
 
-def _delete(client: Any, url: str, messages: list[dict]) -> None:
+def _delete(client: Any, url: str, messages: list[dict[str, Any]]) -> None:
     """Delete in one batch; retry failures one by one (an expired receipt handle means it is gone)."""
     if not messages:
         return
@@ -237,7 +238,7 @@ def _delete(client: Any, url: str, messages: list[dict]) -> None:
                 raise
 
 
-def _sqs_now_ms(response: dict) -> int | None:
+def _sqs_now_ms(response: dict[str, Any]) -> int | None:
     """SQS's clock when it answered, in ms: the response's Date header, cut to the second (so never after
     SQS's now); None without one."""
     date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
@@ -247,7 +248,7 @@ def _sqs_now_ms(response: dict) -> int | None:
         return None
 
 
-def _due_ms(message: dict) -> float:
+def _due_ms(message: dict[str, Any]) -> float:
     """A received message's due time (ms), for handing a batch over in due order; unknown ones last."""
     due = _attr(message, ATTR_DUE_AT)
     try:
@@ -256,6 +257,6 @@ def _due_ms(message: dict) -> float:
         return math.inf
 
 
-def _message_id(message: dict) -> str:
+def _message_id(message: dict[str, Any]) -> str:
     """The provider's id of a received message (SQS's own for one sent by something else)."""
     return _attr(message, ATTR_MESSAGE_ID) or message["MessageId"]

@@ -136,7 +136,7 @@ class SqsTransport(Transport):
         self.duplicates_dropped = 0
 
     @classmethod
-    def from_spec(cls, spec: dict) -> SqsTransport:
+    def from_spec(cls, spec: dict[str, Any]) -> SqsTransport:
         """A transport from plain data (a Spark sweep has no Airflow): `client` holds boto3 client
         arguments (region_name, endpoint_url, credentials: none means this machine's own), `assume_role`
         a role to assume from them (see `assumed_role_session`); the rest are this class's options."""
@@ -204,7 +204,8 @@ class SqsTransport(Transport):
         return self._urls[queue]
 
     # -- provisioning ------------------------------------------------------------------------------
-    def provision(self, endpoint: str, queue_delay_seconds: int | None = None, unrestricted: bool = True) -> dict:
+    def provision(self, endpoint: str, queue_delay_seconds: int | None = None,
+                  unrestricted: bool = True) -> dict[str, Any]:
         """The endpoint queue (optionally with a queue-level delay; a FIFO one, `<name>.fifo`, with
         FifoQueue), for unrestricted delays its delay queue (`-delay.fifo`: FIFO, DelaySeconds = Q; a FIFO
         endpoint's `-fifo-delay`: standard; both retention 14 days, an existing one updated to these), and
@@ -224,7 +225,7 @@ class SqsTransport(Transport):
                 attributes["DelaySeconds"] = str(queue_delay_seconds)
         try:
             self._urls[name] = self.client.create_queue(QueueName=name, Attributes=attributes)["QueueUrl"]
-            summary = {"transport": self.name, "endpoint": endpoint, "queue": name}
+            summary: dict[str, Any] = {"transport": self.name, "endpoint": endpoint, "queue": name}
             if unrestricted:
                 delay_queue = delay_queue_name(endpoint, self.prefix)
                 self._urls[delay_queue] = self._create_or_update(delay_queue, self._delay_queue_attributes(fifo))
@@ -245,17 +246,18 @@ class SqsTransport(Transport):
 
     def _create_or_update(self, queue: str, attributes: dict[str, str]) -> str:
         try:
-            return self.client.create_queue(QueueName=queue, Attributes=attributes)["QueueUrl"]
+            created: str = self.client.create_queue(QueueName=queue, Attributes=attributes)["QueueUrl"]
+            return created
         except ClientError as exc:
             if _code(exc) not in ("QueueAlreadyExists", "QueueNameExists"):
                 raise
         # Made earlier with other attributes (an older 4-day retention, another Q): bring it up to date.
-        url = self.client.get_queue_url(QueueName=queue)["QueueUrl"]
+        url: str = self.client.get_queue_url(QueueName=queue)["QueueUrl"]
         self.client.set_queue_attributes(QueueUrl=url,
                                          Attributes={k: v for k, v in attributes.items() if k != "FifoQueue"})
         return url
 
-    def verify(self, endpoints: str | Iterable[str] = ()) -> dict:
+    def verify(self, endpoints: str | Iterable[str] = ()) -> dict[str, Any]:
         """For one endpoint, the relay's start-up check of its delay queue (below); for several, the
         provisioning report: `complete`, `missing` and `different` (misconfigured) queues, and each
         delay queue's report under `endpoints`."""
@@ -276,7 +278,7 @@ class SqsTransport(Transport):
         report["complete"] = not report["missing"] and not report["different"]
         return report
 
-    def _verify_delay_queue(self, endpoint: str) -> dict:
+    def _verify_delay_queue(self, endpoint: str) -> dict[str, Any]:
         """Start-up check of the delay queue: present, delay >= Q (a FIFO endpoint's standard delay queue: any,
         each hop sets its own), retention longer than the longest wait there, no redrive policy. A retention
         too short to outlast `max_relay_downtime` is a warning (logged and in the report's `warnings`): a
@@ -340,7 +342,7 @@ class SqsTransport(Transport):
         alone, with InvalidInputError; an outage fails, with UnavailableError, only what SQS did not take."""
         now = self.clock()
         failures: dict[str, Exception] = {}
-        by_queue: dict[str, list[tuple[DelayedMessage, dict]]] = {}
+        by_queue: dict[str, list[tuple[DelayedMessage, dict[str, Any]]]] = {}
         for m in messages:
             try:
                 queue, entry = self._entry(m, now)
@@ -367,7 +369,7 @@ class SqsTransport(Transport):
             failures.update({entries[i][0].message_id: error for i, error in refused.items()})
         return failures
 
-    def _entry(self, m: DelayedMessage, now: datetime) -> tuple[str, dict]:
+    def _entry(self, m: DelayedMessage, now: datetime) -> tuple[str, dict[str, Any]]:
         """The queue and the SendMessageBatch entry of a message, checked before its body goes anywhere."""
         delay = seconds_until(m.due_at, now)
         queue = self.queue_name(m.destination)
@@ -391,7 +393,7 @@ class SqsTransport(Transport):
             )
         # The relay keeps the rest of the delay: the full delay travels in an attribute.
         attributes[ATTR_DELAY] = {"DataType": "Number", "StringValue": str(delay)}
-        entry = {"MessageBody": self.bodies.body(m, attributes), "MessageAttributes": attributes}
+        entry: dict[str, Any] = {"MessageBody": self.bodies.body(m, attributes), "MessageAttributes": attributes}
         if fifo:  # its delay queue is a standard one: each hop at most Q
             entry["DelaySeconds"] = min(delay, self.queue_delay)
         else:  # a FIFO delay queue, its own DelaySeconds Q: no per-message delay
@@ -399,7 +401,7 @@ class SqsTransport(Transport):
             entry["MessageGroupId"] = _fifo_id(m.message_id)
         return delay_queue_name(m.destination, self.prefix), entry
 
-    def _send_entries(self, url: str, queue: str, entries: list[tuple[str, dict]]) -> dict[int, Exception]:
+    def _send_entries(self, url: str, queue: str, entries: list[tuple[str, dict[str, Any]]]) -> dict[int, Exception]:
         """Send `(message id, entry)` pairs to one queue in batches of at most 10 entries and 1 MiB; returns the
         failures by position. A message SQS refuses fails alone (InvalidInputError). An outage (a server error,
         throttling, no answer) fails (UnavailableError) the rest from where it struck, never what SQS took."""
@@ -412,7 +414,7 @@ class SqsTransport(Transport):
                 break
         return failures
 
-    def _send_chunk(self, url: str, queue: str, entries: list[tuple[str, dict]], chunk: list[int],
+    def _send_chunk(self, url: str, queue: str, entries: list[tuple[str, dict[str, Any]]], chunk: list[int],
                     failures: dict[int, Exception], settled: set[int]) -> Exception | None:
         """One SendMessageBatch of the entries at `chunk`; the outage that stopped it, or None."""
         try:
@@ -525,7 +527,7 @@ class SqsTransport(Transport):
             shown += len(result.get("Successful", []))
         return shown
 
-    def _large_body(self, url: str, m: dict, pointer: str) -> bytes | None:
+    def _large_body(self, url: str, m: dict[str, Any], pointer: str) -> bytes | None:
         """The body from S3, or None when it is gone: the message is then deleted, not delivered."""
         message_id = _attr(m, ATTR_MESSAGE_ID) or m["MessageId"]
         body = self.bodies.read(pointer, message_id)
@@ -575,7 +577,7 @@ class SqsTransport(Transport):
                                  error_queue)
 
 
-def _entry_bytes(entry: dict) -> int:
+def _entry_bytes(entry: dict[str, Any]) -> int:
     """An entry's size as SQS counts it against its limits: the body, and each attribute's name, type and value."""
     size = len(entry["MessageBody"].encode())
     for name, value in entry.get("MessageAttributes", {}).items():
@@ -584,7 +586,7 @@ def _entry_bytes(entry: dict) -> int:
     return size
 
 
-def _chunks(entries: list[dict]) -> Iterator[list[int]]:
+def _chunks(entries: list[dict[str, Any]]) -> Iterator[list[int]]:
     """Positions of `entries` in batches of at most 10 entries and 1 MiB (SQS's limits of one batch)."""
     chunk: list[int] = []
     size = 0
@@ -599,7 +601,8 @@ def _chunks(entries: list[dict]) -> Iterator[list[int]]:
         yield chunk
 
 
-def _received(endpoint: str, m: dict, body: bytes | None = None, receipt: str | None = None) -> ReceivedMessage:
+def _received(endpoint: str, m: dict[str, Any], body: bytes | None = None,
+              receipt: str | None = None) -> ReceivedMessage:
     attrs = m.get("Attributes", {})
     sent = int(attrs.get("SentTimestamp", "0")) / 1000
     due = _attr(m, ATTR_DUE_AT)
@@ -615,7 +618,7 @@ def _received(endpoint: str, m: dict, body: bytes | None = None, receipt: str | 
     )
 
 
-def assumed_role_session(client_args: dict, role: dict):
+def assumed_role_session(client_args: dict[str, Any], role: dict[str, Any]) -> Any:
     """A boto3 session whose credentials come from assuming `role["role_arn"]` (with `role["kwargs"]`, through
     `role["sts_endpoint_url"]`) from the base credentials in `client_args` (or this machine's own when it has
     none), refreshed by botocore before they expire: a sweep outlives any one set of them."""

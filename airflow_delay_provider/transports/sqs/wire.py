@@ -3,6 +3,8 @@ writes and how to read them back, SQS's batch size, and AWS errors turned into o
 
 from __future__ import annotations
 
+from typing import Any
+
 from botocore.exceptions import ClientError
 
 from airflow_delay_provider.core.message import HEADER_DUE_AT
@@ -18,7 +20,7 @@ ATTR_BODY_S3 = "x-body-s3"
 ATTR_CYCLE = "x-relay-cycle"
 
 
-def _attr(message: dict, name: str) -> str | None:
+def _attr(message: dict[str, Any], name: str) -> str | None:
     value = message.get("MessageAttributes", {}).get(name)
     return None if value is None else value.get("StringValue")
 

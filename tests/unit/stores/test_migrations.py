@@ -8,15 +8,39 @@ from importlib import resources
 
 import pytest
 
-from airflow_delay_provider.stores.migrations import Migration, latest_version, migrations
+from airflow_delay_provider.core.errors import InvalidNameError
+from airflow_delay_provider.stores.migrations import STORE_SCHEMA, Migration, latest_version, migrations
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
+from airflow_delay_provider.transports.sql import QUEUE_SCHEMA, SqlTableTransport
 
 
-def test_files_are_numbered_from_one_without_gaps():
-    names = sorted(e.name for e in resources.files("airflow_delay_provider.stores.schema").iterdir()
-                   if e.name.endswith(".sql"))
-    assert [int(n[:4]) for n in names] == list(range(1, len(names) + 1))
-    assert [m.version for m in migrations()] == list(range(1, latest_version() + 1))
+@pytest.mark.parametrize("package", [STORE_SCHEMA, QUEUE_SCHEMA])
+def test_files_are_numbered_from_one_without_gaps(package):
+    names = sorted(e.name for e in resources.files(package).iterdir() if e.name.endswith(".sql"))
+    assert names and [int(n[:4]) for n in names] == list(range(1, len(names) + 1))
+    assert [m.version for m in migrations(package)] == list(range(1, latest_version(package) + 1))
+
+
+@pytest.mark.parametrize("url", ["sqlite:///:memory:", "postgresql+psycopg://u:secret@127.0.0.1:1/x"])
+def test_queue_table_statements_name_only_the_prefixed_tables_quoted(url):
+    postgres = url.startswith("postgresql")
+    queues = SqlTableTransport(url, schema="s1" if postgres else None, table_prefix="team_a_")
+    for migration in migrations(QUEUE_SCHEMA):
+        statements = migration.statements(dict(queues.migrations.target.names), postgres)
+        assert statements
+        for statement in statements:
+            assert "{" not in statement and "--" not in statement
+            targets = re.findall(r"\b(?:TABLE|ON|INDEX)(?: IF (?:NOT )?EXISTS)? (\S+)", statement)
+            assert targets, statement
+            for target in targets:
+                assert target.startswith('"'), statement
+                assert target.strip('"').split('"."')[-1].startswith(("team_a_", "ix_team_a_")), statement
+
+
+def test_a_table_prefix_too_long_for_the_queue_tables_is_refused():
+    SqlTableTransport("sqlite:///:memory:", table_prefix="p" * 49)  # 49 + len("queue_messages") == 63
+    with pytest.raises(InvalidNameError, match="table prefix 'p{50}' is too long: at most 49 characters"):
+        SqlTableTransport("sqlite:///:memory:", table_prefix="p" * 50)
 
 
 @pytest.mark.parametrize("url", ["sqlite:///:memory:", "postgresql+psycopg://u:secret@127.0.0.1:1/x"])

@@ -1,0 +1,1 @@
+"""The SQL-table queues' versioned migrations (numbered SQL files, applied by stores.migrations)."""
