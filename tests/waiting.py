@@ -55,14 +55,14 @@ class SleepLog:
         wait, wait_async = store.wait, store.wait_async
 
         def watched_wait(until: datetime) -> None:
-            sleep = self._begin(store, until, store._listener)
+            sleep = self._begin(store, until, store.waiting.listener)
             try:
                 wait(until)
             finally:
                 self._end(store, sleep)
 
         async def watched_wait_async(until: datetime) -> None:
-            sleep = self._begin(store, until, store._alistener)
+            sleep = self._begin(store, until, store.waiting.subscription)
             try:
                 await wait_async(until)
             finally:

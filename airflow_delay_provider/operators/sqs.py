@@ -74,7 +74,7 @@ class RelayDelayedMessagesOperator(DelayOperatorBase):
 
     def execute(self, context: Context) -> dict:
         transport = self.get_transport()
-        self.log.info("Delay queue checked: %s", transport.verify(self.endpoint))
+        self.log.info("Delay queue checked: %s", transport.check_delay_queue(self.endpoint))
         return self._relay(transport, RelayCounts(), utcnow() + parse_runtime(self.max_runtime))
 
     def execute_complete(self, context: Context, event: dict) -> dict:

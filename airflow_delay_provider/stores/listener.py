@@ -9,7 +9,8 @@ reads the connection and hands each notification to every subscriber: a waiting 
 before its `until`, an idle one keeps the soonest for its next wait. A lost connection wakes every subscriber
 and ends the subscriptions; the next wait opens a new connection.
 
-Pumps in worker processes (the synchronous `wait`) keep a connection per store object.
+Pumps in worker processes (the synchronous `wait`) keep a connection per store object. `StoreWaiting` is a store
+object's waiting, both ways.
 """
 
 from __future__ import annotations
@@ -17,17 +18,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 from contextlib import suppress
-from typing import TYPE_CHECKING
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
 
-from airflow_delay_provider.stores.engine import KEEPALIVES, safe_url
+from airflow_delay_provider.stores.engine import KEEPALIVES, Database, engine_url, safe_url
+from airflow_delay_provider.stores.tables import to_us
 
 if TYPE_CHECKING:
+    import psycopg
     from psycopg import Notify
 
 log = logging.getLogger(__name__)
 
+#: Without LISTEN/NOTIFY (SQLite) an idle pump re-reads the next due time this often.
+SQLITE_POLL_SECONDS = 0.5
 #: The shared connections' application_name in pg_stat_activity, unless the store's URL sets its own.
 APPLICATION_NAME = "airflow-delay-listener"
 
@@ -179,3 +186,93 @@ def sooner(note: Notify, until_us: int, wants: Callable[[str], bool] | None = No
 
 def _due(note: Notify) -> int:
     return int(note.payload.partition(" ")[0])
+
+
+class StoreWaiting:
+    """How one store object waits for its next due time: woken by a NOTIFY of a message due sooner on PostgreSQL
+    (a LISTEN connection of its own for `wait`, the loop's shared one for `wait_async`), a short poll on SQLite.
+
+    :param channel: the store's NOTIFY channel.
+    :param wants: the destinations the store object serves (None: all), read at each wait (`restrict` changes it).
+    """
+
+    def __init__(self, db: Database, channel: str, wants: Callable[[], Callable[[str], bool] | None]) -> None:
+        self.db = db
+        self.channel = channel
+        self.wants = wants
+        self.listener: psycopg.Connection[Any] | None = None
+        self.subscription: Subscription | None = None  # this object's place on the loop's shared LISTEN connection
+
+    def wait(self, until: datetime) -> None:
+        """Sleep until `until`, returning early when a message due sooner is stored. A lost listening connection
+        is dropped and opened again on the next call; the caller re-reads the store in between, under its own
+        circuit breaker."""
+        remaining = (until - self.db.clock()).total_seconds()
+        if remaining <= 0:
+            return
+        if not self.db.is_postgres:
+            time.sleep(min(remaining, SQLITE_POLL_SECONDS))
+            return
+        if self.listener is None or self.listener.closed:
+            try:
+                self.listener = self._listen()
+            except Exception as exc:  # the database is down: wait a little, the caller's breaker decides
+                log.warning("could not LISTEN for new messages (%s); retrying", exc)
+                time.sleep(min(remaining, 1.0))
+            # A message stored before LISTEN took effect sent no notification we could see:
+            # return so the caller reads the next due time again, now with the listener in place.
+            return
+        listener = self.listener
+        until_us = to_us(until)
+        deadline = time.monotonic() + remaining
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                # Each notifies() runs to its end (one note or the timeout), leaving the connection idle.
+                wants = self.wants()
+                if [n for n in listener.notifies(timeout=left, stop_after=1) if sooner(n, until_us, wants)]:
+                    return
+        except Exception as exc:  # killed backend, restart, fail-over: listen again next time
+            log.warning("lost the LISTEN connection (%s); listening again", exc)
+            self._close_listener()
+
+    async def wait_async(self, until: datetime) -> None:
+        """`wait` for an event loop (a trigger): the same wake-ups, on the LISTEN connection that every store
+        object of this database and table waiting in the loop shares."""
+        remaining = (until - self.db.clock()).total_seconds()
+        if remaining <= 0:
+            return
+        if not self.db.is_postgres:
+            await asyncio.sleep(min(remaining, SQLITE_POLL_SECONDS))
+            return
+        subscription = self.subscription
+        if subscription is None or subscription.closed or subscription.loop is not asyncio.get_running_loop():
+            if subscription is not None:
+                await subscription.leave()
+            self.subscription = subscription = subscribe(self._listen_url(), self.channel, self.wants())
+        await subscription.wait(to_us(until), remaining)
+
+    def _listen_url(self) -> str:
+        return engine_url(self.db.url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+    def _listen(self) -> psycopg.Connection[Any]:
+        import psycopg  # only PostgreSQL stores get here
+
+        conn = psycopg.connect(self._listen_url(), autocommit=True, **KEEPALIVES)
+        conn.execute(f'LISTEN "{self.channel}"')  # channel is a hex digest with a fixed prefix
+        return conn
+
+    def _close_listener(self) -> None:
+        if self.listener is not None:
+            try:
+                self.listener.close()
+            finally:
+                self.listener = None
+
+    def close(self) -> None:
+        self._close_listener()
+
+    async def aclose(self) -> None:
+        subscription, self.subscription = self.subscription, None
+        if subscription is not None:
+            await subscription.leave()
+        self.close()

@@ -1,22 +1,20 @@
 """The SQL delayed-message store (an external store of delayed messages, claimed in batches): SQLite and PostgreSQL.
 
-The store's messages, claims, de-duplication and waiting are here; it is composed of parts that each get its
-database and tables: per-destination settings (destinations.py), bulk-sweep leases (leases.py), event claims
-(event_leases.py), backlog controls (backlog.py), upkeep (upkeep.py) and migrations (migrations.py). The tables
-are declared in tables.py.
+The store's messages and claims are here. It is composed of parts that each get its database and tables:
+per-destination settings (destinations.py), bulk-sweep leases (leases.py), event claims (event_leases.py),
+backlog controls (backlog.py), de-duplication (dedup.py), waiting for the next due time (listener.py), upkeep
+(upkeep.py) and migrations (migrations.py). The tables are declared in tables.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
-import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import ColumnElement, Table, any_, delete, func, insert, inspect, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -30,11 +28,12 @@ from airflow_delay_provider.core.errors import InvalidMessageError
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
 from airflow_delay_provider.stores.backlog import BacklogControls
+from airflow_delay_provider.stores.dedup import DEFAULT_DEDUP_WINDOW_SECONDS, AcceptedIds
 from airflow_delay_provider.stores.destinations import DestinationSettings
-from airflow_delay_provider.stores.engine import KEEPALIVES, IndexStart, SqlDatabase, copy_rows, engine_url, safe_url
+from airflow_delay_provider.stores.engine import IndexStart, SqlDatabase, copy_rows, safe_url
 from airflow_delay_provider.stores.event_leases import EventLeases
 from airflow_delay_provider.stores.leases import LeasedRows, SweepLeases
-from airflow_delay_provider.stores.listener import Subscription, sooner, subscribe
+from airflow_delay_provider.stores.listener import StoreWaiting
 from airflow_delay_provider.stores.migrations import STORE_SCHEMA, SchemaMigrations, VersionedTables
 from airflow_delay_provider.stores.tables import (
     DEFAULT_TABLE,
@@ -49,22 +48,12 @@ from airflow_delay_provider.stores.tables import (
 )
 from airflow_delay_provider.stores.upkeep import TableUpkeep
 
-if TYPE_CHECKING:
-    import psycopg
-
 log = logging.getLogger(__name__)
 
-#: Without LISTEN/NOTIFY (SQLite) an idle pump re-reads the next due time this often.
-SQLITE_POLL_SECONDS = 0.5
-#: How long an accepted message id is remembered (seconds): within it, the same id is neither stored
-#: nor sent natively again. Like SQS FIFO's five-minute window or Cloud Tasks' task names, but longer.
-DEFAULT_DEDUP_WINDOW_SECONDS = 86_400
 #: A send to more destinations than this wakes every waiting pump with one notification, naming none.
 _NAMED_WAKEUPS = 16
 #: How far before its clock a reading of where claims start marks the due times of rows written after it.
 _START_MARGIN_US = 1_000_000
-#: Expired ids are deleted at most this often per store object.
-_EXPIRE_EVERY_SECONDS = 60.0
 
 
 __all__ = [  # the names other modules import from here
@@ -115,9 +104,9 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
 
     The store is its database (SqlDatabase) and its tables (`tables`, declared in tables.py), and the parts that
     each work on those two: `settings` (destinations, pauses, policies, queue delays, throttles), `leases` (bulk
-    sweeps), `events` (event claims), `controls` (browse, count, cancel, reschedule, purge), `maintenance`
-    (vacuum and analyse) and `migrations`. Claims, de-duplication and waiting are here; the parts' public
-    methods are the store's too.
+    sweeps), `events` (event claims), `controls` (browse, count, cancel, reschedule, purge), `accepted`
+    (de-duplication), `waiting`, `maintenance` (vacuum and analyse) and `migrations`. Storing and claiming are
+    the store's own; the parts' public methods are the store's too.
     """
 
     def __init__(
@@ -130,18 +119,17 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         check_number("dedup_window_seconds", dedup_window_seconds, 0, what="a number of seconds",
                      hint="0 turns de-duplication off")
         self.dedup_window_us = int(dedup_window_seconds * 1_000_000)
-        self._expired_at = 0.0
         self.tables = StoreTables.declare(self.table_name, self.schema)
+        self.accepted = AcceptedIds(self, self.tables.ids, self.dedup_window_us)
         self.concurrent_claims = self.is_postgres  # SQLite locks the whole database per write transaction
         self.threaded_claims = self.is_postgres
         # On SQLite a claim holds the database's write lock, which a second transaction would wait for:
         # there each pump keeps its own bucket (pumps on one SQLite file take turns anyway).
         self.shared_throttle = self.is_postgres
-        self._listener: psycopg.Connection[Any] | None = None
-        self._alistener: Subscription | None = None  # this object's place on the loop's shared LISTEN connection
         self._scope: list[ColumnElement[bool]] = []  # conditions every claim and read of this store object adds
         self._wants: Callable[[str], bool] | None = None  # the destinations it serves, when restricted
         self._due_start = IndexStart()  # where this object's claims start reading the due index
+        self.waiting = StoreWaiting(self, self.tables.channel, lambda: self._wants)
         self.settings = DestinationSettings(self, self.tables)
         self.leases = SweepLeases(self, self.tables)
         self.events = EventLeases(self, self.tables, self.leases)
@@ -271,7 +259,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         remember = deduplicate and self.dedup_window_us > 0
         with self.errors("store delayed messages"), self.engine.begin() as conn:
             if remember:
-                self._expire_ids(conn, now)
+                self.accepted.expire(conn, now)
             stored = self._insert_new(conn, rows, now if remember else None)
             if stored:
                 self.settings.register(conn, {r["destination"] for r in rows}, now)
@@ -309,7 +297,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             except UniqueViolation:
                 pass
         if seen_at_us is not None:
-            fresh = set(self._remember(conn, [r["message_id"] for r in rows], seen_at_us))
+            fresh = set(self.accepted.remember(conn, [r["message_id"] for r in rows], seen_at_us))
             rows = [r for r in rows if r["message_id"] in fresh]
             if not rows:
                 return 0
@@ -317,42 +305,13 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         stmt = insert.on_conflict_do_nothing(index_elements=["message_id"]).returning(self.table.c.id)
         return len(conn.execute(stmt, rows).all())
 
-    def _remember(self, conn: Connection, message_ids: Sequence[str], seen_at_us: int) -> list[str]:
-        """Add ids to the ids table; returns those that were not there within the window (the new ones:
-        an id seen longer ago than the window counts as new, even before the expiry deleted it)."""
-        t = self.tables.ids
-        insert = (postgresql.insert if self.is_postgres else sqlite.insert)(t)
-        stmt = insert.on_conflict_do_update(
-            index_elements=["message_id"], set_={"seen_at_us": insert.excluded.seen_at_us},
-            where=t.c.seen_at_us < seen_at_us - self.dedup_window_us,
-        ).returning(t.c.message_id)
-        rows = [{"message_id": m, "seen_at_us": seen_at_us} for m in dict.fromkeys(message_ids)]
-        return list(conn.execute(stmt, rows).scalars()) if rows else []
-
-    def _expire_ids(self, conn: Connection, now_us: int) -> None:
-        if time.monotonic() - self._expired_at >= _EXPIRE_EVERY_SECONDS:
-            self._expired_at = time.monotonic()
-            conn.execute(delete(self.tables.ids).where(self.tables.ids.c.seen_at_us < now_us - self.dedup_window_us))
-
     def unseen(self, message_ids: Sequence[str]) -> list[str]:
         """The ids not accepted within the de-duplication window: what a native send may still send."""
-        if self.dedup_window_us <= 0 or not message_ids:
-            return list(message_ids)
-        cutoff = to_us(self.clock()) - self.dedup_window_us
-        t = self.tables.ids
-        with self.errors("read sent message ids"), self.engine.connect() as conn:
-            seen = set(conn.execute(select(t.c.message_id).where(
-                t.c.message_id.in_(list(message_ids)), t.c.seen_at_us >= cutoff)).scalars())
-        return [m for m in message_ids if m not in seen]
+        return self.accepted.unseen(message_ids)
 
     def remember_sent(self, message_ids: Sequence[str]) -> None:
         """Record ids a broker confirmed (a native send), so a retried send skips them."""
-        if self.dedup_window_us <= 0 or not message_ids:
-            return
-        now = to_us(self.clock())
-        with self.errors("record sent message ids"), self.engine.begin() as conn:
-            self._expire_ids(conn, now)
-            self._remember(conn, message_ids, now)
+        self.accepted.remember_sent(message_ids)
 
     def due_ids(
         self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = ()
@@ -559,76 +518,17 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             row = conn.execute(select(t).where(t.c.message_id == message_id)).first()
         return None if row is None else _message(row)
 
-    # -- waiting ---------------------------------------------------------------------------------
+    # -- waiting (stores/listener.py) ----------------------------------------------------------------
     def wait(self, until: datetime) -> None:
-        """Sleep until `until`, returning early when a message due sooner is stored (LISTEN/NOTIFY on
-        PostgreSQL, a short poll on SQLite). A lost listening connection is dropped and opened again on
-        the next call; the caller re-reads the store in between, under its own circuit breaker."""
-        remaining = (until - self.clock()).total_seconds()
-        if remaining <= 0:
-            return
-        if not self.is_postgres:
-            time.sleep(min(remaining, SQLITE_POLL_SECONDS))
-            return
-        if self._listener is None or self._listener.closed:
-            try:
-                self._listener = self._listen()
-            except Exception as exc:  # the database is down: wait a little, the caller's breaker decides
-                log.warning("could not LISTEN for new messages (%s); retrying", exc)
-                time.sleep(min(remaining, 1.0))
-            # A message stored before LISTEN took effect sent no notification we could see:
-            # return so the caller reads the next due time again, now with the listener in place.
-            return
-        listener = self._listener
-        until_us = to_us(until)
-        deadline = time.monotonic() + remaining
-        try:
-            while (left := deadline - time.monotonic()) > 0:
-                # Each notifies() runs to its end (one note or the timeout), leaving the connection idle.
-                if [n for n in listener.notifies(timeout=left, stop_after=1) if sooner(n, until_us, self._wants)]:
-                    return
-        except Exception as exc:  # killed backend, restart, fail-over: listen again next time
-            log.warning("lost the LISTEN connection (%s); listening again", exc)
-            self._close_listener()
+        """Sleep until `until`, returning early when a message due sooner is stored (`StoreWaiting.wait`)."""
+        self.waiting.wait(until)
 
     async def wait_async(self, until: datetime) -> None:
-        """`wait` for an event loop (a trigger): the same wake-ups, on the LISTEN connection that every store
-        object of this database and table waiting in the loop shares (listener.py)."""
-        remaining = (until - self.clock()).total_seconds()
-        if remaining <= 0:
-            return
-        if not self.is_postgres:
-            await asyncio.sleep(min(remaining, SQLITE_POLL_SECONDS))
-            return
-        subscription = self._alistener
-        if subscription is None or subscription.closed or subscription.loop is not asyncio.get_running_loop():
-            if subscription is not None:
-                await subscription.leave()
-            self._alistener = subscription = subscribe(self._listen_url(), self.channel, self._wants)
-        await subscription.wait(to_us(until), remaining)
-
-    def _listen_url(self) -> str:
-        return engine_url(self.url).set(drivername="postgresql").render_as_string(hide_password=False)
-
-    def _listen(self) -> psycopg.Connection[Any]:
-        import psycopg  # only PostgreSQL stores get here
-
-        conn = psycopg.connect(self._listen_url(), autocommit=True, **KEEPALIVES)
-        conn.execute(f'LISTEN "{self.channel}"')  # channel is a hex digest with a fixed prefix
-        return conn
-
-    def _close_listener(self) -> None:
-        if self._listener is not None:
-            try:
-                self._listener.close()
-            finally:
-                self._listener = None
+        """`wait` for an event loop (a trigger), on the loop's shared LISTEN connection."""
+        await self.waiting.wait_async(until)
 
     def close(self) -> None:
-        self._close_listener()
+        self.waiting.close()
 
     async def aclose(self) -> None:
-        subscription, self._alistener = self._alistener, None
-        if subscription is not None:
-            await subscription.leave()
-        self.close()
+        await self.waiting.aclose()

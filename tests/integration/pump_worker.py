@@ -148,7 +148,7 @@ def main(argv: list[str]) -> None:
 
         def wait_telling(until: datetime) -> None:
             nonlocal told
-            if not told and store._listener is not None and not store._listener.closed:
+            if not told and store.waiting.listener is not None and not store.waiting.listener.closed:
                 told = True  # this call sleeps on the LISTEN connection (the first only opens it)
                 print("sleeping", flush=True)
             wait(until)

@@ -71,7 +71,7 @@ def test_native_delay_and_missing_delay_queue(sqs_client):
     assert isinstance(failures["long-1"], DestinationNotFoundError)
     assert "does not accept delays longer than 15 minutes" in str(failures["long-1"])
     with pytest.raises(DestinationNotFoundError, match="provision it with unrestricted delays"):
-        t.verify("plain")
+        t.check_delay_queue("plain")
 
 
 def test_mixed_batch_split_per_destination(sqs_client):
@@ -92,12 +92,23 @@ def test_mixed_batch_split_per_destination(sqs_client):
 
 def test_verify_catches_misconfigured_delay_queue(sqs_client):
     t = make(sqs_client, 900, "orders")
-    assert t.verify("orders")["ok"]
+    assert t.check_delay_queue("orders")["ok"]
     url = sqs_client.get_queue_url(QueueName="orders-delay.fifo")["QueueUrl"]
     sqs_client.set_queue_attributes(QueueUrl=url, Attributes={"DelaySeconds": "60", "MessageRetentionPeriod": "60"})
     with pytest.raises(InvalidInputError,
                        match="DelaySeconds is 60, must be at least 900.*MessageRetentionPeriod is 60"):
-        t.verify("orders")
+        t.check_delay_queue("orders")
+    # verify() gives every transport's report shape, here listing the queue as different.
+    report = t.verify(["orders"])
+    assert report["complete"] is False and report["different"] == ["orders"]
+    assert "DelaySeconds is 60" in report["endpoints"]["orders"]["problem"]
+
+
+def test_verify_of_a_single_name_still_gives_the_delay_queue_check_with_a_deprecation_warning(sqs_client):
+    t = make(sqs_client, 900, "orders")
+    with pytest.warns(DeprecationWarning, match=r"check_delay_queue\(name\)"):
+        report = t.verify("orders")
+    assert report == t.check_delay_queue("orders") and report["ok"]
 
 
 def test_bad_input(sqs_client):

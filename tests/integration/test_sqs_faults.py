@@ -179,18 +179,19 @@ def test_provisioning_updates_a_delay_queue_made_with_four_days(sqs_client):
 
 def test_verify_warns_when_retention_is_shorter_than_a_relay_outage(sqs_client, caplog):
     t = make(sqs_client, 900, "orders")
-    report = t.verify("orders")
+    report = t.check_delay_queue("orders")
     assert report["ok"] and report["warnings"] == [] and report["retention_seconds"] == FOURTEEN_DAYS
     url = sqs_client.get_queue_url(QueueName="orders-delay.fifo")["QueueUrl"]
     sqs_client.set_queue_attributes(QueueUrl=url, Attributes={"MessageRetentionPeriod": "345600"})
     with caplog.at_level(logging.WARNING, logger="airflow_delay_provider.transports.sqs.transport"):
-        report = t.verify("orders")
+        report = t.check_delay_queue("orders")
     assert report["ok"]
     [warning] = report["warnings"]
     assert "345600" in warning and "max_relay_downtime" in warning
     assert any(r.levelno == logging.WARNING and "345600" in r.getMessage() for r in caplog.records)
     # A relay that is never down for more than a day is safe with 4 days.
-    assert SqsTransport(sqs_client, queue_delay=900, max_relay_downtime=86_400).verify("orders")["warnings"] == []
+    safe = SqsTransport(sqs_client, queue_delay=900, max_relay_downtime=86_400)
+    assert safe.check_delay_queue("orders")["warnings"] == []
 
 
 # -- FIFO deduplication across a relay crash -------------------------------------------------------

@@ -67,7 +67,7 @@ def test_a_fifo_endpoint_is_provisioned_as_a_fifo_queue_with_a_standard_delay_qu
     assert queue["DelaySeconds"] == "0"
     delay_queue = attributes(sqs_client, "orders-fifo-delay")
     assert "FifoQueue" not in delay_queue and delay_queue["MessageRetentionPeriod"] == FOURTEEN_DAYS
-    assert t.verify("orders.fifo")["ok"] and t.verify(["orders.fifo"])["complete"]
+    assert t.check_delay_queue("orders.fifo")["ok"] and t.verify(["orders.fifo"])["complete"]
     t.provision("orders.fifo")  # idempotent
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -41,7 +42,7 @@ from airflow_delay_provider.core.errors import (
 from airflow_delay_provider.core.message import DelayedMessage, check_destination
 from airflow_delay_provider.core.ports import ReceivedMessage, Transport
 from airflow_delay_provider.core.throttle import TokenBucket
-from airflow_delay_provider.transports.sqs import relay
+from airflow_delay_provider.transports.sqs import provisioning, relay
 from airflow_delay_provider.transports.sqs.bodies import BODY_EXPIRATION_DAYS, MAX_BODY_BYTES, Bodies, _decode_body
 from airflow_delay_provider.transports.sqs.naming import (
     DELAY_QUEUE_SUFFIX,
@@ -73,8 +74,7 @@ from airflow_delay_provider.transports.sqs.wire import (
 
 log = logging.getLogger(__name__)
 
-DELAY_QUEUE_RETENTION = 1_209_600  # 14 days, SQS's maximum
-#: The longest the relay may be down by default: verify() warns when the delay queue's retention is shorter.
+#: The longest the relay may be down by default: check_delay_queue() warns when the delay queue's retention is shorter.
 MAX_RELAY_DOWNTIME = 7 * 86_400
 MAX_BATCH_BYTES = 1024 * 1024  # SQS's message and batch limit (1 MiB)
 #: A receipt of a message whose body is in S3 carries the object too, so any process can ack it.
@@ -203,7 +203,7 @@ class SqsTransport(Transport):
                 raise UnavailableError(f"could not reach SQS for queue {queue!r}: {_aws_error(exc)}") from None
         return self._urls[queue]
 
-    # -- provisioning ------------------------------------------------------------------------------
+    # -- provisioning (provisioning.py) ---------------------------------------------------------------
     def provision(self, endpoint: str, queue_delay_seconds: int | None = None,
                   unrestricted: bool = True) -> dict[str, Any]:
         """The endpoint queue (optionally with a queue-level delay; a FIFO one, `<name>.fifo`, with
@@ -214,109 +214,28 @@ class SqsTransport(Transport):
         A FIFO queue gets no queue-level delay: SQS would add it to every message, a due one too, and no
         per-message delay can override it there; the provider's senders keep it (the store adds it to
         the due time of each message sent to that endpoint)."""
-        name = self.queue_name(endpoint)
-        fifo = _is_fifo(name)
-        attributes = {"FifoQueue": "true"} if fifo else {}
-        if queue_delay_seconds:
-            # moto accepts more; real SQS does not: check here so tests mean what production does
-            check_int("queue_delay_seconds", queue_delay_seconds, 0, NATIVE_MAX_DELAY, unit="on SQS",
-                      error=DelayError)
-            if not fifo:
-                attributes["DelaySeconds"] = str(queue_delay_seconds)
-        try:
-            self._urls[name] = self.client.create_queue(QueueName=name, Attributes=attributes)["QueueUrl"]
-            summary: dict[str, Any] = {"transport": self.name, "endpoint": endpoint, "queue": name}
-            if unrestricted:
-                delay_queue = delay_queue_name(endpoint, self.prefix)
-                self._urls[delay_queue] = self._create_or_update(delay_queue, self._delay_queue_attributes(fifo))
-                summary["delay_queue"] = delay_queue
-        except ClientError as exc:
-            raise InvalidInputError(f"SQS refused to create the queues of {endpoint!r}: {_aws_error(exc)}") from None
-        except BotoCoreError as exc:
-            raise UnavailableError(f"could not reach SQS: {_aws_error(exc)}") from None
-        if self.bodies.bucket:
-            summary["body_expiration_days"] = self.bodies.expire()
-        return summary
-
-    def _delay_queue_attributes(self, fifo_endpoint: bool) -> dict[str, str]:
-        retention = {"MessageRetentionPeriod": str(DELAY_QUEUE_RETENTION)}
-        if fifo_endpoint:  # a standard queue: each hop carries its own DelaySeconds
-            return retention
-        return {"FifoQueue": "true", "DelaySeconds": str(self.queue_delay), **retention}
-
-    def _create_or_update(self, queue: str, attributes: dict[str, str]) -> str:
-        try:
-            created: str = self.client.create_queue(QueueName=queue, Attributes=attributes)["QueueUrl"]
-            return created
-        except ClientError as exc:
-            if _code(exc) not in ("QueueAlreadyExists", "QueueNameExists"):
-                raise
-        # Made earlier with other attributes (an older 4-day retention, another Q): bring it up to date.
-        url: str = self.client.get_queue_url(QueueName=queue)["QueueUrl"]
-        self.client.set_queue_attributes(QueueUrl=url,
-                                         Attributes={k: v for k, v in attributes.items() if k != "FifoQueue"})
-        return url
+        return provisioning.provision(self, endpoint, queue_delay_seconds, unrestricted)
 
     def verify(self, endpoints: str | Iterable[str] = ()) -> dict[str, Any]:
-        """For one endpoint, the relay's start-up check of its delay queue (below); for several, the
-        provisioning report: `complete`, `missing` and `different` (misconfigured) queues, and each
-        delay queue's report under `endpoints`."""
-        if isinstance(endpoints, str):
-            return self._verify_delay_queue(endpoints)
-        report: dict[str, Any] = {"missing": [], "different": [], "endpoints": {}}
-        for endpoint in endpoints:
-            try:
-                self._url(self.queue_name(endpoint))
-                report["endpoints"][endpoint] = self._verify_delay_queue(endpoint)
-            except DestinationNotFoundError:
-                report["missing"].append(endpoint)
-            except InvalidNameError:
-                raise
-            except InvalidInputError as exc:
-                report["different"].append(endpoint)
-                report["endpoints"][endpoint] = {"ok": False, "problem": str(exc)}
-        report["complete"] = not report["missing"] and not report["different"]
-        return report
+        """The provisioning report of these endpoints, as every transport gives it: `complete`, `missing` and
+        `different` (misconfigured) queues, and each delay queue's report (`check_delay_queue`) under
+        `endpoints`.
 
-    def _verify_delay_queue(self, endpoint: str) -> dict[str, Any]:
+        A single name (a str) is deprecated: it returned `check_delay_queue`'s report instead, and still
+        does, with a DeprecationWarning, until the next minor release."""
+        if isinstance(endpoints, str):
+            warnings.warn("SqsTransport.verify(name) is deprecated: call check_delay_queue(name) for one delay "
+                          "queue's check, or verify([name]) for the provisioning report",
+                          DeprecationWarning, stacklevel=2)
+            return self.check_delay_queue(endpoints)
+        return provisioning.verify(self, endpoints)
+
+    def check_delay_queue(self, endpoint: str) -> dict[str, Any]:
         """Start-up check of the delay queue: present, delay >= Q (a FIFO endpoint's standard delay queue: any,
         each hop sets its own), retention longer than the longest wait there, no redrive policy. A retention
         too short to outlast `max_relay_downtime` is a warning (logged and in the report's `warnings`): a
         relay down that long would lose messages silently."""
-        fifo_endpoint = _is_fifo(self.queue_name(endpoint))  # a name SQS cannot have says so, not "missing"
-        queue = delay_queue_name(endpoint, self.prefix)
-        try:
-            url = self._url(queue)
-        except DestinationNotFoundError:
-            takes = ("delayed messages (a FIFO queue takes no per-message delay)" if fifo_endpoint
-                     else f"delays over {NATIVE_MAX_DELAY} s")
-            raise DestinationNotFoundError(
-                f"delay queue {queue!r} is missing: {endpoint!r} cannot take {takes}; "
-                "provision it with unrestricted delays"
-            ) from None
-        attrs = self.client.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])["Attributes"]
-        delay, retention = int(attrs.get("DelaySeconds", 0)), int(attrs.get("MessageRetentionPeriod", 0))
-        # The longest a message waits there before the relay sees it: a hop is at most Q on a FIFO endpoint's.
-        wait = self.queue_delay if fifo_endpoint else delay
-        problems = []
-        if not fifo_endpoint and delay < self.queue_delay:
-            problems.append(f"DelaySeconds is {delay}, must be at least {self.queue_delay}")
-        if retention <= wait:
-            problems.append(f"MessageRetentionPeriod is {retention}, must be longer than {wait} s or every message "
-                            f"expires before the relay sees it (provisioning sets {DELAY_QUEUE_RETENTION})")
-        if attrs.get("RedrivePolicy"):
-            problems.append("it has a RedrivePolicy; a delay queue must not dead-letter its messages")
-        if problems:
-            raise InvalidInputError(f"delay queue {queue!r} is misconfigured: " + "; ".join(problems))
-        warnings = []
-        if retention - wait < self.max_relay_downtime:
-            warnings.append(
-                f"MessageRetentionPeriod is {retention} s, so a relay down for more than {retention - wait} s loses "
-                f"messages, less than max_relay_downtime ({self.max_relay_downtime:g} s); provision the endpoint again "
-                f"to raise it to {DELAY_QUEUE_RETENTION} s (SQS's maximum)")
-            log.warning("delay queue %s: %s", queue, warnings[-1])
-        return {"delay_queue": queue, "delay_seconds": delay, "retention_seconds": retention,
-                "max_relay_downtime": self.max_relay_downtime, "warnings": warnings, "ok": True}
+        return provisioning.check_delay_queue(self, endpoint)
 
     def depth(self, endpoint: str) -> dict[str, int]:
         """The endpoint queue's messages: visible, in flight, scheduled (raises DestinationNotFoundError
