@@ -7,7 +7,7 @@ JDBC_JAR := /usr/share/java/postgresql.jar
 CHROMIUM := /usr/bin/chromium
 export AIRFLOW_HOME := $(CURDIR)/.airflow
 
-.PHONY: demo test test-fast bench install clean
+.PHONY: demo test test-fast bench install clean dist
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -33,10 +33,18 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
-test: $(STAMP) $(JDBC_JAR) $(CHROMIUM)
+test: $(STAMP) $(JDBC_JAR) $(CHROMIUM) dist
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -n 3 --dist loadfile --durations=15
+
+# The sdist and the wheel a release uploads, checked as PyPI reads them (the test suite installs a fresh build).
+dist: $(STAMP)
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+	@# The sdist's egg-info, on sys.path from the checkout, would register the entry points a second time.
+	rm -rf airflow_delay_provider.egg-info
+	$(BIN)/twine check --strict dist/*
 
 # No services needed: unit and property tests, and the contract tests on the in-memory fakes and SQLite.
 test-fast: $(STAMP)
@@ -57,4 +65,4 @@ bench: $(STAMP) $(JDBC_JAR)
 	$(BIN)/python bench/bench_faults.py
 
 clean:
-	rm -rf $(VENV) .airflow
+	rm -rf $(VENV) .airflow dist build

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from collections.abc import Callable
 from functools import wraps
 from typing import Any
@@ -29,7 +31,12 @@ def _command(func: Callable[[DelayStoreHook, argparse.Namespace], dict]) -> Call
             report = func(hook, args)
         except DelayProviderError as exc:
             raise SystemExit(f"error: {exc}") from None
-        print(json.dumps(report, indent=2, default=str))
+        try:
+            print(json.dumps(report, indent=2, default=str), flush=True)
+        except BrokenPipeError:
+            # The reader stopped early (`... | head`), which is not an error. Python would report the failed
+            # flush of stdout at exit, so stdout goes to /dev/null first.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
     return run
 

@@ -31,6 +31,10 @@ LISTED = 1_000
 #: The backlog histogram's buckets: messages due at most this far ahead (seconds), then "later".
 BUCKETS: tuple[tuple[str, int], ...] = (("due", 0), ("next_minute", 60), ("next_hour", 3_600),
                                         ("next_day", 86_400))
+#: What each histogram key means, in the words the CLI, the API and the page all show (each report carries them,
+#: as `buckets`, and the page draws its bars from them).
+BUCKET_LABELS: dict[str, str] = {"due": "Due now", "next_minute": "< 1 minute", "next_hour": "< 1 hour",
+                                 "next_day": "< 1 day", "later": "Later"}
 
 
 @dataclass(frozen=True)
@@ -233,7 +237,8 @@ def backlog_report(now: datetime, destinations: dict[str, dict[str, Any]]) -> di
         entry["due"] = entry["histogram"]["due"]
     totals = {k: sum(e[k] for e in destinations.values()) for k in ("scheduled", "due", "in_flight")}
     totals["paused_due"] = sum(e["due"] for e in destinations.values() if e["paused"])
-    return {"at": now.astimezone(UTC).isoformat(), "destinations": destinations, "totals": totals}
+    return {"at": now.astimezone(UTC).isoformat(), "destinations": destinations, "totals": totals,
+            "buckets": [{"key": key, "label": label} for key, label in BUCKET_LABELS.items()]}
 
 
 def pause_names(destinations: Collection[str]) -> list[str]:

@@ -24,14 +24,17 @@ from airflow_delay_provider.transports.sql import SqlTableTransport
 #: the triggerer's and the workers' processes (separate containers or pods) reach one store.
 DEFAULT_CONN_ID = "delay_store_default"
 
-HOW_TO_DEFINE = (
-    "define it in the deployment (the same for every Airflow component), for example "
-    """AIRFLOW_CONN_DELAY_STORE_DEFAULT='{"conn_type": "delay_store", "host": "db", "port": 5432, """
-    """"login": "airflow", "password": "...", "schema": "airflow", "extra": {"db_schema": "delays"}}', """
-    "or, for a single machine, a SQLite file every component can open: "
-    """AIRFLOW_CONN_DELAY_STORE_DEFAULT='{"conn_type": "delay_store", "schema": "/abs/path/delay_store.db", """
-    """"extra": {"driver": "sqlite"}}'"""
-)
+def how_to_define(conn_id: str) -> str:
+    """How to define the connection `conn_id` (the environment variable Airflow reads for that id)."""
+    var = "AIRFLOW_CONN_" + conn_id.upper()
+    return (
+        "define it in the deployment (the same for every Airflow component), for example "
+        f"""{var}='{{"conn_type": "delay_store", "host": "db", "port": 5432, """
+        """"login": "airflow", "password": "...", "schema": "airflow", "extra": {"db_schema": "delays"}}', """
+        "or, for a single machine, a SQLite file every component can open: "
+        f"""{var}='{{"conn_type": "delay_store", "schema": "/abs/path/delay_store.db", """
+        """"extra": {"driver": "sqlite"}}'"""
+    )
 
 
 #: What a `delay_store` connection's `driver` (or `url`) may name: the store runs on these two databases.
@@ -138,7 +141,7 @@ class DelayStoreHook(BacklogActions, BaseHook):
 
     def _missing(self, exc: Exception) -> InvalidInputError:
         return InvalidInputError(f"the delay store connection {self.delay_store_conn_id!r} is not defined "
-                                 f"({type(exc).__name__}); {HOW_TO_DEFINE}")
+                                 f"({type(exc).__name__}); {how_to_define(self.delay_store_conn_id)}")
 
     def _resolve(self) -> tuple[URL, str, str | None]:
         if self._resolved is None:

@@ -152,6 +152,9 @@ def test_backlog_counts_buckets_and_pauses(store):
     assert ordered["scheduled"] == 7 and ordered["due"] == 2 and not ordered["paused"]
     assert refunds["paused"] and refunds["due"] == 2
     assert report["totals"] == {"scheduled": 9, "due": 4, "in_flight": 0, "paused_due": 2}
+    # One set of words for the histogram, carried by the report the CLI prints and the page draws.
+    assert [b["key"] for b in report["buckets"]] == list(ordered["histogram"])
+    assert [b["label"] for b in report["buckets"]] == ["Due now", "< 1 minute", "< 1 hour", "< 1 day", "Later"]
 
 
 def test_cancel_by_ids_reports_each_and_is_idempotent(store):

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -129,3 +129,27 @@ def test_the_command_line_lists_cancels_pauses_and_purges_without_showing_the_pa
     assert unknown.returncode == 1 and "unknown destination(s) ['ordres']" in unknown.stderr
     for result in (listed, refused, unknown):
         assert "s3cr3t-pw" not in result.stdout + result.stderr
+
+
+def test_the_command_line_piped_into_head_ends_quietly_and_a_missing_connection_names_its_variable(
+        airflow_home, pg_store):
+    conn_id, store = pg_store
+    from airflow_delay_provider.core.delays import utcnow
+    from airflow_delay_provider.core.message import DelayedMessage
+
+    store.store([DelayedMessage("orders", b"x" * 200, utcnow() + timedelta(hours=1), message_id=f"pipe-{i}")
+                 for i in range(1000)])
+    airflow = str(Path(sys.executable).parent / "airflow")
+    # `airflow delayed-messages browse ... | head -n 1`: the reader closes the pipe after one line.
+    with subprocess.Popen([airflow, "delayed-messages", "browse", "--conn-id", conn_id, "--limit", "1000"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ}) as cli:
+        assert cli.stdout.readline().strip() == b"{"
+        cli.stdout.close()
+        stderr = cli.stderr.read().decode()
+        assert cli.wait(120) == 0, stderr
+    assert "BrokenPipeError" not in stderr and "Traceback" not in stderr, stderr
+
+    missing = _cli("backlog", "--conn-id", "delay_store_other", env={**os.environ})
+    assert missing.returncode == 1
+    assert "AIRFLOW_CONN_DELAY_STORE_OTHER=" in missing.stderr, missing.stderr
+    assert "AIRFLOW_CONN_DELAY_STORE_DEFAULT" not in missing.stderr

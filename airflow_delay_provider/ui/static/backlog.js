@@ -4,10 +4,6 @@
 "use strict";
 
 (() => {
-  const BUCKETS = [
-    ["due", "Due now"], ["next_minute", "< 1 minute"], ["next_hour", "< 1 hour"], ["next_day", "< 1 day"],
-    ["later", "Later"],
-  ];
   const REFRESH_MS = 15000;
   const state = {
     backlog: null, canEdit: false, chartDestination: null, query: {}, cursors: [], after: null, next: null,
@@ -235,6 +231,8 @@
 
   function renderChart() {
     const { destinations } = state.backlog;
+    // The buckets and their words come with the report, as the CLI and the API show them.
+    const BUCKETS = state.backlog.buckets.map(({ key, label }) => [key, label]);
     const name = state.chartDestination && destinations[state.chartDestination] ? state.chartDestination : null;
     const counts = Object.fromEntries(BUCKETS.map(([key]) => [key, 0]));
     for (const [dest, d] of Object.entries(destinations)) {
