@@ -7,12 +7,12 @@ JDBC_JAR := /usr/share/java/postgresql.jar
 CHROMIUM := /usr/bin/chromium
 export AIRFLOW_HOME := $(CURDIR)/.airflow
 
-.PHONY: demo test test-fast bench install clean dist
+.PHONY: demo test test-fast bench install clean dist docs
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[spark,test]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[spark,test,docs]'
 	@# The Spark provider's pyspark-client writes into pyspark/; reinstall pyspark last so it is whole.
 	$(BIN)/pip install --quiet --no-deps --force-reinstall -c constraints.txt pyspark
 	@# The editable build's leftover metadata: on sys.path from the checkout (python -m pytest) it would
@@ -36,7 +36,14 @@ demo: $(STAMP)
 test: $(STAMP) $(JDBC_JAR) $(CHROMIUM) dist
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -n 3 --dist loadfile --durations=15
+	@# Beside the suite, each into its log: the wheel installed into a fresh venv (scripts/check_wheel.py, minutes
+	@# of pip) and the docs (make docs). Any of the three failing fails the target.
+	$(BIN)/python scripts/check_wheel.py > dist/check_wheel.log 2>&1 & wheel=$$!; \
+	$(MAKE) --no-print-directory docs > dist/docs.log 2>&1 & docs=$$!; \
+	$(BIN)/python -m pytest -n 3 --dist loadfile --durations=15; suite=$$?; \
+	wait $$wheel; checked=$$?; wait $$docs; built=$$?; cat dist/docs.log dist/check_wheel.log; \
+	echo "suite: exit $$suite, wheel in a fresh venv: exit $$checked, docs: exit $$built"; \
+	test $$suite -eq 0 -a $$checked -eq 0 -a $$built -eq 0
 
 # The sdist and the wheel a release uploads, checked as PyPI reads them (the test suite installs a fresh build).
 dist: $(STAMP)
@@ -45,6 +52,12 @@ dist: $(STAMP)
 	@# The sdist's egg-info, on sys.path from the checkout, would register the entry points a second time.
 	rm -rf airflow_delay_provider.egg-info
 	$(BIN)/twine check --strict dist/*
+
+# The reference from the docstrings and the pages, warnings as errors; then every declared hook, operator, sensor
+# and trigger must have its entry and every link between the pages must lead somewhere (scripts/check_docs.py).
+docs: $(STAMP)
+	$(BIN)/sphinx-build -q -E -W --keep-going -b html docs docs/_build/html
+	$(BIN)/python scripts/check_docs.py
 
 # No services needed: unit and property tests, and the contract tests on the in-memory fakes and SQLite.
 test-fast: $(STAMP)
@@ -65,4 +78,4 @@ bench: $(STAMP) $(JDBC_JAR)
 	$(BIN)/python bench/bench_faults.py
 
 clean:
-	rm -rf $(VENV) .airflow dist build
+	rm -rf $(VENV) .airflow dist build docs/_build

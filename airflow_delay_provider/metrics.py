@@ -3,17 +3,16 @@
 Names, with `[metrics] statsd_prefix` (default `airflow`) in front; `<destination>` has every
 character outside letters, digits, `_` and `-` replaced by `_`:
 
-| name | kind | meaning |
-|---|---|---|
-| `delay_provider.sent.<destination>` | counter | messages scheduled (stored or handed to a broker with a delay) |
-| `delay_provider.dispatch.<destination>.dispatched` | counter | delivered to the destination |
-| `delay_provider.dispatch.<destination>.failed` | counter | failed attempts (retried by the policy, or dead-lettered) |
-| `delay_provider.dispatch.<destination>.dead_lettered` | counter | sent to the error queue |
-| `delay_provider.dispatch.<destination>.released` | counter | handed back untouched during a transport outage |
-| `delay_provider.dispatch.lateness_p50_ms`, `..._p99_ms` | gauge | dispatch lateness of the last run |
-| `delay_provider.store.<destination>.scheduled` | gauge | stored, not yet dispatched \
-(a queue's NumberOfMessagesDelayed) |
-| `delay_provider.store.<destination>.due` | gauge | stored and already due: the dispatch backlog |
+- ``delay_provider.sent.<destination>`` (counter): messages scheduled (stored, or handed to a broker with a delay)
+- ``delay_provider.dispatch.<destination>.dispatched`` (counter): delivered to the destination
+- ``delay_provider.dispatch.<destination>.failed`` (counter): failed attempts (retried by the policy, or
+  dead-lettered)
+- ``delay_provider.dispatch.<destination>.dead_lettered`` (counter): sent to the error queue
+- ``delay_provider.dispatch.<destination>.released`` (counter): handed back untouched during a transport outage
+- ``delay_provider.dispatch.lateness_p50_ms``, ``..._p99_ms`` (gauge): dispatch lateness of the last run
+- ``delay_provider.store.<destination>.scheduled`` (gauge): stored, not yet dispatched (a queue's
+  NumberOfMessagesDelayed)
+- ``delay_provider.store.<destination>.due`` (gauge): stored and already due: the dispatch backlog
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""The `airflow delayed-messages` command group."""

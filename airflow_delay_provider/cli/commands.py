@@ -103,6 +103,15 @@ def purge(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
 
 
 @_command
+def forget(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
+    transport = _transport(hook, args)
+    try:
+        return hook.forget(args.destinations, force=args.force, transport=transport, error_queue=args.error_queue)
+    finally:
+        transport.close()
+
+
+@_command
 def dead_letters(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
     transport = _transport(hook, args)
     try:

@@ -29,6 +29,8 @@ ARG_DELAY = Arg(("--delay-seconds",), type=float, help="the new due time, second
 ARG_DESTINATIONS = Arg(("destinations",), nargs="+", metavar="DESTINATION", help="the destinations")
 ARG_PURGE_DESTINATION = Arg(("destination",), help="the destination whose scheduled messages go")
 ARG_YES = Arg(("--yes",), action="store_true", help="really purge (without it: a dry run that only counts)")
+ARG_FORCE = Arg(("--force",), action="store_true",
+                help="forget even with scheduled messages (purged) or dead letters (left in the error queue)")
 ARG_TRANSPORT = Arg(("--transport",), default="sql", help="the transport of the error queue: sql, rabbitmq or sqs")
 ARG_TRANSPORT_CONN = Arg(("--transport-conn-id",), help="the transport's connection (default: its kind's default)")
 ARG_ERROR_QUEUE = Arg(("--error-queue",), default="error", help="the error queue (default: error)")
@@ -57,6 +59,9 @@ COMMANDS = (
                   func=lazy_load_command(_COMMANDS + "resume"), args=(*_STORE, ARG_DESTINATIONS)),
     ActionCommand(name="purge", help="Remove every scheduled message of a destination (a dry run without --yes)",
                   func=lazy_load_command(_COMMANDS + "purge"), args=(*_STORE, ARG_PURGE_DESTINATION, ARG_YES)),
+    ActionCommand(name="forget", help="Forget destinations (a mistyped name): refused while messages or dead letters "
+                  "remain, unless --force", func=lazy_load_command(_COMMANDS + "forget"),
+                  args=(*_STORE, ARG_DESTINATIONS, ARG_FORCE, ARG_TRANSPORT, ARG_TRANSPORT_CONN, ARG_ERROR_QUEUE)),
     ActionCommand(name="dead-letters", help="List the error queue's messages with their failure details",
                   func=lazy_load_command(_COMMANDS + "dead_letters"),
                   args=(*_STORE, ARG_TRANSPORT, ARG_TRANSPORT_CONN, ARG_ERROR_QUEUE, ARG_IDS, ARG_DESTINATION,

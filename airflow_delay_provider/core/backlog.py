@@ -241,17 +241,37 @@ def backlog_report(now: datetime, destinations: dict[str, dict[str, Any]]) -> di
             "buckets": [{"key": key, "label": label} for key, label in BUCKET_LABELS.items()]}
 
 
-def pause_names(destinations: Collection[str]) -> list[str]:
-    """The destinations a pause or resume names, sorted once each; at least one."""
+def pause_names(destinations: Collection[str], action: str = "pause or resume") -> list[str]:
+    """The destinations a pause or resume (or another `action`) names, sorted once each; at least one."""
     names = sorted(set(destinations))
     if not names:
-        raise InvalidInputError("name the destination(s) to pause or resume")
+        raise InvalidInputError(f"name the destination(s) to {action}")
     return names
 
 
 def pause_report(names: Sequence[str], changed: Collection[str]) -> dict[str, list[str]]:
     """What a pause or resume did: `changed` (now paused, or resumed) and `unchanged` (were so already)."""
     return {"changed": sorted(changed), "unchanged": [n for n in names if n not in changed]}
+
+
+def forget_check(names: Sequence[str], scheduled: Mapping[str, int], in_flight: Mapping[str, int],
+                 force: bool) -> None:
+    """Refuse to forget destinations that still have scheduled messages (unless `force`, which purges them), or
+    rows a running sweep holds (never: the sweep may be sending them)."""
+    held = {n: in_flight[n] for n in names if in_flight.get(n)}
+    if held:
+        raise InvalidInputError(f"cannot forget {sorted(held)}: a running sweep holds {held} of their messages; "
+                                "try again when it has finished")
+    left = {n: scheduled[n] for n in names if scheduled.get(n)}
+    if left and not force:
+        raise InvalidInputError(f"cannot forget {sorted(left)}: they still have scheduled messages {left}; "
+                                "cancel or purge them first, or forget with force, which purges them")
+
+
+def forget_report(names: Sequence[str], purged: Mapping[str, int]) -> dict[str, Any]:
+    """What a forget did: the destinations no longer known (their pause, policy, queue delay and throttle
+    gone), and how many scheduled messages of each a forced forget purged."""
+    return {"forgotten": list(names), "purged": {n: purged.get(n, 0) for n in names}}
 
 
 def purge_report(destination: str, dry_run: bool, count: int, in_flight: int) -> dict[str, Any]:

@@ -127,6 +127,11 @@ class DelayedMessageStore(ABC):
         """Pause or resume known destinations (claims leave paused ones stored): `{"changed", "unchanged"}`."""
         raise NotImplementedError(f"{type(self).__name__} cannot pause destinations")
 
+    def forget_destinations(self, destinations: Collection[str], force: bool = False) -> dict[str, Any]:
+        """Forget known destinations: no longer listed, known or paused, their settings gone. Refused while they
+        have scheduled messages unless `force` (which purges them): `{"forgotten", "purged"}`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot forget destinations")
+
 
 @dataclass(frozen=True)
 class ReceivedMessage:

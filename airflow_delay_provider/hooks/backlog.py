@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from airflow_delay_provider.core.backlog import BODY_PREVIEW_BYTES, Selector, new_due_time
+from airflow_delay_provider.core.errors import DestinationNotFoundError, InvalidInputError
 from airflow_delay_provider.core.ports import Transport
 from airflow_delay_provider.core.redrive import list_dead_letters
 from airflow_delay_provider.core.redrive import redrive as redrive_dead_letters
@@ -65,6 +66,32 @@ class BacklogActions:
     def purge(self, destination: str, dry_run: bool = True) -> dict[str, Any]:
         """Remove every scheduled message of `destination`; `dry_run` (default) only counts them."""
         return self._store().purge(destination, dry_run=dry_run)
+
+    def forget(self, destinations: Any, force: bool = False, transport: Transport | None = None,
+               error_queue: str = "error") -> dict[str, Any]:
+        """Forget destinations (a mistyped or retired name): no longer listed, known or paused, their policy, queue
+        delay and throttle gone. Refused while they have scheduled messages, or (given the `transport` of
+        `error_queue`, when it can look without consuming) dead letters; `force` purges the scheduled messages
+        and leaves the dead letters where they are, listed in the report."""
+        names = _names(destinations)
+        store = self._store()
+        store.check_known(names)
+        dead: dict[str, int] = {}
+        if transport is not None and transport.can_peek:
+            for name in names:
+                try:
+                    found = list_dead_letters(transport, error_queue, destination=name, limit=1)["count"]
+                except DestinationNotFoundError:  # no error queue yet: nothing was dead-lettered
+                    break
+                if found:
+                    dead[name] = found
+            if dead and not force:
+                raise InvalidInputError(f"cannot forget {sorted(dead)}: the error queue {error_queue!r} still holds "
+                                        "their dead letters; redrive or remove them first, or forget with force")
+        report = store.forget_destinations(names, force=force)
+        report["dead_letters_left"] = sorted(dead)
+        report["dead_letters_checked"] = transport is not None and transport.can_peek
+        return report
 
     def dead_letters(self, transport: Transport, error_queue: str = "error", destination: Any = None,
                      message_ids: Any = None, limit: Any = 50) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from airflow_delay_provider.core.backlog import Selector, new_due_time
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import DelayProviderError, InvalidInputError
 from airflow_delay_provider.hooks.delay_store import DelayStoreMixin
+from airflow_delay_provider.operators.base import DelayOperatorBase
 
 
 def _templated(*values: Any) -> bool:
@@ -181,4 +182,37 @@ class PurgeDelayedMessagesOperator(DelayStoreMixin, BaseOperator):
     def execute(self, context: Context) -> dict:
         result = self.hook.purge(self.destination, dry_run=self.dry_run)
         self.log.info("Purge of %s: %s", self.destination, json.dumps(result))
+        return result
+
+
+class ForgetDestinationsOperator(DelayOperatorBase):
+    """Forget destinations (a mistyped name, a retired one): no longer listed in the backlog, the page or the
+    known destinations of an error; their pause, policy, queue delay and throttle go.
+
+    Refused while they have scheduled messages or dead letters in `error_queue` (on the operator's transport,
+    when it can look without consuming), unless `force`: then the scheduled messages are purged and the dead
+    letters stay in the error queue, named in the result.
+
+    :param destinations: the destinations, a list or comma-separated text (templated); each must be known.
+    :param force: forget them even so (see above).
+    :param error_queue: the error queue whose dead letters are looked for (templated).
+    """
+
+    template_fields: Sequence[str] = ("destinations", "error_queue")
+    ui_color = "#f4e1d2"
+
+    def __init__(self, *, destinations: Any, force: bool = False, error_queue: str = "error", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.destinations, self.force, self.error_queue = destinations, force, error_queue
+        if not _templated(destinations) and not as_list(destinations, "destinations"):
+            raise InvalidInputError("destinations must name at least one destination to forget")
+
+    def execute(self, context: Context) -> dict:
+        transport = self.get_transport()
+        try:
+            result = self.hook.forget(as_list(self.destinations, "destinations"), force=self.force,
+                                      transport=transport, error_queue=self.error_queue)
+        finally:
+            transport.close()
+        self.log.info("Forgot: %s", json.dumps(result))
         return result

@@ -1,0 +1,1 @@
+"""Sensors: wait on the delay store's backlog."""

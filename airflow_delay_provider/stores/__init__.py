@@ -1,0 +1,1 @@
+"""The SQL delayed-message store (SQLite, PostgreSQL): `sql.SqlDelayedMessageStore` and its parts."""

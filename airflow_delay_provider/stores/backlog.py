@@ -10,7 +10,7 @@ sweep holds under a live lease are reported `in_flight` and left alone: the swee
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -26,7 +26,10 @@ from airflow_delay_provider.core.backlog import (
     backlog_report,
     change_report,
     destination_counts,
+    forget_check,
+    forget_report,
     parse_cursor,
+    pause_names,
     preview,
     purge_report,
     rescheduled_report,
@@ -202,6 +205,27 @@ class BacklogControls:
             return purge_report(destination, True, counts["scheduled"] - counts["in_flight"], counts["in_flight"])
         purged, in_flight = self._change(selector, "purge a destination", None)
         return purge_report(destination, False, len(purged), len(in_flight))
+
+    def forget(self, destinations: Collection[str], force: bool = False) -> dict[str, Any]:
+        """Forget destinations (a mistyped one, a retired one): they are no longer listed, known or paused, and
+        their policy, queue delay and throttle bucket go. Refused while they have scheduled messages, unless
+        `force`, which purges those in the same transaction; always refused while a running sweep holds some."""
+        names = pause_names(destinations, "forget")
+        self.settings.check_known(names)
+        t = self.tables.messages
+        mine = t.c.destination.in_(names)
+        with self.db.errors("forget destinations"), self.db.engine.begin() as conn:
+            # Lock the rows first (a pump claiming one of them now finishes before the count), so the counts are
+            # what the delete below removes.
+            conn.execute(select(t.c.id).where(mine).with_for_update())
+            count = select(t.c.destination, func.count()).where(mine).group_by(t.c.destination)
+            scheduled: dict[str, int] = {d: n for d, n in conn.execute(count).all()}
+            in_flight: dict[str, int] = {d: n for d, n in conn.execute(count.where(self._leased_now())).all()}
+            forget_check(names, scheduled, in_flight, force)
+            if scheduled:
+                conn.execute(delete(t).where(mine))
+            self.settings.forget(conn, names)
+        return forget_report(names, scheduled)
 
     def _change(self, selector: Selector, action: str, due_us: int | None) -> tuple[list[str], list[str]]:
         """Delete (due_us None) or re-time the selected rows no live sweep lease holds, in passes until a

@@ -73,6 +73,13 @@ class DestinationSettings:
                     conn.execute(select(func.pg_notify(self.tables.channel, str(soonest))))
         return pause_report(names, changed)
 
+    def forget(self, conn: Connection, destinations: Collection[str]) -> None:
+        """Remove what the store keeps per destination (known, paused, policy, queue delay, throttle bucket),
+        inside the caller's transaction."""
+        t = self.tables
+        for table in (t.dests, t.policies, t.delays, t.throttle):
+            conn.execute(delete(table).where(table.c.destination.in_(list(destinations))))
+
     def _soonest(self, conn: Connection, destinations: Collection[str]) -> int | None:
         t = self.tables.messages
         return conn.execute(select(func.min(t.c.due_at_us)).where(t.c.destination.in_(list(destinations)))).scalar()

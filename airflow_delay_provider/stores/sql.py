@@ -417,6 +417,9 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     def purge(self, destination: str, dry_run: bool = True) -> dict[str, Any]:
         return self.controls.purge(destination, dry_run)
 
+    def forget_destinations(self, destinations: Collection[str], force: bool = False) -> dict[str, Any]:
+        return self.controls.forget(destinations, force)
+
     # bulk sweeps (stores/leases.py)
     def start_sweep(self, claim_id: str, due_before: datetime, due_from: datetime | None = None,
                     lease_seconds: float = 600.0, chunk: int = 100_000) -> dict[str, int]:

@@ -20,6 +20,8 @@ from airflow_delay_provider.core.backlog import (
     change_report,
     check_known,
     destination_counts,
+    forget_check,
+    forget_report,
     parse_cursor,
     pause_names,
     pause_report,
@@ -228,6 +230,25 @@ class InMemoryStore(DelayedMessageStore):
             return purge_report(destination, True, self.backlog(destination)["destinations"][destination]["scheduled"],
                                 0)
         return purge_report(destination, False, len(self._change(Selector(destination=destination), None)), 0)
+
+    def forget_destinations(self, destinations: Collection[str], force: bool = False) -> dict[str, Any]:
+        names = pause_names(destinations, "forget")
+        self.check_known(names)
+        with self._lock:
+            while any(m.destination in names for c in self._claims for m in c._unsettled.values()):
+                self._settled.wait()
+            mine = [m for m in self._messages.values() if m.destination in names]
+            scheduled: dict[str, int] = {}
+            for m in mine:
+                scheduled[m.destination] = scheduled.get(m.destination, 0) + 1
+            forget_check(names, scheduled, {}, force)
+            for m in mine:
+                del self._messages[m.message_id]
+                self._meta.pop(m.message_id, None)
+            for name in names:
+                self._known.pop(name, None)
+                self._policies.pop(name, None)
+        return forget_report(names, scheduled)
 
     def _change(self, selector: Selector, due_at: datetime | None) -> list[str]:
         """Delete (due_at None) or re-time the selected messages, once no open claim holds one of them."""

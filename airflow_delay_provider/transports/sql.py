@@ -337,7 +337,12 @@ class SqlTableTransport(SqlDatabase, Transport):
     def peek(self, endpoint: str, max_messages: int = 10) -> list[ReceivedMessage]:
         """A plain SELECT of the visible messages, oldest first: nothing is locked, hidden or counted."""
         query = self._visible_in_order(endpoint, max_messages, self.clock())
+        q = self.queues
         with self.errors(f"peek at queue {endpoint!r}"), self.engine.connect() as conn:
+            # A queue never provisioned (no queue tables at all, on a new store) is missing, as a broker says.
+            if not inspect(conn).has_table(q.name, schema=self.schema) or conn.execute(
+                    select(q.c.name).where(q.c.name == endpoint)).first() is None:
+                raise DestinationNotFoundError(f"queue {endpoint!r} does not exist (it was never provisioned)")
             self.in_index_order(conn)  # as a receive reads it: the batch, not every visible message sorted
             rows = conn.execute(query).all()
         return [_received(r, receipt=None, receive_count=r.receive_count) for r in rows]

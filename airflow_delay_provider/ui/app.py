@@ -5,7 +5,7 @@ dependency (the UI's JWT cookie, or an `Authorization: Bearer` token). Authoriza
 configured auth manager about DAGs (any DAG, no team):
 
 * reading (the counts, the histogram, the message list) needs ``is_authorized_dag(method="GET")``;
-* every action (POST: cancel, run now, pause, resume, purge) needs ``is_authorized_dag(method="PUT")``,
+* every action (POST: cancel, run now, pause, resume, purge, forget) needs ``is_authorized_dag(method="PUT")``,
   the permission to edit DAGs, and so do message bodies: readers who may not edit see sizes only.
 
 The store is the one of the ``[delay_provider] ui_conn_id`` connection (default ``delay_store_default``).
@@ -178,10 +178,20 @@ class Selection(BaseModel):
 
 
 class Destinations(BaseModel):
+    """The destinations a pause or a resume names."""
+
     destinations: list[str] = Field(min_length=1, max_length=100)
 
 
+class Forget(Destinations):
+    """The destinations to forget, and whether to do so although messages or dead letters remain."""
+
+    force: bool = False
+
+
 class Purge(BaseModel):
+    """One destination to purge, and whether only to count what would go."""
+
     destination: str
     dry_run: bool = True
 
@@ -260,6 +270,21 @@ def create_app() -> FastAPI:
     @app.post("/api/purge")
     def purge(_user: Editor, store: Store, body: Purge) -> dict[str, Any]:
         return store.purge(body.destination, dry_run=body.dry_run)
+
+    @app.post("/api/forget")
+    def forget(_user: Editor, store: Store, body: Forget) -> dict[str, Any]:
+        """Forget destinations; with `[delay_provider] ui_transport` set, refused while its error queue holds
+        their dead letters (as while they have scheduled messages), unless forced."""
+        kind = _option("ui_transport")
+        if kind is None:
+            return store.forget(body.destinations, force=body.force)
+        transport = transport_hook(kind, _option("ui_transport_conn_id"), store).get_transport(
+            **transport_options(kind, {}))
+        try:
+            return store.forget(body.destinations, force=body.force, transport=transport,
+                                error_queue=_option("ui_error_queue", "error") or "error")
+        finally:
+            transport.close()
 
     return app
 

@@ -253,3 +253,25 @@ def test_a_repeated_reschedule_reports_the_message_rescheduled_and_an_empty_sele
         with pytest.raises(InvalidInputError, match="would apply to every message"):
             action()
     assert store.count_scheduled() == {"orders": 2}
+
+
+def test_a_destination_is_forgotten_only_once_empty_unless_forced(store):
+    spread_backlog(store)  # orders (7 scheduled), refunds (2, paused)
+    store.register_destinations(["ordres"])  # a typo, provisioned once
+    store.set_policies({"ordres": {"healthyRetryPolicy": {"numRetries": 1}}})
+    with pytest.raises(InvalidInputError, match=r"cannot forget \['refunds'\]: they still have scheduled messages"):
+        store.forget_destinations(["refunds", "ordres"])
+    assert "ordres" in store.destinations()  # refused as a whole: nothing was forgotten
+    assert store.forget_destinations(["ordres"]) == {"forgotten": ["ordres"], "purged": {"ordres": 0}}
+    assert "ordres" not in store.destinations() and "ordres" not in store.backlog()["destinations"]
+    assert "ordres" not in store.policies()
+    with pytest.raises(UnknownDestinationError):
+        store.forget_destinations(["ordres"])  # already forgotten: unknown now
+    with pytest.raises(InvalidInputError, match="name the destination"):
+        store.forget_destinations([])
+
+    assert store.forget_destinations(["refunds"], force=True) == {"forgotten": ["refunds"], "purged": {"refunds": 2}}
+    assert "refunds" not in store.backlog()["destinations"] and store.count_scheduled() == {"orders": 7}
+    # Sent to again: known again, and not paused any more.
+    assert store.store([DelayedMessage("refunds", b"", utcnow() + timedelta(hours=1), message_id="refunds-new")]) == 1
+    assert store.destinations()["refunds"]["paused"] is False

@@ -149,6 +149,12 @@ def test_the_command_line_piped_into_head_ends_quietly_and_a_missing_connection_
         assert cli.wait(120) == 0, stderr
     assert "BrokenPipeError" not in stderr and "Traceback" not in stderr, stderr
 
+    refused = _cli("forget", "--conn-id", conn_id, "orders", env={**os.environ})
+    assert refused.returncode == 1 and "still have scheduled messages {'orders': 1000}" in refused.stderr
+    forgot = json.loads(_cli("forget", "--conn-id", conn_id, "orders", "--force", env={**os.environ}).stdout)
+    assert forgot["forgotten"] == ["orders"] and forgot["purged"] == {"orders": 1000}
+    assert "orders" not in store.destinations() and store.count_scheduled() == {}
+
     missing = _cli("backlog", "--conn-id", "delay_store_other", env={**os.environ})
     assert missing.returncode == 1
     assert "AIRFLOW_CONN_DELAY_STORE_OTHER=" in missing.stderr, missing.stderr

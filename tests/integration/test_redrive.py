@@ -16,6 +16,7 @@ import pytest
 
 from airflow_delay_provider.core.backlog import Selector
 from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import HEADER_FAILED_DESTINATION, DelayedMessage
 from airflow_delay_provider.core.ports import Transport
 from airflow_delay_provider.core.pump import Pump, PumpConfig
@@ -250,3 +251,21 @@ def test_the_operator_redrives_in_a_dag(run_dag, monkeypatch, tmp_path):
     assert result.stats.dispatched == 7 and visible(transport, "error", 0) == 0
     with pytest.raises(Exception, match="max_messages"):
         RedriveDeadLettersOperator(task_id="bad", max_messages=0)
+
+
+def test_a_destination_with_dead_letters_is_forgotten_only_when_forced(setup, tmp_path):
+    from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+
+    store, transport = setup
+    if not transport.can_peek:
+        pytest.skip(f"{transport.name} cannot look at its error queue without consuming it")
+    dead_letter_some(store, transport)  # "nowhere" (a typo, say) has 4 dead letters and no scheduled message
+    hook = DelayStoreHook()
+    hook.get_store = lambda: store  # the store of this test, not a connection's
+    with pytest.raises(InvalidInputError, match=r"cannot forget \['nowhere'\]: the error queue 'error' still holds"):
+        hook.forget(["nowhere"], transport=transport)
+    assert "nowhere" in store.destinations()
+    report = hook.forget(["nowhere"], force=True, transport=transport)
+    assert report["forgotten"] == ["nowhere"] and report["dead_letters_left"] == ["nowhere"]
+    assert report["dead_letters_checked"] is True
+    assert "nowhere" not in store.destinations() and visible(transport, "error", 7) == 7  # the dead letters stay

@@ -218,6 +218,12 @@ def test_an_admin_sees_bodies_cut_short_and_cancels_runs_now_pauses_resumes_and_
     assert purged["purged"] == 5
     assert store.count_scheduled() == {"refunds": 2}
 
+    refused = client("admin", "POST", "/api/forget", json={"destinations": ["refunds"]})
+    assert refused.status_code == 400 and "still have scheduled messages" in refused.json()["detail"]
+    forgot = client("admin", "POST", "/api/forget", json={"destinations": ["orders"]}).json()
+    assert forgot["forgotten"] == ["orders"] and forgot["purged"] == {"orders": 0}
+    assert "orders" not in client("admin", "GET", "/api/backlog").json()["destinations"]
+
 
 def test_simple_auth_managers_user_role_may_edit_dags_so_it_may_act(client, store):
     response = client("user", "POST", "/api/cancel", json={"destination": "refunds"})

@@ -29,7 +29,7 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 def delay_queue_name(name: str, prefix: str = "") -> str:
     """The delay queue of endpoint `name`: `<prefix><name>-delay.fifo` (a FIFO queue), or for a FIFO endpoint
     `<prefix><stem>.fifo` the standard queue `<prefix><stem>-fifo-delay` (it takes the per-message delays a
-    FIFO queue refuses). Characters outside [A-Za-z0-9_-] are replaced by '-' (the `.fifo` kept).
+    FIFO queue refuses). Characters outside ``[A-Za-z0-9_-]`` are replaced by '-' (the `.fifo` kept).
 
     Over the names SQS allows an endpoint, no two endpoints share a delay queue, and `queue_name()` refuses
     an endpoint named like one. Raises InvalidNameError when the result would be longer than SQS's 80 characters.

@@ -175,6 +175,15 @@
     });
   }
 
+  function forget(name) {
+    return act(async () => {
+      if (!await confirmAction(`Forget “${name}”? It is no longer listed or known, and its pause, policy and `
+        + "queue delay go. (Refused while it has scheduled messages or dead letters.)", "Forget")) return null;
+      await api("api/forget", { destinations: [name] });
+      return `Forgot ${name}.`;
+    });
+  }
+
   // -- the summary and the chart ---------------------------------------------------------------------------
   async function loadBacklog() {
     const backlog = await api("api/backlog");
@@ -205,7 +214,9 @@
         d.paused
           ? el("button", { type: "button", onclick: () => resume(name, d.due) }, "Resume")
           : el("button", { type: "button", onclick: () => pause(name) }, "Pause"),
-        el("button", { type: "button", class: "danger", onclick: () => purge(name) }, "Purge…")) : "";
+        el("button", { type: "button", class: "danger", onclick: () => purge(name) }, "Purge…"),
+        d.scheduled === 0 && el("button", { type: "button", class: "danger", onclick: () => forget(name) },
+          "Forget…")) : "";
       return el("tr", { class: state.chartDestination === name ? "selected" : null, "data-destination": name },
         el("td", {}, el("button", { type: "button", class: "link", title: "Show its messages and histogram",
           onclick: () => showDestination(name) }, name)),
