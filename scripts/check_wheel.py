@@ -1,4 +1,4 @@
-"""Run by `make test` beside the test suite: the wheel `make dist` built, installed (not editable) into a fresh venv
+"""`make check-wheel`: the wheel `make dist` built, installed (not editable) into a fresh venv
 with constraints.txt, where `pip check` passes, Airflow lists the provider at its version and the demo DAG delivers
 every message once, none early. Prints one line per step; exits 1 on the first failure."""
 

@@ -1,6 +1,5 @@
 """The distributions a packager builds: what the sdist and the wheel carry, and the wheel's metadata. (The wheel
-installed into a fresh venv, listed by Airflow and running the demo DAG: scripts/check_wheel.py, which `make test`
-runs beside the suite.)"""
+installed into a fresh venv, listed by Airflow and running the demo DAG: `make check-wheel`.)"""
 
 from __future__ import annotations
 
