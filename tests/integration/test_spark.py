@@ -99,7 +99,7 @@ def test_sweep_delivers_20000_exactly_once_to_sql_dead_letters_and_a_rerun_dispa
     assert transport.depth("orders")["visible"] == 0 and store.get("later") is not None
 
 
-def test_sweep_beside_a_pump_to_rabbitmq_sends_each_message_once(spark_ready, pg, rabbit, rabbit_vhost):
+def test_sweep_beside_a_pump_to_rabbitmq_loses_nothing_and_repeats_only_what_was_handed_back(spark_ready, pg, rabbit, rabbit_vhost):
     n = 20_000
     store = make_store(*pg)
     rabbit.provision("orders")
@@ -133,7 +133,13 @@ def test_sweep_beside_a_pump_to_rabbitmq_sends_each_message_once(spark_ready, pg
     assert summary["dispatched"] + pumped == n
     # One basic.get per message: on a loaded machine that takes minutes, so wait for as long as they arrive.
     received = Counter(m.message_id for _, m in collect_while_arriving(rabbit, "orders", n, quiet=15))
-    assert len(received) == n and max(received.values()) == 1, received.most_common(3)
+    assert len(received) == n, n - len(received)  # nothing lost
+    # At least once into RabbitMQ: a batch whose confirms do not come in time (a broker slowed by a loaded machine:
+    # "no confirm within 30 s" in one CI run) is handed back and sent again, so its messages may arrive twice.
+    # Anything else arriving twice is a defect: every copy beyond the first must be a released message's.
+    twice = sum(c - 1 for c in received.values())
+    released = results["r"].stats.released + summary.get("released", 0)
+    assert twice <= released, (twice, released, received.most_common(3))
     assert store.count_scheduled() == {}
 
 
