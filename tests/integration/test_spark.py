@@ -99,7 +99,8 @@ def test_sweep_delivers_20000_exactly_once_to_sql_dead_letters_and_a_rerun_dispa
     assert transport.depth("orders")["visible"] == 0 and store.get("later") is not None
 
 
-def test_sweep_beside_a_pump_to_rabbitmq_loses_nothing_and_repeats_only_what_was_handed_back(spark_ready, pg, rabbit, rabbit_vhost):
+def test_sweep_beside_a_pump_to_rabbitmq_loses_nothing_and_repeats_only_what_was_handed_back(
+        spark_ready, pg, rabbit, rabbit_vhost):
     n = 20_000
     store = make_store(*pg)
     rabbit.provision("orders")
