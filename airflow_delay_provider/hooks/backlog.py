@@ -77,7 +77,8 @@ class BacklogActions:
         store = self._store()
         store.check_known(names)
         dead: dict[str, int] = {}
-        if transport is not None and transport.can_peek:
+        checked = transport is not None and transport.can_peek
+        if transport is not None and checked:
             for name in names:
                 try:
                     found = list_dead_letters(transport, error_queue, destination=name, limit=1)["count"]
@@ -90,7 +91,7 @@ class BacklogActions:
                                         "their dead letters; redrive or remove them first, or forget with force")
         report = store.forget_destinations(names, force=force)
         report["dead_letters_left"] = sorted(dead)
-        report["dead_letters_checked"] = transport is not None and transport.can_peek
+        report["dead_letters_checked"] = checked
         return report
 
     def dead_letters(self, transport: Transport, error_queue: str = "error", destination: Any = None,

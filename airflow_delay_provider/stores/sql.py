@@ -210,15 +210,18 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     def _template_names(self) -> dict[str, str]:
         preparer, q = self.engine.dialect.identifier_preparer, self.qualified
         t = self.table_name
-        ids_index = "ix_ids_" + hashlib.sha1(f"{self.schema}.{t}_ids".encode()).hexdigest()[:16]
+        # The index names the SQL files create are the declared ones (tables.py).
+        [due_index], [ids_index] = (self.tables.messages.indexes, self.tables.ids.indexes)
+        ids_index_name = str(ids_index.name)
         return {
             "messages": q(t), "policies": q(f"{t}_policies"), "sweeps": q(f"{t}_sweeps"), "ids": q(f"{t}_ids"),
             "throttle": q(f"{t}_throttle"), "delays": q(f"{t}_delays"), "dests": q(f"{t}_dests"),
             "counts": q(f"{t}_counts"),
             "count_fn": q("delay_counts_" + hashlib.sha1(f"{self.schema}.{t}".encode()).hexdigest()[:16]),
             # Index names live in the table's schema on PostgreSQL and may not be qualified there.
-            "ix_due": preparer.quote_identifier(f"ix_{t}_due"), "ix_ids": preparer.quote_identifier(ids_index),
-            "ix_leased": preparer.quote_identifier(ids_index.replace("ix_ids_", "ix_leased_")),
+            "ix_due": preparer.quote_identifier(str(due_index.name)),
+            "ix_ids": preparer.quote_identifier(ids_index_name),
+            "ix_leased": preparer.quote_identifier(ids_index_name.replace("ix_ids_", "ix_leased_")),
             "id_type": "BIGSERIAL" if self.is_postgres else "INTEGER",  # SQLite's INTEGER key is the rowid
             "bytes_type": "BYTEA" if self.is_postgres else "BLOB",
         }

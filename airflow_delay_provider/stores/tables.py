@@ -52,15 +52,16 @@ def from_us(us: int) -> datetime:
     return EPOCH + us * _US
 
 
-# One BIGINT primary key that autoincrements on both SQLite (as the rowid) and PostgreSQL.
-_Id = BigInteger().with_variant(Integer, "sqlite")
+#: One BIGINT primary key that autoincrements on both SQLite (as the rowid) and PostgreSQL (the store's and the
+#: SQL-table queues' tables).
+ID_TYPE = BigInteger().with_variant(Integer, "sqlite")
 
 
 def store_table(metadata: MetaData, name: str, schema: str | None) -> Table:
     return Table(
         name,
         metadata,
-        Column("id", _Id, primary_key=True, autoincrement=True),
+        Column("id", ID_TYPE, primary_key=True, autoincrement=True),
         Column("message_id", String(200), nullable=False, unique=True),
         Column("destination", String(255), nullable=False),
         Column("body", LargeBinary, nullable=False),

@@ -56,7 +56,7 @@ from airflow_delay_provider.stores.engine import (
 )
 from airflow_delay_provider.stores.migrations import SchemaMigrations, VersionedTables
 from airflow_delay_provider.stores.sql import LeasedRows, SqlDelayedMessageStore, from_us, to_us
-from airflow_delay_provider.stores.tables import versions_table
+from airflow_delay_provider.stores.tables import ID_TYPE, versions_table
 from airflow_delay_provider.stores.upkeep import TableUpkeep
 
 #: The queue tables' migrations.
@@ -64,7 +64,6 @@ QUEUE_SCHEMA = "airflow_delay_provider.transports.queue_schema"
 #: The longest name of the queue tables after the prefix.
 _LONGEST = "queue_messages"
 
-_Id = BigInteger().with_variant(Integer, "sqlite")
 # Column order of the rows _insert builds (COPY on PostgreSQL, executemany elsewhere).
 _COPY_COLUMNS = ("queue", "message_id", "body", "headers", "due_at_us", "enqueued_at_us", "visible_at_us")
 _COPY_TYPES = ("text", "text", "bytea", "text", "int8", "int8", "int8")
@@ -96,7 +95,7 @@ class SqlTableTransport(SqlDatabase, Transport):
         self.messages = Table(
             f"{table_prefix}queue_messages",
             md,
-            Column("seq", _Id, primary_key=True, autoincrement=True),
+            Column("seq", ID_TYPE, primary_key=True, autoincrement=True),
             Column("queue", String(255), nullable=False),
             Column("message_id", String(200), nullable=False),
             Column("body", LargeBinary, nullable=False),
@@ -124,7 +123,7 @@ class SqlTableTransport(SqlDatabase, Transport):
             tables=(self.queues, self.messages), refuse_hint="choose another `table_prefix` (or schema) for the queues",
             names={"queues": self.qualified(self.queues.name), "messages": self.qualified(self.messages.name),
                    # Index names live in the table's schema on PostgreSQL and may not be qualified there.
-                   "ix_order": preparer.quote_identifier(f"ix_{table_prefix}queue_messages_order"),
+                   "ix_order": preparer.quote_identifier(str(next(iter(self.messages.indexes)).name)),
                    # The index tables of earlier releases had instead (dropped by name: qualified).
                    "ix_visible": self.qualified(f"ix_{table_prefix}queue_messages_visible"),
                    "id_type": "BIGSERIAL" if self.is_postgres else "INTEGER",

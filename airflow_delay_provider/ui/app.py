@@ -107,8 +107,7 @@ def dead_letter_counts(store: DelayStoreHook) -> dict[str, Any] | None:
     queue = _option("ui_error_queue", "error")
     report: dict[str, Any] = {"transport": kind, "error_queue": queue}
     try:
-        transport = transport_hook(kind, _option("ui_transport_conn_id"), store).get_transport(
-            **transport_options(kind, {}))
+        transport = _ui_transport(kind, store)
         try:
             listing = store.dead_letters(transport, queue, limit=MAX_PAGE)
         finally:
@@ -123,6 +122,11 @@ def dead_letter_counts(store: DelayStoreHook) -> dict[str, Any] | None:
                 "error_id": error_id}
     per_destination = Counter(d["destination"] or "(unknown)" for d in listing["dead_letters"])
     return {**report, "per_destination": dict(per_destination), "total": listing["count"], "more": listing["more"]}
+
+
+def _ui_transport(kind: str, store: DelayStoreHook) -> Any:
+    """The transport of `[delay_provider] ui_transport` (`kind`), on `ui_transport_conn_id`; the caller closes it."""
+    return transport_hook(kind, _option("ui_transport_conn_id"), store).get_transport(**transport_options(kind, {}))
 
 
 def may_read(user: BaseUser) -> bool:
@@ -278,8 +282,7 @@ def create_app() -> FastAPI:
         kind = _option("ui_transport")
         if kind is None:
             return store.forget(body.destinations, force=body.force)
-        transport = transport_hook(kind, _option("ui_transport_conn_id"), store).get_transport(
-            **transport_options(kind, {}))
+        transport = _ui_transport(kind, store)
         try:
             return store.forget(body.destinations, force=body.force, transport=transport,
                                 error_queue=_option("ui_error_queue", "error") or "error")
