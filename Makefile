@@ -7,7 +7,7 @@ JDBC_JAR := /usr/share/java/postgresql.jar
 CHROMIUM := /usr/bin/chromium
 export AIRFLOW_HOME := $(CURDIR)/.airflow
 
-.PHONY: demo test test-fast bench install clean dist docs check-wheel
+.PHONY: demo test test-fast test-compat bench install clean dist docs check-wheel
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -36,11 +36,25 @@ demo: $(STAMP)
 test: $(STAMP) $(JDBC_JAR) $(CHROMIUM) dist
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	@# The docs (make docs) build beside the suite, into dist/docs.log; either failing fails the target.
+	@# Beside the suite: the docs (make docs) into dist/docs.log, and the lowest supported Airflow minor's
+	@# compatibility run (make test-compat-3.2) into dist/compat.log; the suite is Airflow 3.3's, the highest, and
+	@# covers what its smoke test does (so it leaves that test to test-compat). Any of the three failing fails.
 	$(MAKE) --no-print-directory docs > dist/docs.log 2>&1 & docs=$$!; \
-	$(BIN)/python -m pytest -n 3 --dist loadfile --durations=15; suite=$$?; \
-	wait $$docs; built=$$?; cat dist/docs.log; echo "suite: exit $$suite, docs: exit $$built"; \
-	test $$suite -eq 0 -a $$built -eq 0
+	scripts/test_compat.sh 3.2 > dist/compat.log 2>&1 & compat=$$!; \
+	$(BIN)/python -m pytest -n 3 --dist loadfile --durations=15 -m "not smoke"; suite=$$?; \
+	wait $$docs; built=$$?; wait $$compat; compatible=$$?; \
+	cat dist/docs.log; grep -v "^WARNING: Location" dist/compat.log | tail -n 40; \
+	echo "suite: exit $$suite, docs: exit $$built, Airflow 3.2: exit $$compatible"; \
+	test $$suite -eq 0 -a $$built -eq 0 -a $$compatible -eq 0
+
+# Each supported Airflow minor, lowest to highest, in a venv of its own from its committed constraints (the wheel,
+# not editable): the fast tier, the contracts and the deployment smoke test (scripts/test_compat.sh).
+COMPAT_MINORS := 3.2 3.3
+test-compat: dist $(JDBC_JAR)
+	for minor in $(COMPAT_MINORS); do scripts/test_compat.sh $$minor || exit 1; done
+
+test-compat-%: dist
+	scripts/test_compat.sh $*
 
 # The wheel installed (not editable) into a fresh venv with constraints.txt: pip check, airflow providers list and
 # the demo DAG from it. Minutes of pip: beside `make test` it took the suite past CI's 20 minutes, so it is its own.
@@ -80,4 +94,4 @@ bench: $(STAMP) $(JDBC_JAR)
 	$(BIN)/python bench/bench_faults.py
 
 clean:
-	rm -rf $(VENV) .airflow dist build docs/_build
+	rm -rf $(VENV) .venv-airflow-* .airflow dist build docs/_build

@@ -10,6 +10,7 @@ from typing import Any
 from airflow.sdk import BaseOperator, Context
 
 from airflow_delay_provider import metrics
+from airflow_delay_provider.compat import require_shared_streams
 from airflow_delay_provider.core.breakers import CircuitBreaker, call_with_breaker
 from airflow_delay_provider.core.delays import MAX_DELAY_SECONDS
 from airflow_delay_provider.core.errors import InvalidInputError, UnavailableError
@@ -76,6 +77,7 @@ class ScheduleDagRunOperator(DelayStoreMixin, BaseOperator):
         time_to_trigger_store_circuit_breaker: float = 30.0,
         **kwargs: Any,
     ) -> None:
+        require_shared_streams("ScheduleDagRunOperator (delayed DAG runs)")
         super().__init__(**kwargs)
         # `dag_id` is the operator's own DAG's id on BaseOperator: the target's is kept as dag_id_to_run.
         self.dag_id_to_run = dag_id

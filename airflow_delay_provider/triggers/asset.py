@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Hashable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
-from airflow.triggers.shared_stream import AdvanceItem, AdvanceOutcome, SharedStreamProducer
 
+from airflow_delay_provider.compat import require_shared_streams, shared_stream
 from airflow_delay_provider.core.checks import check_int, check_number
 from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import check_destination
@@ -38,6 +38,9 @@ from airflow_delay_provider.hooks.delay_store import DEFAULT_CONN_ID, DelayStore
 from airflow_delay_provider.stores.event_leases import EVENT_PREFIX, is_event_destination
 from airflow_delay_provider.triggers.base import SerializedFields
 from airflow_delay_provider.triggers.event_producer import DueMessageProducer, event_payload
+
+if TYPE_CHECKING:
+    from airflow.triggers.shared_stream import SharedStreamProducer
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +168,7 @@ class DueMessageEventTrigger(DelayStoreMixin, SerializedFields, BaseEventTrigger
         time_to_trigger_store_circuit_breaker: float = 300.0,
         **kwargs: Any,
     ) -> None:
+        require_shared_streams("DueMessageEventTrigger (delayed DAG runs, asset watchers fed by the store)")
         super().__init__(delay_store_conn_id=delay_store_conn_id, table=table, db_schema=db_schema, **kwargs)
         check_destination(destination)
         if not is_event_destination(destination):
@@ -220,7 +224,8 @@ class DueMessageEventTrigger(DelayStoreMixin, SerializedFields, BaseEventTrigger
         try:
             async for payload, message in stream:
                 yield TriggerEvent(payload)
-                await producer.advance([AdvanceItem(message, AdvanceOutcome(acked=1, failed=0))])
+                acked = shared_stream.AdvanceOutcome(acked=1, failed=0)
+                await producer.advance([shared_stream.AdvanceItem(message, acked)])
         finally:
             await stream.aclose()
             await producer.aclose()

@@ -20,8 +20,7 @@ from collections.abc import AsyncIterator, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from airflow.triggers.shared_stream import AdvanceItem, AdvanceOutcome, SharedStreamProducer
-
+from airflow_delay_provider.compat import shared_stream
 from airflow_delay_provider.core.breakers import CircuitBreaker
 from airflow_delay_provider.core.errors import CriticalError
 from airflow_delay_provider.core.message import DelayedMessage
@@ -29,6 +28,8 @@ from airflow_delay_provider.core.retry_policy import DeliveryPolicy, PolicyError
 from airflow_delay_provider.core.settlement import FailedBatch, Retry, settle_failure
 
 if TYPE_CHECKING:
+    from airflow.triggers.shared_stream import AdvanceItem, AdvanceOutcome
+
     from airflow_delay_provider.triggers.asset import DueMessageEventTrigger
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,11 @@ def event_payload(message: DelayedMessage) -> dict[str, Any]:
             "body_encoding": encoding, "attempt": message.failures + 1}
 
 
-class DueMessageProducer(SharedStreamProducer):
+# Airflow 3.2 has no shared streams: the producer is never built there (DueMessageEventTrigger refuses to be).
+_Producer: Any = shared_stream.SharedStreamProducer if shared_stream else object
+
+
+class DueMessageProducer(_Producer):
     """Leases due messages of the trigger's destination, yields them, and settles them in `advance()`."""
 
     def __init__(self, trigger: DueMessageEventTrigger) -> None:

@@ -430,13 +430,13 @@ def test_a_transport_that_cannot_peek_says_so_without_the_exceptions_text(client
 
 
 # -- the page in a real browser, against `airflow api-server` -------------------------------------------------
-PASSWORDS = {"admin": "admin-password", "viewer": "viewer-password"}
+PASSWORDS = {role: f"{role}-password" for role in ("admin", "op", "user", "viewer")}  # SimpleAuthManager's four
 
 
 @pytest.fixture(scope="module")
 def api_server(tmp_path_factory):
-    """`airflow api-server` (one worker) on a free port with SimpleAuthManager's admin and viewer, and a
-    seeded SQLite store as `delay_store_default`; yields (base URL, the store)."""
+    """`airflow api-server` (one worker) on a free port with a user of each of SimpleAuthManager's roles (named
+    after it), and a seeded SQLite store as `delay_store_default`; yields (base URL, the store)."""
     require_chromium()
     home = tmp_path_factory.mktemp("api_server")
     (home / "passwords.json").write_text(json.dumps(PASSWORDS))
@@ -444,7 +444,7 @@ def api_server(tmp_path_factory):
     env = airflow_env(
         home, port,
         AIRFLOW__CORE__AUTH_MANAGER=SIMPLE_AUTH_MANAGER,
-        AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS="admin:admin,viewer:viewer",
+        AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS=",".join(f"{role}:{role}" for role in PASSWORDS),
         AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE=str(home / "passwords.json"),
         AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS="False",
         AIRFLOW__API__WORKERS="1",
@@ -553,10 +553,11 @@ def test_an_admin_opens_the_page_from_the_browse_menu_and_cancels_a_message_afte
     assert screenshot.stat().st_size > 10_000
 
 
-def test_a_viewer_sees_the_backlog_without_actions_or_bodies_and_is_refused_one(api_server):
+def test_a_viewer_sees_the_backlog_without_actions_or_bodies_and_is_refused_one(api_server, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
     base, store = api_server
+    screenshot = screenshot_path("backlog_page_viewer.png", tmp_path)
     with sync_playwright() as p:
         browser = launch_chromium(p)
         page = _log_in(browser, base, "viewer")
@@ -564,14 +565,45 @@ def test_a_viewer_sees_the_backlog_without_actions_or_bodies_and_is_refused_one(
         frame = page.frame_locator("iframe[title='Delayed messages']")
         expect(frame.locator("#who")).to_contain_text("viewer · read only")
         expect(frame.locator("tr[data-message-id='orders-4']")).to_contain_text("300 bytes")
+        expect(frame.locator("tr[data-message-id='orders-4']")).to_contain_text("order-id=4")  # headers are shown
         expect(frame.locator("#chart svg rect.bar")).to_have_count(5)
         for name in ("Cancel", "Run now", "Pause", "Resume", "Purge…", "Cancel selected"):
             expect(frame.get_by_role("button", name=name, exact=True)).to_have_count(0)
         expect(frame.locator("#messages input[type=checkbox]")).to_have_count(0)
         expect(frame.locator("#messages")).not_to_contain_text("order 4")  # no bodies, sizes only
+        frame.locator("h1").scroll_into_view_if_needed()
+        page.screenshot(path=str(screenshot))
 
         # The server refuses the action too, whatever the page shows.
         refused = page.request.post(f"{base}{URL_PREFIX}/api/cancel", data={"message_ids": ["orders-4"]})
         assert refused.status == 403
         browser.close()
     assert store.get("orders-4") is not None
+    assert screenshot.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("role", ["user", "op"])
+def test_the_roles_that_may_edit_dags_see_bodies_and_actions_and_run_a_message_now(api_server, tmp_path, role):
+    """SimpleAuthManager's user and op may edit DAGs, so they may act; the how-to shows the user's page."""
+    from playwright.sync_api import expect, sync_playwright
+
+    base, store = api_server
+    message_id = {"user": "orders-5", "op": "orders-2"}[role]  # due in 2 days, in 30 min
+    screenshot = screenshot_path(f"backlog_page_{role}.png", tmp_path)
+    with sync_playwright() as p:
+        browser = launch_chromium(p)
+        page = _log_in(browser, base, role)
+        page.goto(f"{base}/plugin/{URL_ROUTE}", wait_until="networkidle")
+        frame = page.frame_locator("iframe[title='Delayed messages']")
+        expect(frame.locator("#who")).to_contain_text(f"{role} · may act")
+        row = frame.locator(f"tr[data-message-id='{message_id}']")
+        expect(row).to_contain_text("order")  # the body's first bytes
+        expect(row.get_by_role("button", name="Run now")).to_be_visible()
+        frame.locator("h1").scroll_into_view_if_needed()
+        page.screenshot(path=str(screenshot))
+        row.get_by_role("button", name="Run now").click()
+        frame.get_by_role("alertdialog").get_by_role("button", name="Run now").click()
+        expect(frame.locator("#status")).to_have_text("Made due now: 1 message.")
+        browser.close()
+    assert store.get(message_id).due_at <= utcnow()
+    assert screenshot.stat().st_size > 10_000

@@ -61,6 +61,9 @@ def test_build_message_delay_forms():
             == NOW + timedelta(seconds=60))
     at = (NOW + timedelta(seconds=9.5)).isoformat()
     assert build_message({"destination": "q", "deliver_at": at}, NOW).due_at == NOW + timedelta(seconds=10)
+    # A UTC time written with "Z" (Python 3.11's fromisoformat reads it; 3.10's refuses it).
+    zulu = (NOW + timedelta(seconds=30)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    assert build_message({"destination": "q", "deliver_at": zulu}, NOW).due_at == NOW + timedelta(seconds=30)
     past = build_message({"destination": "q", "deliver_at": NOW - timedelta(days=2)}, NOW)
     assert past.due_at == NOW
     # No message delay: the queue-level delay applies; "600" as a rendered template.
