@@ -16,8 +16,9 @@ from importlib.metadata import entry_points
 import pytest
 from sqlalchemy.engine import make_url
 
+from airflow_delay_provider.core.backlog import Selector
 from airflow_delay_provider.core.delays import utcnow
-from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.core.message import HEADER_FAILED_DESTINATION, DelayedMessage
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
 from airflow_delay_provider.transports.sql import SqlTableTransport
 from airflow_delay_provider.ui.plugin import URL_PREFIX, URL_ROUTE, DelayBacklogPlugin
@@ -607,3 +608,33 @@ def test_the_roles_that_may_edit_dags_see_bodies_and_actions_and_run_a_message_n
         browser.close()
     assert store.get(message_id).due_at <= utcnow()
     assert screenshot.stat().st_size > 10_000
+
+
+def test_a_mistyped_destination_with_dead_letters_is_forgotten_after_a_second_confirmation(api_server):
+    """Refused while its dead letters remain: the page says why and offers to force it; forced, the name goes
+    and its dead letters stay in the error queue."""
+    from playwright.sync_api import expect, sync_playwright
+
+    base, store = api_server
+    now = utcnow()
+    store.store([DelayedMessage("ordrs", b"{}", now + timedelta(hours=1), message_id="typo-1")])
+    store.cancel(Selector(message_ids=("typo-1",)))  # known, nothing scheduled
+    queues = SqlTableTransport(store.url)
+    queues.send([DelayedMessage("ordrs", b"{}", now, message_id="typo-dead").dead_lettered("error", "no queue", now)])
+    with sync_playwright() as p:
+        browser = launch_chromium(p)
+        page = _log_in(browser, base, "admin")
+        page.goto(f"{base}/plugin/{URL_ROUTE}", wait_until="networkidle")
+        frame = page.frame_locator("iframe[title='Delayed messages']")
+        row = frame.locator("#destinations tr[data-destination='ordrs']")
+        row.get_by_role("button", name="Forget…").click()
+        dialog = frame.get_by_role("alertdialog")
+        dialog.get_by_role("button", name="Forget", exact=True).click()
+        expect(dialog).to_contain_text("still holds their dead letters")
+        dialog.get_by_role("button", name="Forget anyway").click()
+        expect(frame.locator("#status")).to_have_text("Forgot ordrs; its dead letters are still in the error queue.")
+        expect(row).to_have_count(0)
+        browser.close()
+    assert "ordrs" not in store.destinations()
+    left = [m.message_id for m in queues.peek("error", 10) if m.headers[HEADER_FAILED_DESTINATION] == "ordrs"]
+    assert left == ["typo-dead"]

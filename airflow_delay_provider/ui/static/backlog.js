@@ -179,8 +179,19 @@
     return act(async () => {
       if (!await confirmAction(`Forget “${name}”? It is no longer listed or known, and its pause, policy and `
         + "queue delay go. (Refused while it has scheduled messages or dead letters.)", "Forget")) return null;
-      await api("api/forget", { destinations: [name] });
-      return `Forgot ${name}.`;
+      try {
+        await api("api/forget", { destinations: [name] });
+        return `Forgot ${name}.`;
+      } catch (error) {
+        if (error.status !== 400) throw error;
+        // Refused (messages scheduled meanwhile, or dead letters): say why, and offer to force it.
+        if (!await confirmAction(`${error.message.replace(/^400: /, "")}\n\nForget “${name}” anyway? Its `
+          + "scheduled messages are purged; its dead letters stay in the error queue.", "Forget anyway")) return null;
+      }
+      const report = await api("api/forget", { destinations: [name], force: true });
+      const purged = report.purged[name] || 0, left = report.dead_letters_left.includes(name);
+      return `Forgot ${name}${purged ? `; purged ${plural(purged, "message")}` : ""}`
+        + `${left ? "; its dead letters are still in the error queue" : ""}.`;
     });
   }
 
