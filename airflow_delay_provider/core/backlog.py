@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from functools import cached_property
 from typing import Any
 
 from airflow_delay_provider.core.checks import check_number
-from airflow_delay_provider.core.delays import MAX_DELAY_SECONDS
+from airflow_delay_provider.core.delays import MAX_DELAY_SECONDS, UTC
 from airflow_delay_provider.core.errors import InvalidInputError, UnknownDestinationError
 from airflow_delay_provider.core.message import MAX_MESSAGE_ID_LENGTH, DelayedMessage, check_destination, check_headers
 from airflow_delay_provider.core.requests import parse_int, parse_moment

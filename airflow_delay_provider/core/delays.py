@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta, timezone
 
 from airflow_delay_provider.core.errors import DelayError
 
 __all__ = ["MAX_DELAY_SECONDS", "DelayError", "resolve_delay", "seconds_until", "to_seconds", "whole_seconds"]
+
+#: `datetime.UTC` is Python 3.11's name for it.
+UTC = timezone.utc
 
 #: Both levels accept 0..604,800 seconds (7 days), as SQS-style queue- and message-level delays do.
 MAX_DELAY_SECONDS = 604_800

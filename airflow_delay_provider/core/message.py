@@ -9,8 +9,9 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from datetime import datetime
 
+from airflow_delay_provider.core.delays import UTC
 from airflow_delay_provider.core.errors import InvalidMessageError
 
 MAX_MESSAGE_ID_LENGTH = 200

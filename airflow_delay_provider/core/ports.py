@@ -10,10 +10,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, NamedTuple
 
 from airflow_delay_provider.core.backlog import BODY_PREVIEW_BYTES, Selector
+from airflow_delay_provider.core.delays import UTC
 from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import DelayedMessage, check_destination
 

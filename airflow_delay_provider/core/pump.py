@@ -15,14 +15,14 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from enum import Enum
 from functools import partial
 from typing import Any
 
 from airflow_delay_provider.core.breakers import CircuitBreaker, RateBreaker
 from airflow_delay_provider.core.checks import check_int, check_number
-from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.delays import UTC, utcnow
 from airflow_delay_provider.core.errors import (
     CriticalError,
     DestinationNotFoundError,

@@ -21,7 +21,8 @@ def parse_moment(value: Any, field: str = "deliver_at") -> datetime | None:
         return None
     if isinstance(value, str):
         try:
-            value = datetime.fromisoformat(value)
+            # Python 3.10's fromisoformat reads only what isoformat() writes: not the "Z" of UTC.
+            value = datetime.fromisoformat(value[:-1] + "+00:00" if value.endswith(("Z", "z")) else value)
         except ValueError:
             raise DelayError(f"{field} must be an ISO-8601 timestamp with a timezone, got {value!r}") from None
     if not isinstance(value, datetime):

@@ -13,7 +13,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
@@ -33,6 +33,7 @@ from sqlalchemy import (
     select,
 )
 
+from airflow_delay_provider.core.delays import UTC
 from airflow_delay_provider.core.errors import InvalidInputError, InvalidNameError
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.stores.engine import check_identifier

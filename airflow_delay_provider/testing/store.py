@@ -8,7 +8,7 @@ import itertools
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from airflow_delay_provider.core.backlog import (
@@ -30,7 +30,7 @@ from airflow_delay_provider.core.backlog import (
     rescheduled_report,
 )
 from airflow_delay_provider.core.checks import check_int
-from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.delays import UTC, utcnow
 from airflow_delay_provider.core.message import DelayedMessage, check_destination
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
 

@@ -16,7 +16,7 @@ import json
 import typing
 from collections.abc import Callable, Collection, Iterable, Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
     BigInteger,
@@ -58,6 +58,14 @@ from airflow_delay_provider.stores.migrations import SchemaMigrations, Versioned
 from airflow_delay_provider.stores.sql import LeasedRows, SqlDelayedMessageStore, from_us, to_us
 from airflow_delay_provider.stores.tables import ID_TYPE, versions_table
 from airflow_delay_provider.stores.upkeep import TableUpkeep
+
+if TYPE_CHECKING:  # Python 3.10 has no typing.Unpack, nor the star in a subscript
+    from typing import TypeAlias
+
+    from typing_extensions import Unpack
+
+    #: A SELECT of any columns.
+    Rows: TypeAlias = Select[Unpack[tuple[Any, ...]]]
 
 #: The queue tables' migrations.
 QUEUE_SCHEMA = "airflow_delay_provider.transports.queue_schema"
@@ -218,7 +226,7 @@ class SqlTableTransport(SqlDatabase, Transport):
 
     def _moving(
         self, store: SqlDelayedMessageStore, ids: Select[int], now: datetime
-    ) -> tuple[CTE, Select[*tuple[Any, ...]]]:
+    ) -> tuple[CTE, Rows]:
         """The move of the rows `ids` selects (those of provisioned queues): the CTE of the rows deleted from
         the store, and the statement inserting them into the queue table that returns (queue, due time, count)."""
         t, q = store.tables.messages, self.messages
@@ -320,12 +328,12 @@ class SqlTableTransport(SqlDatabase, Transport):
 
         return self._starts.setdefault(endpoint, IndexStart()).current(read)
 
-    def _visible_in_order(self, endpoint: str, max_messages: int, now: datetime) -> Select[*tuple[Any, ...]]:
+    def _visible_in_order(self, endpoint: str, max_messages: int, now: datetime) -> Rows:
         """The oldest visible messages of the queue."""
         t = self.messages
         return select(t).where(t.c.queue == endpoint, self._visible_now(now)).order_by(t.c.seq).limit(max_messages)
 
-    def _receiving(self, endpoint: str, max_messages: int, now: datetime, start: int = 0) -> Select[*tuple[Any, ...]]:
+    def _receiving(self, endpoint: str, max_messages: int, now: datetime, start: int = 0) -> Rows:
         """The oldest visible messages of the queue from seq `start` on, locked (those another receive holds are
         skipped)."""
         query = self._visible_in_order(endpoint, max_messages, now).with_for_update(skip_locked=True)

@@ -24,14 +24,14 @@ import math
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import datetime
 from functools import partial
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
 from airflow_delay_provider.core.checks import check_int, check_number
-from airflow_delay_provider.core.delays import seconds_until
+from airflow_delay_provider.core.delays import UTC, seconds_until
 from airflow_delay_provider.core.errors import (
     DelayError,
     DestinationNotFoundError,
