@@ -127,16 +127,19 @@ def assert_paced(got, rate: float) -> list:
     """The messages went at `rate` a second: never over it, and not held back under it. Their send times, sorted.
 
     Never over: any window of T seconds holds at most a second's worth plus rate x T (the bucket's bound), and one
-    more for a send whose insert came later than its token. Not under: the bucket lets a late send catch up, so
-    each send's lag behind one every 1/rate s does not add up on a busy machine, and the median send's stays under
-    0.6 s (at half the rate, 50 sends at 10/s, the middle one would lag 1.25 s and the last 2.45 s)."""
+    more for a send whose insert came later than its token. Not under: in at least one half of the sends, the lag
+    behind one every 1/rate s grows by under 0.6 s. A pump held back to half the rate falls behind in both halves
+    (50 sends at 10/s: 2.4 s in each); one stall of a busy machine (seen in CI: 0.9 s after the second send, the
+    rest at the rate) falls in one half only."""
     times = sorted(m.enqueued_at for m in got)
     offsets = [(t - times[0]).total_seconds() for t in times]
     for i, start in enumerate(offsets):
         for j in range(i + 1, len(offsets)):
             assert j - i + 1 <= rate + rate * (offsets[j] - start) + 1, (i, j, offsets[i:j + 1])
-    lags = sorted(t - i / rate for i, t in enumerate(offsets))
-    assert lags[len(lags) // 2] < 0.6, lags
+    lags = [t - i / rate for i, t in enumerate(offsets)]
+    middle = len(lags) // 2
+    growth = (lags[middle] - lags[0], lags[-1] - lags[middle])
+    assert min(growth) < 0.6, (growth, lags)
     return times
 
 
