@@ -54,6 +54,23 @@ def drain(transport: SqlTableTransport, queue: str) -> list:
     return received
 
 
+def receive_until(queues: SqlTableTransport, queue: str, expected: set[str], timeout: float) -> list:
+    """Every delivery to `queue` (duplicates included) until all `expected` ids arrived, or `timeout`, and what
+    arrives in the second after: a copy delivered twice comes right behind."""
+    got, seen = [], set()
+    deadline = time.monotonic() + timeout
+    while not expected <= seen and time.monotonic() < deadline:
+        batch = queues.receive(queue, max_messages=1000)
+        got.extend(batch)
+        seen.update(m.message_id for m in batch)
+        if batch:
+            queues.ack(queue, [m.receipt for m in batch])
+        else:
+            time.sleep(0.05)
+    time.sleep(1.0)
+    return got + drain(queues, queue)
+
+
 def collect(transport, queue: str, expected: int, timeout: float, rearm: bool = False) -> list:
     """Consume until `expected` distinct messages arrived and the queue is empty, or `timeout`;
     returns (arrival time, message) for every delivery, duplicates included. With `rearm`, the timeout

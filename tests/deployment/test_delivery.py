@@ -15,7 +15,7 @@ from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.transports.sql import SqlTableTransport
 from tests.conftest import PG_URL, ROOT, _rabbitmqctl
-from tests.helpers import store_connection
+from tests.helpers import receive_until, store_connection
 
 EXAMPLE_RUNS = {  # a manual run of each example DAG, as a user would trigger it
     "demo_delayed_delivery": {"count": 40, "max_delay": 3},
@@ -54,25 +54,6 @@ def airflow(deployment, services):
 @pytest.fixture(scope="module")
 def queues(pg_schema):
     return SqlTableTransport(PG_URL, schema=pg_schema)
-
-
-def _consume(queues: SqlTableTransport, queue: str, expected: set[str], timeout: float) -> list:
-    """Every delivery to `queue` (duplicates included) until all `expected` ids arrived, or `timeout`."""
-    got, seen = [], set()
-    deadline = time.monotonic() + timeout
-    while not expected <= seen and time.monotonic() < deadline:
-        batch = queues.receive(queue, max_messages=1000)
-        got.extend(batch)
-        seen.update(m.message_id for m in batch)
-        if batch:
-            queues.ack(queue, [m.receipt for m in batch])
-        else:
-            time.sleep(0.05)
-    time.sleep(1.0)  # anything delivered twice arrives right after
-    while batch := queues.receive(queue, max_messages=1000):
-        got.extend(batch)
-        queues.ack(queue, [m.receipt for m in batch])
-    return got
 
 
 def _check_once_and_on_time(got: list, expected: set[str]) -> list[float]:
@@ -153,7 +134,7 @@ def test_backfilled_windows_dispatch_each_message_once(airflow, store, queues):
     windows = [(datetime.fromisoformat(r["data_interval_start"]), datetime.fromisoformat(r["data_interval_end"]))
                for r in runs]
     assert all(b - a == timedelta(minutes=5) for a, b in windows)  # real windows, not start == end
-    got = _consume(queues, queue, {m.message_id for m in inside}, timeout=30)
+    got = receive_until(queues, queue, {m.message_id for m in inside}, timeout=30)
     _check_once_and_on_time(got, {m.message_id for m in inside})
     dispatched = sum(airflow.xcom("delay_scheduled_sweep", r["dag_run_id"], "dispatch")["dispatched"] for r in runs)
     assert dispatched == len(inside)
@@ -175,7 +156,7 @@ def test_continuous_dispatch_delivers_at_due_times_and_survives_a_triggerer_kill
                   for d in (30, 45, 60) for i in range(3)]
     store.store(before_kill + burst + after_kill)
     first = {m.message_id for m in before_kill + burst}
-    got = _consume(queues, queue, first, timeout=60)
+    got = receive_until(queues, queue, first, timeout=60)
     lateness = _check_once_and_on_time(got, first)
     # Loose: a resume-based dispatcher is late by a task resume (seconds); the benchmark has the real figures.
     assert lateness[-1] < 5.0, lateness[-10:]
@@ -184,7 +165,7 @@ def test_continuous_dispatch_delivers_at_due_times_and_survives_a_triggerer_kill
     time.sleep(2)
     airflow.restart("triggerer")
     rest = {m.message_id for m in after_kill}
-    got = _consume(queues, queue, rest, timeout=150)
+    got = receive_until(queues, queue, rest, timeout=150)
     _check_once_and_on_time(got, rest)
     assert airflow.wait_run("delay_continuous_dispatch", run_id, timeout=240) == "success"
     _stop(airflow, "delay_continuous_dispatch")

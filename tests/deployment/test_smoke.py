@@ -5,16 +5,14 @@ Airflow that `make test` installs; this one is what each minor must pass."""
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
 
-from airflow_delay_provider.core.ports import ReceivedMessage
 from airflow_delay_provider.transports.sql import SqlTableTransport
 from airflow_delay_provider.ui.plugin import URL_PREFIX
 from tests.conftest import PG_URL, ROOT
-from tests.helpers import store_connection
+from tests.helpers import receive_until, store_connection
 
 pytestmark = pytest.mark.smoke
 
@@ -23,22 +21,6 @@ pytestmark = pytest.mark.smoke
 def airflow(deployment, pg_schema):
     return deployment(ROOT / "dags", connections={"delay_store_default": store_connection(PG_URL, pg_schema)},
                       expected_dags=["delay_manual_send", "delay_continuous_dispatch"])
-
-
-def _receive(queues: SqlTableTransport, queue: str, expected: str, timeout: float) -> list[ReceivedMessage]:
-    """Every delivery to `queue` until `expected` arrived (or `timeout`), and any copy right behind it."""
-    got: list[ReceivedMessage] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and expected not in {m.message_id for m in got}:
-        batch = queues.receive(queue, max_messages=100)
-        got += batch
-        if batch:
-            queues.ack(queue, [m.receipt for m in batch])
-        else:
-            time.sleep(0.2)
-    time.sleep(1.0)  # a copy delivered twice would arrive right after
-    got += queues.receive(queue, max_messages=100)
-    return got
 
 
 def test_a_rest_triggered_send_waits_on_the_backlog_page_and_a_deferred_dispatch_delivers_it(airflow, pg_schema):
@@ -61,7 +43,7 @@ def test_a_rest_triggered_send_waits_on_the_backlog_page_and_a_deferred_dispatch
 
     airflow.unpause("delay_continuous_dispatch")
     dispatch_run = airflow.trigger("delay_continuous_dispatch", {"dispatch_seconds": 30})
-    got = _receive(queues, queue, message_id, timeout=120)
+    got = receive_until(queues, queue, {message_id}, timeout=120)
     assert [m.message_id for m in got] == [message_id], airflow.logs_tail()
     assert airflow.wait_run("delay_continuous_dispatch", dispatch_run, timeout=180) == "success"
     airflow.pause("delay_continuous_dispatch")
