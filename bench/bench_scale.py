@@ -71,6 +71,7 @@ from airflow_delay_provider.core.delays import utcnow  # noqa: E402
 from airflow_delay_provider.core.message import DelayedMessage  # noqa: E402
 from airflow_delay_provider.core.pump import Pump, PumpConfig  # noqa: E402
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore, to_us  # noqa: E402
+from airflow_delay_provider.stores.tables import LATER  # noqa: E402
 from airflow_delay_provider.transports.rabbitmq import RabbitMQTransport  # noqa: E402
 from airflow_delay_provider.transports.sql import SqlTableTransport  # noqa: E402
 
@@ -200,9 +201,10 @@ class Bench:
                 rows = io.StringIO()
                 for key in keys:
                     due = now + HOUR_US + rng.randrange(167 * HOUR_US)
-                    rows.write(f"{key}\t{rng.choice(FILL_DESTINATIONS)}\t{body}\t{HEADERS}\t{due}\t{now}\t0\n")
+                    # Due an hour or more later: where store() puts them (tables.SOON_US), `_later`.
+                    rows.write(f"{key}\t{rng.choice(FILL_DESTINATIONS)}\t{body}\t{HEADERS}\t{due}\t{now}\t0\t{LATER}\n")
                 with conn.cursor().copy(f"COPY {messages} (message_id, destination, body, headers, due_at_us, "
-                                        "stored_at_us, failures) FROM STDIN") as copy:
+                                        "stored_at_us, failures, tier) FROM STDIN") as copy:
                     copy.write(rows.getvalue())
                 with conn.cursor().copy(f"COPY {ids} (message_id, seen_at_us) FROM STDIN") as copy:
                     copy.write("".join(f"{key}\t{now}\n" for key in keys))
@@ -220,9 +222,10 @@ class Bench:
         """Bytes of the messages table (heap + TOAST) and of its indexes, and of the ids table with its."""
         out = {}
         for key, table in (("messages", self.store.table), ("ids", self.store.tables.ids)):
+            # The messages table is partitioned (`_soon`, `_later`): its partitions' sizes.
             heap, index = self.conn.execute(
-                "SELECT pg_table_size(%s::regclass), pg_indexes_size(%s::regclass)",
-                [table.fullname, table.fullname]).fetchone()
+                "SELECT sum(pg_table_size(relid)), sum(pg_indexes_size(relid)) FROM pg_partition_tree(%s::regclass) "
+                "WHERE isleaf", [table.fullname]).fetchone()
             out[f"{key}_table_mb"], out[f"{key}_index_mb"] = heap / 2**20, index / 2**20
         return out
 
@@ -230,11 +233,12 @@ class Bench:
         """Wait until the messages table's statistics are fresh again, analysed by the store's own upkeep (what
         every running pump calls; this process calls it as a pump would) or by autovacuum where it is on."""
         started = time.perf_counter()
+        # The fill went to the partition of messages due later.
         query = ("SELECT n_mod_since_analyze, coalesce(last_analyze, last_autoanalyze) IS NOT NULL "
                  "FROM pg_stat_user_tables WHERE relid = %s::regclass")
         while time.perf_counter() - started < self.args.settle_timeout:
             self.store.upkeep()
-            modified, analysed = self.conn.execute(query, [self.store.table.fullname]).fetchone()
+            modified, analysed = self.conn.execute(query, [self.store.tables.later.fullname]).fetchone()
             if analysed and modified < 0.02 * max(self.stored, 1) + 1000:
                 break
             time.sleep(1)

@@ -61,6 +61,7 @@ from airflow_delay_provider.core.message import DelayedMessage  # noqa: E402
 from airflow_delay_provider.core.pump import Pump, PumpConfig  # noqa: E402
 from airflow_delay_provider.stores import upkeep as upkeep_module  # noqa: E402
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore, to_us  # noqa: E402
+from airflow_delay_provider.stores.tables import LATER, SOON, SOON_US  # noqa: E402
 from airflow_delay_provider.stores.upkeep import HOLDS_BACK_VACUUM  # noqa: E402
 from airflow_delay_provider.transports.sql import SqlTableTransport  # noqa: E402
 
@@ -250,18 +251,24 @@ class Soak:
                 now = to_us(self.store.clock())
                 rows = io.StringIO()
                 for i in range(done, min(n, done + 100_000)):
-                    rows.write(f"fill-{i:012d}\t{QUEUE}\t{body}\t{{}}\t{now + offsets[i]}\t{now}\t0\n")
+                    tier = LATER if offsets[i] > SOON_US else SOON  # the partition store() would choose
+                    rows.write(f"fill-{i:012d}\t{QUEUE}\t{body}\t{{}}\t{now + offsets[i]}\t{now}\t0\t{tier}\n")
                 with conn.cursor().copy(f"COPY {table} (message_id, destination, body, headers, due_at_us, "
-                                        "stored_at_us, failures) FROM STDIN") as copy:
+                                        "stored_at_us, failures, tier) FROM STDIN") as copy:
                     copy.write(rows.getvalue())
                 conn.commit()
         log(f"prefill: {n:,} messages in {time.perf_counter() - started:.0f} s")
         return n
 
     def sample(self) -> dict:
-        stats = ("SELECT n_live_tup, n_dead_tup, vacuum_count + autovacuum_count, analyze_count + autoanalyze_count, "
-                 "pg_total_relation_size(relid), n_tup_ins FROM pg_stat_user_tables WHERE relid = %s::regclass")
+        # A partitioned table (the store's messages: `_soon` and `_later`) counts as the sum of its partitions.
+        stats = ("SELECT sum(n_live_tup)::int8, sum(n_dead_tup)::int8, sum(vacuum_count + autovacuum_count)::int8, "
+                 "sum(analyze_count + autoanalyze_count)::int8, sum(pg_total_relation_size(relid))::int8, "
+                 "sum(n_tup_ins)::int8 FROM pg_stat_user_tables WHERE relid IN "
+                 "(SELECT relid FROM pg_partition_tree(%s::regclass) WHERE isleaf)")
         row = self.conn.execute(stats, [self.store.table.fullname]).fetchone()
+        # The partition of the messages due within minutes: where the claims work.
+        soon = self.conn.execute(stats, [self.store.tables.soon.fullname]).fetchone()
         queue = self.conn.execute(stats, [self.queue.messages.fullname]).fetchone()
         ids = self.conn.execute(stats, [self.store.tables.ids.fullname]).fetchone()
         # The oldest snapshot any session of the database holds: no row deleted after it can be vacuumed (the
@@ -270,8 +277,9 @@ class Soak:
                                    f"pg_stat_activity WHERE {HOLDS_BACK_VACUUM}").fetchone()[0]
         # Blocks of the messages table and its indexes read from outside PostgreSQL's shared buffers (the OS cache
         # or the disk) and found in them; the WAL position; checkpoints; the machine's CPU time by kind.
-        io_ = self.conn.execute("SELECT heap_blks_read, heap_blks_hit, idx_blks_read, idx_blks_hit FROM "
-                                "pg_statio_user_tables WHERE relid = %s::regclass",
+        io_ = self.conn.execute("SELECT sum(heap_blks_read)::int8, sum(heap_blks_hit)::int8, sum(idx_blks_read)::int8, "
+                                "sum(idx_blks_hit)::int8 FROM pg_statio_user_tables WHERE relid IN "
+                                "(SELECT relid FROM pg_partition_tree(%s::regclass) WHERE isleaf)",
                                 [self.store.table.fullname]).fetchone()
         # Full page images: the first change to a page after a checkpoint writes the whole page to the WAL.
         wal, checkpoints, fpi = self.conn.execute(
@@ -282,6 +290,7 @@ class Soak:
                 "checkpoints": checkpoints, "fpi": fpi, "cpu_idle": cpu.idle, "cpu_iowait": getattr(cpu, "iowait", 0.0),
                 "cpu_total": sum(cpu),
                 "rows": row[0], "dead": row[1], "vacuums": row[2], "analyses": row[3], "size_mb": row[4] / 2**20,
+                "soon_rows": soon[0], "soon_dead": soon[1], "soon_mb": soon[4] / 2**20,
                 # Ids accepted within the de-duplication window (a day by default): they grow for a day.
                 "ids_mb": ids[4] / 2**20,
                 # What the pump moved: rows inserted into the queue table (the consumer's pace is its own).
@@ -348,7 +357,8 @@ class Soak:
             minutes.append(row)
             log(f"minute {m + 1}: claimed {row['rate']:,.0f} msg/s, received {row['received']:,.0f} msg/s, lateness "
                 f"p50 {row['p50_ms'] or 0:.0f} ms p99 {row['p99_ms'] or 0:.0f} ms, {row['rows']:,} rows, "
-                f"{row['dead']:,} dead, {row['size_mb']:,.0f} MB, {row['vacuums']} vacuums, {row['analyses']} "
+                f"{row['dead']:,} dead, {row['size_mb']:,.0f} MB ({row['soon_rows']:,} rows, {row['soon_dead']:,} "
+                f"dead, {row['soon_mb']:,.0f} MB due soon), {row['vacuums']} vacuums, {row['analyses']} "
                 f"analyses; queue {row['queue_rows']:,} rows, {row['queue_dead']:,} dead, {row['queue_mb']:,.0f} "
                 f"MB; ids {row['ids_mb']:,.0f} MB; oldest snapshot {row['oldest_snapshot_s']:.0f} s; per 1,000 "
                 f"claimed: {row['heap_reads_per_k']:.0f} heap and {row['idx_reads_per_k']:.0f} index blocks read "
@@ -382,12 +392,13 @@ def report(r: dict) -> None:
           + (f"; a snapshot held for {r['held_snapshot']['seconds']:.0f} s from the start of minute "
              f"{r['held_snapshot']['minute']:.0f}" if r.get("held_snapshot") else "") + ".\n")
     print("| minute | claimed msg/s | received msg/s | lateness p50 | p99 | rows | dead rows | table + indexes | "
-          "vacuums | analyses | queue rows | queue dead | queue MB | ids table MB | oldest snapshot | blocks read per "
-          "1,000 claimed (heap / index) | WAL MB | CPU busy |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "due soon: rows / dead / MB | vacuums | analyses | queue rows | queue dead | queue MB | ids table MB | "
+          "oldest snapshot | blocks read per 1,000 claimed (heap / index) | WAL MB | CPU busy |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print(f"| {row['minute']} | {row['rate']:,.0f} | {row['received']:,.0f} | {row['p50_ms'] or 0:.0f} ms | "
               f"{row['p99_ms'] or 0:.0f} ms | {row['rows']:,} | {row['dead']:,} | {row['size_mb']:,.0f} MB | "
+              f"{row.get('soon_rows', 0):,} / {row.get('soon_dead', 0):,} / {row.get('soon_mb', 0):,.0f} | "
               f"{row['vacuums']} | {row['analyses']} | {row['queue_rows']:,} | {row['queue_dead']:,} | "
               f"{row['queue_mb']:,.0f} | {row['ids_mb']:,.0f} | {row.get('oldest_snapshot_s', 0):.0f} s | "
               f"{row['heap_reads_per_k']:,.0f} / {row['idx_reads_per_k']:,.0f} | "

@@ -72,7 +72,7 @@ class BacklogControls:
         """
         check_int("limit", limit, 1, MAX_PAGE)
         t = self.tables.messages
-        query = select(t, self._leased_now().label("in_flight")).where(*self._selected(selector))
+        query = select(*self.tables.row, self._leased_now().label("in_flight")).where(*self._selected(selector))
         if after:
             due_us, row_id = parse_cursor(after)
             query = query.where(or_(t.c.due_at_us > due_us, and_(t.c.due_at_us == due_us, t.c.id > row_id)))

@@ -112,7 +112,7 @@ class EventLeases:
             if not before:
                 return [], 0
             rows = conn.execute(update(t).where(t.c.id.in_(list(before)), free)
-                                .values(claim_id=claim_id).returning(*t.c)).all()
+                                .values(claim_id=claim_id).returning(*self.tables.row)).all()
         rows = sorted(rows, key=lambda r: (r.due_at_us, r.id))
         taken_over = sum(1 for r in rows if before.get(r.id) is not None)
         return [_message(r) for r in rows], taken_over

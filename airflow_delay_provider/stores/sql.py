@@ -11,12 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Table, any_, delete, func, insert, inspect, or_, select
+from sqlalchemy import ARRAY, ColumnElement, String, Table, any_, delete, func, insert, inspect, literal, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Row
 from sqlalchemy.sql import Select
@@ -24,7 +26,7 @@ from sqlalchemy.sql import Select
 from airflow_delay_provider.core.backlog import BODY_PREVIEW_BYTES, Selector
 from airflow_delay_provider.core.checks import check_number
 from airflow_delay_provider.core.delays import utcnow
-from airflow_delay_provider.core.errors import InvalidMessageError
+from airflow_delay_provider.core.errors import DelayProviderError, InvalidMessageError
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
 from airflow_delay_provider.stores.backlog import BacklogControls
@@ -37,7 +39,10 @@ from airflow_delay_provider.stores.listener import StoreWaiting
 from airflow_delay_provider.stores.migrations import STORE_SCHEMA, SchemaMigrations, VersionedTables
 from airflow_delay_provider.stores.tables import (
     DEFAULT_TABLE,
+    LATER,
     MAX_TABLE_NAME,
+    SOON,
+    SOON_US,
     SWEEP_COLUMNS,
     StoreTables,
     _message,
@@ -46,6 +51,7 @@ from airflow_delay_provider.stores.tables import (
     from_us,
     to_us,
 )
+from airflow_delay_provider.stores.tiers import LaterMessages
 from airflow_delay_provider.stores.upkeep import TableUpkeep
 
 log = logging.getLogger(__name__)
@@ -54,6 +60,8 @@ log = logging.getLogger(__name__)
 _NAMED_WAKEUPS = 16
 #: How far before its clock a reading of where claims start marks the due times of rows written after it.
 _START_MARGIN_US = 1_000_000
+#: How often a store object looks again whether its store has been migrated to the two partitions.
+_TIERS_CHECK_SECONDS = 30.0
 
 
 __all__ = [  # the names other modules import from here
@@ -135,15 +143,21 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         self.events = EventLeases(self, self.tables, self.leases)
         self.controls = BacklogControls(self, self.tables, self.settings, lambda: self._scope)
         t = self.tables
+        self.later = LaterMessages(self, self.tables)
+        self._tiered: bool | None = None
+        self._tiered_checked = -math.inf
+        # On PostgreSQL from schema version 8 the messages are in two partitions, whose counters and indexes
+        # are their own (the partitioned table has none); the names of tables not there are passed over.
+        messages = (t.messages, t.soon, t.later)
         self.maintenance = TableUpkeep(
-            self, kept=lambda: (t.messages, t.ids, t.counts) if self.controls.counted() else (t.messages, t.ids),
-            rebuilt=(t.messages,), analyzed=(t.messages,),  # the claims' plans need statistics; the rest: by key
+            self, kept=lambda: (*messages, t.ids, t.counts) if self.controls.counted() else (*messages, t.ids),
+            rebuilt=messages, analyzed=messages,  # the claims' plans need statistics; the rest: by key
             before=lambda conn: self.controls.counted() and self.controls.sum_up_counts(conn))
         self.migrations = SchemaMigrations(self, VersionedTables(
             package=STORE_SCHEMA, kind="delay store", label=f"Delay store {t.where}", versions=t.versions,
             tables=t.of_store(), names=self._template_names(),
-            # claim_id is the one column a store from before bulk sweeps lacks; its migration adds it.
-            optional_columns=frozenset({"claim_id"}), adopt=self._adopt,
+            # claim_id and tier are the columns a store from before bulk sweeps lacks; their migrations add them.
+            optional_columns=frozenset({"claim_id", "tier"}), adopt=self._adopt,
             refuse_hint="choose another `table` (or `db_schema`) for the store",
             before=self.maintenance.stop,  # its VACUUM would hold the migration's table locks for minutes
         ))
@@ -213,6 +227,8 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         # The index names the SQL files create are the declared ones (tables.py).
         [due_index], [ids_index] = (self.tables.messages.indexes, self.tables.ids.indexes)
         ids_index_name = str(ids_index.name)
+        leased = ids_index_name.replace("ix_ids_", "ix_leased_")
+        short = hashlib.sha1(f"{self.schema}.{t}".encode()).hexdigest()[:16]
         return {
             "messages": q(t), "policies": q(f"{t}_policies"), "sweeps": q(f"{t}_sweeps"), "ids": q(f"{t}_ids"),
             "throttle": q(f"{t}_throttle"), "delays": q(f"{t}_delays"), "dests": q(f"{t}_dests"),
@@ -221,15 +237,39 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             # Index names live in the table's schema on PostgreSQL and may not be qualified there.
             "ix_due": preparer.quote_identifier(str(due_index.name)),
             "ix_ids": preparer.quote_identifier(ids_index_name),
-            "ix_leased": preparer.quote_identifier(ids_index_name.replace("ix_ids_", "ix_leased_")),
+            "ix_leased": preparer.quote_identifier(leased),
+            # Schema version 8: the partitions, the sequence of ids they share, and the indexes by name.
+            "soon": q(f"{t}_soon"), "soon_name": preparer.quote_identifier(f"{t}_soon"), "later": q(f"{t}_later"),
+            "id_seq": q(f"{t}_id_seq"),
+            "ix_due_q": q(str(due_index.name)), "ix_leased_q": q(leased),
+            "ix_soon_due": preparer.quote_identifier(f"ix_soon_{short}"), "ix_soon_due_q": q(f"ix_soon_{short}"),
+            "ix_soon_leased": preparer.quote_identifier(f"ix_soon_leased_{short}"),
+            "ix_soon_leased_q": q(f"ix_soon_leased_{short}"),
             "id_type": "BIGSERIAL" if self.is_postgres else "INTEGER",  # SQLite's INTEGER key is the rowid
             "bytes_type": "BYTEA" if self.is_postgres else "BLOB",
         }
 
     def upkeep(self) -> None:
-        """Vacuum and analyse the store's tables when their counters call for it (stores/upkeep.py), in a
-        background thread; never blocks, PostgreSQL only."""
+        """Vacuum and analyse the store's tables when their counters call for it (stores/upkeep.py), and move
+        messages from `_later` to `_soon` as they come due (stores/tiers.py), in background threads; never
+        blocks, PostgreSQL only."""
         self.maintenance.start()
+        try:
+            tiered = self.tiered()
+        except DelayProviderError:  # an outage: the caller meets it under its breakers, not here
+            return
+        if tiered:
+            self.later.start()
+
+    def tiered(self) -> bool:
+        """Whether the messages are in the two partitions `_soon` and `_later` (PostgreSQL, schema version 8 on)."""
+        if not self.is_postgres or self._tiered:
+            return bool(self._tiered)
+        if time.monotonic() - self._tiered_checked > _TIERS_CHECK_SECONDS:
+            self._tiered_checked = time.monotonic()
+            with self.errors("inspect the delay store"), self.engine.connect() as conn:
+                self._tiered = inspect(conn).has_table(self.tables.later.name, schema=self.schema)
+        return bool(self._tiered)
 
     def exists(self) -> bool:
         with self.errors("inspect the delay store"), self.engine.connect() as conn:
@@ -247,6 +287,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             raise InvalidMessageError(f"messages must be DelayedMessage objects (each checked when it is built), "
                                       f"got {type(wrong).__name__}")
         now = to_us(self.clock())
+        tiered = self.tiered()
         rows: list[dict[str, Any]] = [
             {
                 "message_id": m.message_id,
@@ -259,11 +300,14 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             }
             for m in messages
         ]
+        if tiered:
+            for r in rows:
+                r["tier"] = LATER if r["due_at_us"] > now + SOON_US else SOON
         remember = deduplicate and self.dedup_window_us > 0
         with self.errors("store delayed messages"), self.engine.begin() as conn:
             if remember:
                 self.accepted.expire(conn, now)
-            stored = self._insert_new(conn, rows, now if remember else None)
+            stored = self._insert_new(conn, rows, now if remember else None, tiered)
             if stored:
                 self.settings.register(conn, {r["destination"] for r in rows}, now)
             if self.is_postgres and stored:
@@ -283,19 +327,31 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     _COPY_COLUMNS = ("message_id", "destination", "body", "headers", "due_at_us", "stored_at_us", "failures")
     _COPY_TYPES = ("text", "text", "bytea", "text", "int8", "int8", "int4")
 
-    def _insert_new(self, conn: Connection, rows: list[dict[str, Any]], seen_at_us: int | None) -> int:
+    def _insert_new(self, conn: Connection, rows: list[dict[str, Any]], seen_at_us: int | None,
+                    tiered: bool = False) -> int:
         """Insert the rows whose message id is new (a retried task stores nothing twice); returns how many.
         With `seen_at_us`, their ids are remembered in the ids table and ids found there are skipped."""
+        if tiered and seen_at_us is None:
+            # Each partition's unique index sees its own rows only: without the ids table, look in both.
+            t = self.table
+            stored = set(conn.execute(select(t.c.message_id).where(
+                t.c.message_id == any_(literal([r["message_id"] for r in rows], ARRAY(String))))).scalars())
+            rows = [r for r in rows if r["message_id"] not in stored]
+            if not rows:
+                return 0
         if self.is_postgres:
             from psycopg.errors import UniqueViolation
 
+            columns: tuple[str, ...] = self._COPY_COLUMNS
+            types: tuple[str, ...] = self._COPY_TYPES
+            if tiered:
+                columns, types = (*columns, "tier"), (*types, "int2")
             try:
                 with conn.begin_nested():  # COPY is the fast way, for the usual case of all-new ids
                     if seen_at_us is not None:
                         copy_rows(conn, self.tables.ids, ("message_id", "seen_at_us"), ("text", "int8"),
                                   ((r["message_id"], seen_at_us) for r in rows))
-                    copy_rows(conn, self.table, self._COPY_COLUMNS, self._COPY_TYPES,
-                              ([r[c] for c in self._COPY_COLUMNS] for r in rows))
+                    copy_rows(conn, self.table, columns, types, ([r[c] for c in columns] for r in rows))
                 return len(rows)
             except UniqueViolation:
                 pass
@@ -305,7 +361,9 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             if not rows:
                 return 0
         insert = (postgresql.insert if self.is_postgres else sqlite.insert)(self.table)
-        stmt = insert.on_conflict_do_nothing(index_elements=["message_id"]).returning(self.table.c.id)
+        # The partitioned table has no unique index of its own: the partition a row goes to checks its keys.
+        stmt = (insert.on_conflict_do_nothing() if tiered else insert.on_conflict_do_nothing(
+            index_elements=["message_id"])).returning(self.table.c.id)
         return len(conn.execute(stmt, rows).all())
 
     def unseen(self, message_ids: Sequence[str]) -> list[str]:
@@ -367,7 +425,8 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = ()
     ) -> Iterator[Claim]:
         t = self.table
-        claim_rows = delete(t).where(self.claimed(self.due_ids(now, limit, due_before, exclude))).returning(*t.c)
+        claimed = self.claimed(self.due_ids(now, limit, due_before, exclude))
+        claim_rows = delete(t).where(claimed).returning(*self.tables.row)
         with self.errors("claim due messages"), self.engine.begin() as conn:
             self.in_index_order(conn)
             claim = _SqlClaim(conn, t, conn.execute(claim_rows).all())
@@ -521,7 +580,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         """A stored message by id (for inspection and tests)."""
         t = self.table
         with self.errors("read a stored message"), self.engine.connect() as conn:
-            row = conn.execute(select(t).where(t.c.message_id == message_id)).first()
+            row = conn.execute(select(*self.tables.row).where(t.c.message_id == message_id)).first()
         return None if row is None else _message(row)
 
     # -- waiting (stores/listener.py) ----------------------------------------------------------------

@@ -25,6 +25,7 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     MetaData,
+    SmallInteger,
     String,
     Table,
     Text,
@@ -58,10 +59,18 @@ def from_us(us: int) -> datetime:
 ID_TYPE = BigInteger().with_variant(Integer, "sqlite")
 
 
-def store_table(metadata: MetaData, name: str, schema: str | None) -> Table:
-    return Table(
-        name,
-        metadata,
+#: On PostgreSQL the messages table is partitioned in two by `tier` (schema version 8): messages due within this
+#: long (microseconds) go to `<table>_soon`, where every claim, send and vacuum works, and those due later to
+#: `<table>_later`, from which the store moves them into `_soon` when they come within this long of their due time
+#: (stores/tiers.py). Five minutes: the mover looks every few seconds, so rows are in `_soon` well before they
+#: are due, and a send due within minutes is written once.
+SOON_US = 300_000_000
+#: `tier` of the two partitions.
+SOON, LATER = 0, 1
+
+
+def _message_columns() -> list[Column[Any]]:
+    return [
         Column("id", ID_TYPE, primary_key=True, autoincrement=True),
         Column("message_id", String(200), nullable=False, unique=True),
         Column("destination", String(255), nullable=False),
@@ -72,9 +81,26 @@ def store_table(metadata: MetaData, name: str, schema: str | None) -> Table:
         Column("failures", Integer, nullable=False, server_default="0"),
         # Set while a bulk sweep holds the row; the lease in the sweeps table says until when.
         Column("claim_id", String(64), nullable=True),
+        # SOON or LATER: the partition the row is in (PostgreSQL; always SOON on SQLite, which keeps one table).
+        Column("tier", SmallInteger, nullable=False, server_default="0"),
+    ]
+
+
+def store_table(metadata: MetaData, name: str, schema: str | None) -> Table:
+    return Table(
+        name,
+        metadata,
+        *_message_columns(),
         Index(f"ix_{name}_due", "due_at_us", "id"),
         schema=schema,
     )
+
+
+def partition_table(name: str, schema: str | None) -> Table:
+    """One of the two partitions of the messages table on PostgreSQL (`<table>_soon`, `<table>_later`): the unique
+    indexes on `id` and `message_id` are each partition's (PostgreSQL allows no unique index on the partitioned
+    table that lacks `tier`), the due index is the partitioned table's."""
+    return Table(name, MetaData(), *_message_columns(), schema=schema)
 
 
 def sweeps_table(metadata: MetaData, name: str, schema: str | None) -> Table:
@@ -181,6 +207,9 @@ class StoreTables:
     name: str
     schema: str | None
     messages: Table
+    #: The partitions of `messages` on PostgreSQL from schema version 8 (see SOON_US).
+    soon: Table
+    later: Table
     ids: Table
     sweeps: Table
     throttle: Table
@@ -198,7 +227,9 @@ class StoreTables:
         md = MetaData()
         qualified = f"{schema}.{name}" if schema else name
         return cls(
-            name=name, schema=schema, messages=store_table(md, name, schema), ids=ids_table(md, name, schema),
+            name=name, schema=schema, messages=store_table(md, name, schema),
+            soon=partition_table(f"{name}_soon", schema), later=partition_table(f"{name}_later", schema),
+            ids=ids_table(md, name, schema),
             sweeps=sweeps_table(md, f"{name}_sweeps", schema), throttle=throttle_table(md, name, schema),
             delays=queue_delays_table(md, name, schema), policies=policies_table(md, name, schema),
             dests=destinations_table(md, name, schema), counts=counts_table(md, name, schema),
@@ -213,6 +244,13 @@ class StoreTables:
     def of_store(self) -> tuple[Table, ...]:
         """The tables the migrations create (without the versions table), messages first."""
         return tuple(self.messages.metadata.tables.values())
+
+    @property
+    def row(self) -> tuple[Column[Any], ...]:
+        """The columns of a message as reads return it: all but `tier`, which says where it is, not what it is (and
+        which a store not yet migrated to schema version 8 lacks: a process of this release keeps working there
+        until it is)."""
+        return tuple(c for c in self.messages.c if c.name != "tier")
 
     # -- conditions on the messages table -------------------------------------------------------------
     def not_paused(self) -> ColumnElement[bool]:

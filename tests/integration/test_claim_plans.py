@@ -56,8 +56,10 @@ def _rows_scanned(store: SqlDelayedMessageStore, statement) -> int:
         # with the queues (and sorts them all for a batch): whatever join it would pick, only the batch is read.
         conn.execute(text("SET LOCAL enable_nestloop = off"))
         plan = conn.execute(text("EXPLAIN (ANALYZE, FORMAT JSON) " + sql.replace("%%", "%"))).scalar()[0]["Plan"]
-    scans = [n for n in _nodes(plan) if n.get("Relation Name") == store.table_name and "Scan" in n["Node Type"]
-             and n.get("Index Name") != f"{store.table_name}_pkey"]
+    # The messages are in two partitions (schema version 8); each is looked up by its own primary key.
+    partitions = {store.tables.soon.name, store.tables.later.name}
+    scans = [n for n in _nodes(plan) if n.get("Relation Name") in partitions and "Scan" in n["Node Type"]
+             and n.get("Index Name") not in (f"{store.table_name}_pkey", f"{store.tables.later.name}_pkey")]
     assert scans, json.dumps(plan)[:2000]
     return sum(n["Actual Rows"] + n.get("Rows Removed by Filter", 0) for n in scans)
 

@@ -76,9 +76,20 @@ def test_fresh_store_records_every_version_and_matches_the_table_definitions(db)
         # What the SQL files create is what the code declares (tables.py) and reads and writes.
         leased = store._template_names()["ix_leased"].strip('"')
         for t in _tables(store):
-            # The one index the SQL files add beyond the declarations: partial, for the rows sweeps hold.
-            assert _found_shape(conn, t) == _declared_shape(t, extra=[(leased, ("claim_id",), False)] if (
-                t is store.table and store.is_postgres) else []), t.name
+            declared = _declared_shape(t, extra=[])
+            if t is store.table and store.is_postgres:
+                # The one index the SQL files add beyond the declarations: partial, for the rows sweeps hold. The
+                # unique keys are each partition's: PostgreSQL allows none on the partitioned table without `tier`.
+                declared = _declared_shape(t, extra=[(leased, ("claim_id",), False)])
+                assert _found_shape(conn, t) == {**declared, "primary_key": []}
+                for part in (store.tables.soon, store.tables.later):
+                    found = _found_shape(conn, part)
+                    assert found["columns"] == declared["columns"] and found["primary_key"] == ["id"], part.name
+                    assert sorted(columns for _, columns, _ in found["indexes"]) == [("claim_id",), ("due_at_us", "id")]
+                    unique = inspect(conn).get_unique_constraints(part.name, schema=schema)
+                    assert [u["column_names"] for u in unique] == [["message_id"]], part.name
+                continue
+            assert _found_shape(conn, t) == declared, t.name
     assert sorted(rows) == [(m.version, m.name) for m in migrations()]
     assert store.migrate() == []  # up to date: nothing applied twice
 
@@ -233,7 +244,8 @@ def test_upgrade_from_version_4_runs_under_pumps_and_loses_nothing(pg):
     assert all(m.enqueued_at >= due[m.message_id] for m in received)  # none early
     assert sum(r.stats.dispatched for r in results) == 300
     with upgraded.engine.connect() as conn:
-        options = conn.execute(text("SELECT reloptions FROM pg_class WHERE oid = to_regclass(:t)"),
-                               {"t": upgraded._template_names()["messages"]}).scalar()
-    assert "autovacuum_vacuum_scale_factor=0.02" in options
+        for part in ("soon", "later"):  # the partitions of schema version 8 (the partitioned table keeps no rows)
+            options = conn.execute(text("SELECT reloptions FROM pg_class WHERE oid = to_regclass(:t)"),
+                                   {"t": upgraded._template_names()[part]}).scalar()
+            assert "autovacuum_vacuum_scale_factor=0.02" in options
     assert upgraded.backlog()["totals"]["scheduled"] == 0

@@ -44,13 +44,16 @@ def _send(queue: SqlTableTransport, n: int, prefix: str) -> None:
 
 
 def _entries_read(database, table: str, query) -> int:
-    """Index entries a query's scans of `table`'s indexes read (dead ones too), from the transaction's own
-    statistics; the query is rolled back. All its indexes: where the statistics make two serve the order (a queue's
-    (queue, seq) and its primary key), either may be the one read."""
+    """Index entries a query's scans of `table`'s indexes (or its partitions') read (dead ones too), from the
+    transaction's own statistics; the query is rolled back. All its indexes: where the statistics make two serve the
+    order (a queue's (queue, seq) and its primary key), either may be the one read."""
     sql = str(query.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))
     # The counts a backend has not reported yet, which include its earlier transactions': read before and after.
+    # A partitioned table (the store's messages): its partitions' indexes.
     count = text("SELECT coalesce(sum(pg_stat_get_xact_tuples_returned(indexrelid)), 0) FROM pg_index "
-                 "WHERE indrelid = to_regclass(:table)").bindparams(table=database.qualified(table))
+                 "WHERE indrelid = to_regclass(:table) OR indrelid IN "
+                 "(SELECT inhrelid FROM pg_inherits WHERE inhparent = to_regclass(:table))"
+                 ).bindparams(table=database.qualified(table))
     with database.engine.connect() as conn:
         database.in_index_order(conn)
         before = conn.execute(count).scalar()

@@ -55,7 +55,7 @@ def test_every_statement_renders_with_quoted_names_only(url):
         for statement in statements:
             assert "{" not in statement and "--" not in statement and "/*" not in statement
             # Every table a statement names is this store's, quoted.
-            for target in re.findall(r"\b(?:TABLE(?: IF NOT EXISTS)?|ON) (?!AS\b)(\S+)", statement):
+            for target in re.findall(r"\b(?:TABLE(?: IF NOT EXISTS)?|ON(?: ONLY)?) (?!AS\b)(\S+)", statement):
                 assert target.strip('"').split('"."')[-1].startswith("orders"), statement
     assert names["id_type"] == ("BIGSERIAL" if store.is_postgres else "INTEGER")
 

@@ -1,0 +1,101 @@
+"""The two partitions of a PostgreSQL store's messages: `_soon` and `_later`, and the move from one to the other.
+
+A store under steady churn with mixed delays (seconds to a day) kept every message in one table: the space of each
+delivered row was reused by the next insert wherever it was, so over hours the rows due within the minute spread
+over all the pages of a table of millions, and every claim, every vacuum pass and every first change to a page
+after a checkpoint (a full page image in the WAL) touched more of them. The cost per message grew all through an
+hour-long run at a steady rate and a level backlog.
+
+So messages due more than `SOON_US` after they are stored go to `_later`, which only takes inserts and this move,
+and the rest to `_soon`, which stays small (minutes of messages) and takes the claims' churn. `LaterMessages` moves
+`_later`'s rows into `_soon` when they come within `SOON_US` of their due time, in batches, each in one statement
+on the partitioned table (`DELETE ... RETURNING` then `INSERT`), so the backlog counts' triggers see a move as -n
+and +n. Nothing depends on the move for correctness: the claims read both partitions' due indexes, so a row the
+move has not reached yet (no process of the store running it) is still claimed on time, from `_later`.
+
+Rows the move and a claim both want are never waited for: each skips the other's locked rows. Rows a sweep holds
+(`claim_id` set) are not moved: the sweep removes them by key later. A cancel or reschedule that reaches a row the
+move has locked finds it gone and, at its next pass, in `_soon` (stores/backlog.py makes several passes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+
+from sqlalchemy import text
+
+from airflow_delay_provider.stores.engine import Database
+from airflow_delay_provider.stores.tables import LATER, SOON, SOON_US, StoreTables, to_us
+
+log = logging.getLogger(__name__)
+
+#: How often a process moves what came within `SOON_US` of its due time (seconds).
+MOVE_EVERY_SECONDS = 5.0
+#: Rows per move statement.
+MOVE_BATCH = 10_000
+_COLUMNS = "id, message_id, destination, body, headers, due_at_us, stored_at_us, failures, claim_id"
+
+
+class LaterMessages:
+    """Moves one store's `_later` messages into `_soon` as they come due (PostgreSQL, schema version 8 on)."""
+
+    def __init__(self, db: Database, tables: StoreTables) -> None:
+        self.db = db
+        self.tables = tables
+        self.checked = -float("inf")
+        self.thread: threading.Thread | None = None
+        messages, later = db.qualified(tables.messages.name), db.qualified(tables.later.name)
+        # The rows of _later due before :until (not a sweep's), oldest first, skipping any a claim holds; a row
+        # already in _soon under the same id (a send of an id stored longer ago than the de-duplication window)
+        # is kept there and the moved one dropped, so the store never holds an id twice after a move.
+        self._move = text(
+            f"WITH moved AS (DELETE FROM {messages} WHERE tier = {LATER} AND id = ANY(ARRAY("
+            f"SELECT id FROM {later} WHERE due_at_us < :until AND claim_id IS NULL "
+            f"ORDER BY due_at_us LIMIT :n FOR UPDATE SKIP LOCKED)) RETURNING {_COLUMNS}), "
+            f"kept AS (INSERT INTO {messages} ({_COLUMNS}, tier) SELECT {_COLUMNS}, {SOON} FROM moved "
+            "ON CONFLICT DO NOTHING RETURNING 1) "
+            "SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM kept)")
+        digest = hashlib.sha1(f"airflow_delay_provider.tiers:{messages}".encode()).digest()
+        self._key = int.from_bytes(digest[:8], "big", signed=True)
+
+    def start(self) -> None:
+        """Move in a background thread when it is time (never blocks)."""
+        if time.monotonic() - self.checked < MOVE_EVERY_SECONDS:
+            return
+        if self.thread is not None and self.thread.is_alive():
+            return
+        self.checked = time.monotonic()
+        self.thread = threading.Thread(target=self.run, name="delay-store-move", daemon=True)
+        self.thread.start()
+
+    def run(self) -> int:
+        """Move everything due within `SOON_US`, batch by batch; returns how many rows left `_later`."""
+        moved = 0
+        try:
+            while (taken := self.move_batch(MOVE_BATCH)) is not None:
+                moved += taken
+                if taken < MOVE_BATCH:
+                    break
+        except Exception as exc:  # an outage or a migration: the claims read _later too, nothing is late for it
+            log.warning("moving messages due soon of %r skipped: %s", self.db, exc)
+        if moved:
+            log.debug("moved %d messages due within %d s into %s", moved, SOON_US // 1_000_000,
+                      self.db.qualified(self.tables.soon.name))
+        return moved
+
+    def move_batch(self, limit: int) -> int | None:
+        """One move of up to `limit` rows, in a transaction of its own; returns how many left `_later`, or None
+        when another process of the store is moving (one at a time: a transaction's advisory lock)."""
+        until = to_us(self.db.clock()) + SOON_US
+        with self.db.errors("move messages due soon"), self.db.engine.begin() as conn:
+            if not conn.execute(text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": self._key}).scalar():
+                return None
+            self.db.in_index_order(conn)
+            left, kept = conn.execute(self._move, {"until": until, "n": limit}).one()
+        if left != kept:
+            log.info("%d messages moved due soon were already in %s under the same id: kept those", left - kept,
+                     self.db.qualified(self.tables.soon.name))
+        return int(left)

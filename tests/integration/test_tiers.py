@@ -1,0 +1,222 @@
+"""The two partitions of a PostgreSQL store's messages (schema version 8): messages due within minutes in `_soon`,
+the rest in `_later`, moved into `_soon` as they come due; every read, claim and count sees both."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import psycopg
+import pytest
+from sqlalchemy import text
+
+from airflow_delay_provider.core.backlog import Selector
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.core.pump import Pump
+from airflow_delay_provider.stores import sql as store_module
+from airflow_delay_provider.stores import tiers
+from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
+from airflow_delay_provider.stores.tables import SOON_US
+from airflow_delay_provider.testing import InMemoryTransport
+from airflow_delay_provider.transports.sql import SqlTableTransport
+from tests.helpers import drain, messages
+from tests.waiting import wait_for
+
+
+def _store(pg, **kwargs) -> SqlDelayedMessageStore:
+    url, schema, table = pg
+    store = SqlDelayedMessageStore(url, table=table, schema=schema, **kwargs)
+    store.create_schema()
+    assert store.tiered()
+    return store
+
+
+def _where(store: SqlDelayedMessageStore) -> dict[str, str]:
+    """Each stored message id: "soon" or "later", the partition that holds it."""
+    found = {}
+    with store.engine.connect() as conn:
+        for part in ("soon", "later"):
+            table = store.qualified(getattr(store.tables, part).name)
+            found.update({m: part for m in conn.execute(text(f"SELECT message_id FROM {table}")).scalars()})
+    return found
+
+
+def _scheduled(store: SqlDelayedMessageStore) -> int:
+    return store.backlog()["totals"]["scheduled"]
+
+
+def test_messages_go_to_the_partition_of_their_due_time_and_every_read_sees_both(pg):
+    store = _store(pg)
+    soon_s = SOON_US / 1e6
+    store.store(messages(3, delay=-1) + messages(2, delay=soon_s - 30, start=3) + messages(4, delay=3600, start=5))
+    assert _where(store) == {**{f"m-{i}": "soon" for i in range(5)}, **{f"m-{i}": "later" for i in range(5, 9)}}
+    assert store.count_scheduled() == {"orders": 9}
+    assert _scheduled(store) == 9  # the counts' triggers are on the partitioned table
+    listed = store.browse(Selector(destination="orders"), limit=100)["messages"]
+    assert [m["message_id"] for m in listed] == [f"m-{i}" for i in range(9)]  # in due order across both
+    assert store.get("m-7").body == b"body-7"
+    # Cancel, reschedule and purge reach either partition.
+    assert store.cancel(Selector(message_ids=["m-1", "m-6"]))["cancelled"] == ["m-1", "m-6"]
+    moved_to = utcnow() - timedelta(seconds=1)
+    assert store.reschedule(Selector(message_ids=["m-8"]), moved_to)["rescheduled"] == ["m-8"]
+    with store.claim_due(utcnow(), 100) as claim:  # the due ones, from both partitions, in due order
+        assert [m.message_id for m in claim.messages] == ["m-0", "m-2", "m-8"]
+        claim.remove([m.message_id for m in claim.messages])
+    assert _scheduled(store) == 4 and store.count_scheduled() == {"orders": 4}
+    assert store.purge("orders", dry_run=False)["purged"] == 4
+    assert _where(store) == {} and _scheduled(store) == 0
+
+
+def test_the_move_brings_messages_into_soon_before_they_are_due(pg, monkeypatch):
+    store = _store(pg)
+    monkeypatch.setattr(store_module, "SOON_US", 1_000_000)  # sends due more than 1 s later go to _later
+    store.store(messages(3, delay=20) + messages(2, delay=3600, start=3))
+    assert set(_where(store).values()) == {"later"}
+    histogram = store.backlog()["destinations"]["orders"]["histogram"]
+    monkeypatch.setattr(tiers, "SOON_US", 60_000_000)  # moved within a minute of their due time
+    assert store.later.run() == 3
+    assert _where(store) == {"m-0": "soon", "m-1": "soon", "m-2": "soon", "m-3": "later", "m-4": "later"}
+    assert store.later.run() == 0  # nothing more is due within the minute
+    # A move is a delete and an insert of the same rows: the counts and everything read are as before.
+    assert store.backlog()["destinations"]["orders"]["histogram"] == histogram
+    assert store.get("m-1").due_at == store.get("m-0").due_at
+    assert [m["message_id"] for m in store.browse(Selector(destination="orders"))["messages"]] == [
+        f"m-{i}" for i in range(5)]
+
+
+def test_a_pump_moves_and_delivers_messages_stored_for_later_once_each(pg, monkeypatch):
+    """Sent as `_later` messages (due beyond the threshold when stored), moved while the pump waits, delivered
+    once each and none early, into the SQL-table queue."""
+    url, schema, table = pg
+    store = _store(pg)
+    monkeypatch.setattr(store_module, "SOON_US", 500_000)
+    monkeypatch.setattr(tiers, "SOON_US", 2_000_000)
+    monkeypatch.setattr(tiers, "MOVE_EVERY_SECONDS", 0.2)
+    batch = messages(200, delay=3) + messages(50, delay=-1, start=200)
+    store.store(batch)
+    assert list(_where(store).values()).count("later") == 200
+    queue = SqlTableTransport(url, schema=schema, table_prefix=f"{table}_")
+    queue.provision("orders")
+    last_due = max(m.due_at for m in batch)
+    result = Pump(store, queue).run(due_before=last_due + timedelta(microseconds=1))
+    received = drain(queue, "orders")
+    assert sorted(m.message_id for m in received) == sorted(m.message_id for m in batch)
+    due = {m.message_id: m.due_at for m in batch}
+    assert all(m.enqueued_at >= due[m.message_id] for m in received)
+    assert result.stats.dispatched == 250 and _where(store) == {} and _scheduled(store) == 0
+
+
+def test_due_messages_still_in_later_are_claimed_without_the_move(pg, monkeypatch):
+    """The move is for locality only: with nobody moving, a due message in `_later` is claimed on time."""
+    store = _store(pg)
+    monkeypatch.setattr(store_module, "SOON_US", 0)
+    store.store(messages(5, delay=0.2))
+    assert set(_where(store).values()) == {"later"}
+    wait_for(lambda: store.count_scheduled(due_before=utcnow()) == {"orders": 5}, 10, "the messages to fall due")
+    transport = InMemoryTransport()
+    transport.provision("orders")
+    assert Pump(store, transport).run(stop_when_idle=True).stats.dispatched == 5
+    assert sorted(m.message_id for m in transport.receive("orders", max_messages=10)) == [f"m-{i}" for i in range(5)]
+
+
+def test_an_id_is_stored_once_across_both_partitions(pg, monkeypatch):
+    """Without the ids table (de-duplication off, or a migration's `deduplicate=False`), a send of an id that the
+    other partition holds is skipped; a duplicate that got into `_soon` anyway is dropped by the move, not kept
+    twice."""
+    store = _store(pg, dedup_window_seconds=0)
+    due_later = utcnow() + timedelta(hours=2)
+    assert store.store([DelayedMessage("orders", b"first", due_later, {}, "x")]) == 1
+    assert store.store([DelayedMessage("orders", b"again", utcnow(), {}, "x")]) == 0
+    assert store.store([DelayedMessage("orders", b"again", utcnow(), {}, "x")], deduplicate=False) == 0
+    assert _where(store) == {"x": "later"}
+    # What two concurrent sends of one id to different partitions could leave (each partition checks its own keys).
+    with store.engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {store.qualified(store.table_name)} (message_id, destination, body, headers, "
+                          "due_at_us, stored_at_us, tier) VALUES ('x', 'orders', '\\x00', '{}', 1, 1, 0)"))
+    assert _scheduled(store) == 2
+    monkeypatch.setattr(tiers, "SOON_US", 3 * 3600 * 1_000_000)
+    assert store.later.run() == 1
+    assert _where(store) == {"x": "soon"} and _scheduled(store) == 1
+
+
+def test_the_move_passes_over_rows_a_claim_or_a_sweep_holds(pg, monkeypatch):
+    url, _, _ = pg
+    store = _store(pg)
+    store.store(messages(4, delay=3600))
+    table = store.qualified(store.table_name)
+    with store.engine.begin() as conn:  # as a sweep leaves the rows it holds: it removes them by key later
+        conn.execute(text(f"UPDATE {table} SET claim_id = 'sweep-1'"))
+    monkeypatch.setattr(tiers, "SOON_US", 2 * 3600 * 1_000_000)
+    assert store.later.run() == 0
+    with store.engine.begin() as conn:
+        conn.execute(text(f"UPDATE {table} SET claim_id = NULL"))
+    # A row another transaction holds is skipped, never waited for.
+    with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")) as holder:
+        holder.execute(f"SELECT 1 FROM {store.qualified(store.tables.later.name)} WHERE message_id = 'm-0' FOR UPDATE")
+        done = []
+        mover = threading.Thread(target=lambda: done.append(store.later.run()))
+        mover.start()
+        mover.join(30)
+        assert done == [3]
+    assert store.later.run() == 1
+    assert set(_where(store).values()) == {"soon"}
+
+
+def test_one_process_moves_at_a_time(pg, monkeypatch):
+    url, _, _ = pg
+    store = _store(pg)
+    store.store(messages(3, delay=3600))
+    monkeypatch.setattr(tiers, "SOON_US", 2 * 3600 * 1_000_000)
+    with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")) as other:
+        assert other.execute("SELECT pg_try_advisory_xact_lock(%s)", [store.later._key]).fetchone()[0]
+        assert store.later.move_batch(100) is None  # the other process is at it
+    assert store.later.move_batch(100) == 3
+
+
+@pytest.mark.parametrize("start", [4, 7])
+def test_a_store_with_rows_is_split_in_place_while_a_pump_delivers(pg, start):
+    """An older store with rows due before, during and after the upgrade and a day later: it becomes the
+    `_soon` partition in place (every row kept, ids and counts too) while a pump delivers, each once."""
+    url, schema, table = pg
+    old = SqlDelayedMessageStore(url, table=table, schema=schema)
+    assert old.migrate(up_to=start) == list(range(1, start + 1))
+    batches = [messages(100, "orders", delay=d, start=100 * i) for i, d in enumerate((-1.0, 1.0, 2.5))]
+    far = messages(50, "orders", delay=86_400, start=1000)
+    for batch in (*batches, far):
+        old.store(batch)
+    queue = SqlTableTransport(url, schema=schema, table_prefix=f"{table}_")
+    queue.provision("orders")
+    last_due = max(m.due_at for batch in batches for m in batch)
+    errors, results = [], []
+
+    def pump() -> None:
+        try:
+            results.append(Pump(SqlDelayedMessageStore(url, table=table, schema=schema), queue)
+                           .run(due_before=last_due + timedelta(microseconds=1)))
+        except Exception as exc:  # noqa: BLE001 - collected for the assertion below
+            errors.append(exc)
+
+    worker = threading.Thread(target=pump)
+    worker.start()
+    try:
+        wait_for(lambda: not old.count_scheduled(due_before=utcnow() - timedelta(seconds=0.5)), 30,
+                 "the pump to deliver the messages that were due before the upgrade")
+        upgraded = SqlDelayedMessageStore(url, table=table, schema=schema)
+        upgraded.create_schema()
+        assert upgraded.tiered() and upgraded.count_scheduled(), "upgraded while messages were still waiting"
+    finally:
+        worker.join(timeout=60)
+    assert errors == [] and not worker.is_alive()
+    received = drain(queue, "orders")
+    assert sorted(m.message_id for m in received) == sorted(m.message_id for b in batches for m in b)
+    due = {m.message_id: m.due_at for b in batches for m in b}
+    assert all(m.enqueued_at >= due[m.message_id] for m in received)
+    assert _where(upgraded) == {m.message_id: "soon" for m in far}  # kept in place, not copied
+    assert _scheduled(upgraded) == 50
+    # New sends go by their due time; ids keep growing from the same sequence.
+    upgraded.store(messages(1, delay=7200, start=2000))
+    assert _where(upgraded)["m-2000"] == "later"
+    with upgraded.engine.connect() as conn:
+        ids = conn.execute(text(f"SELECT message_id, id FROM {upgraded.qualified(table)} ORDER BY id")).all()
+    assert ids[-1][0] == "m-2000"
