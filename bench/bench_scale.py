@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_rabbitmq import rabbitmqctl  # noqa: E402
-from bench_store import libpq, peak_rss_mb, pyplot  # noqa: E402
+from bench_store import TABLE_AND_PARTITIONS, libpq, peak_rss_mb, pyplot  # noqa: E402
 from bench_throughput import (  # noqa: E402
     BODY,
     QUEUE,
@@ -224,8 +224,8 @@ class Bench:
         for key, table in (("messages", self.store.table), ("ids", self.store.tables.ids)):
             # The messages table is partitioned (`_soon`, `_later`): its partitions' sizes.
             heap, index = self.conn.execute(
-                "SELECT sum(pg_table_size(relid)), sum(pg_indexes_size(relid)) FROM pg_partition_tree(%s::regclass) "
-                "WHERE isleaf", [table.fullname]).fetchone()
+                f"SELECT sum(pg_table_size(r)), sum(pg_indexes_size(r)) FROM {TABLE_AND_PARTITIONS} AS p(r)",
+                {"t": table.fullname}).fetchone()
             out[f"{key}_table_mb"], out[f"{key}_index_mb"] = heap / 2**20, index / 2**20
         return out
 

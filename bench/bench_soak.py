@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_store import libpq, peak_rss_mb, pyplot  # noqa: E402
+from bench_store import TABLE_AND_PARTITIONS, libpq, peak_rss_mb, pyplot  # noqa: E402
 from bench_throughput import Children, interrupt, log, percentile, save_figure  # noqa: E402
 from machine import describe, machine  # noqa: E402
 
@@ -264,23 +264,22 @@ class Soak:
         # A partitioned table (the store's messages: `_soon` and `_later`) counts as the sum of its partitions.
         stats = ("SELECT sum(n_live_tup)::int8, sum(n_dead_tup)::int8, sum(vacuum_count + autovacuum_count)::int8, "
                  "sum(analyze_count + autoanalyze_count)::int8, sum(pg_total_relation_size(relid))::int8, "
-                 "sum(n_tup_ins)::int8 FROM pg_stat_user_tables WHERE relid IN "
-                 "(SELECT relid FROM pg_partition_tree(%s::regclass) WHERE isleaf)")
-        row = self.conn.execute(stats, [self.store.table.fullname]).fetchone()
+                 f"sum(n_tup_ins)::int8 FROM pg_stat_user_tables WHERE relid IN {TABLE_AND_PARTITIONS}")
+        row = self.conn.execute(stats, {"t": self.store.table.fullname}).fetchone()
         # The partition of the messages due within minutes: where the claims work.
-        soon = self.conn.execute(stats, [self.store.tables.soon.fullname]).fetchone()
-        queue = self.conn.execute(stats, [self.queue.messages.fullname]).fetchone()
-        ids = self.conn.execute(stats, [self.store.tables.ids.fullname]).fetchone()
+        soon = self.conn.execute(stats, {"t": self.store.tables.soon.fullname}).fetchone()
+        queue = self.conn.execute(stats, {"t": self.queue.messages.fullname}).fetchone()
+        ids = self.conn.execute(stats, {"t": self.store.tables.ids.fullname}).fetchone()
         # The oldest snapshot any session of the database holds: no row deleted after it can be vacuumed (the
         # sessions the upkeep's warning names).
         oldest = self.conn.execute("SELECT coalesce(max(extract(epoch FROM now() - xact_start)), 0) FROM "
                                    f"pg_stat_activity WHERE {HOLDS_BACK_VACUUM}").fetchone()[0]
         # Blocks of the messages table and its indexes read from outside PostgreSQL's shared buffers (the OS cache
         # or the disk) and found in them; the WAL position; checkpoints; the machine's CPU time by kind.
-        io_ = self.conn.execute("SELECT sum(heap_blks_read)::int8, sum(heap_blks_hit)::int8, sum(idx_blks_read)::int8, "
-                                "sum(idx_blks_hit)::int8 FROM pg_statio_user_tables WHERE relid IN "
-                                "(SELECT relid FROM pg_partition_tree(%s::regclass) WHERE isleaf)",
-                                [self.store.table.fullname]).fetchone()
+        io_ = self.conn.execute(
+            "SELECT sum(heap_blks_read)::int8, sum(heap_blks_hit)::int8, sum(idx_blks_read)::int8, "
+            f"sum(idx_blks_hit)::int8 FROM pg_statio_user_tables WHERE relid IN {TABLE_AND_PARTITIONS}",
+            {"t": self.store.table.fullname}).fetchone()
         # Full page images: the first change to a page after a checkpoint writes the whole page to the WAL.
         wal, checkpoints, fpi = self.conn.execute(
             "SELECT pg_current_wal_lsn() - '0/0'::pg_lsn, checkpoints_timed + checkpoints_req, "

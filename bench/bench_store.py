@@ -39,6 +39,12 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+#: The relations of the table named `%(t)s` (a psycopg parameter): the table, and its partitions if it has any (the
+#: store's messages table has `_soon` and `_later`; a partitioned table has no counters or size of its own).
+TABLE_AND_PARTITIONS = ("(SELECT %(t)s::regclass UNION ALL "
+                        "SELECT relid FROM pg_partition_tree(%(t)s::regclass) WHERE isleaf)")
+
+
 def libpq(url: str) -> str:
     return url.replace("postgresql+psycopg://", "postgresql://")
 
