@@ -113,7 +113,8 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     The store is its database (SqlDatabase) and its tables (`tables`, declared in tables.py), and the parts that
     each work on those two: `settings` (destinations, pauses, policies, queue delays, throttles), `leases` (bulk
     sweeps), `events` (event claims), `controls` (browse, count, cancel, reschedule, purge), `accepted`
-    (de-duplication), `waiting`, `maintenance` (vacuum and analyse) and `migrations`. Storing and claiming are
+    (de-duplication), `waiting`, `maintenance` and `later_maintenance` (vacuum and analyse), `later` (the move from
+    `_later` to `_soon`) and `migrations`. Storing and claiming are
     the store's own; the parts' public methods are the store's too.
     """
 
@@ -148,18 +149,22 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         self._tiered_checked = -math.inf
         # On PostgreSQL from schema version 8 the messages are in two partitions, whose counters and indexes
         # are their own (the partitioned table has none); the names of tables not there are passed over.
-        messages = (t.messages, t.soon, t.later)
+        messages = (t.messages, t.soon)
         self.maintenance = TableUpkeep(
             self, kept=lambda: (*messages, t.ids, t.counts) if self.controls.counted() else (*messages, t.ids),
             rebuilt=messages, analyzed=messages,  # the claims' plans need statistics; the rest: by key
             before=lambda conn: self.controls.counted() and self.controls.sum_up_counts(conn))
+        # `_later` holds millions, and a vacuum of it runs for minutes (102 s at 8.9 million in the soak): in a
+        # thread and under a lock of its own, so that `_soon`, which the claims churn, is never left waiting for it.
+        self.later_maintenance = TableUpkeep(self, kept=lambda: (t.later,), rebuilt=(t.later,))
         self.migrations = SchemaMigrations(self, VersionedTables(
             package=STORE_SCHEMA, kind="delay store", label=f"Delay store {t.where}", versions=t.versions,
             tables=t.of_store(), names=self._template_names(),
             # claim_id and tier are the columns a store from before bulk sweeps lacks; their migrations add them.
             optional_columns=frozenset({"claim_id", "tier"}), adopt=self._adopt,
             refuse_hint="choose another `table` (or `db_schema`) for the store",
-            before=self.maintenance.stop,  # its VACUUM would hold the migration's table locks for minutes
+            # Their VACUUMs would hold the migration's table locks for minutes.
+            before=lambda conn: self.maintenance.stop(conn) + self.later_maintenance.stop(conn),
         ))
 
     @property
@@ -259,6 +264,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         except DelayProviderError:  # an outage: the caller meets it under its breakers, not here
             return
         if tiered:
+            self.later_maintenance.start()
             self.later.start()
 
     def tiered(self) -> bool:

@@ -62,9 +62,9 @@ ID_TYPE = BigInteger().with_variant(Integer, "sqlite")
 #: On PostgreSQL the messages table is partitioned in two by `tier` (schema version 8): messages due within this
 #: long (microseconds) go to `<table>_soon`, where every claim, send and vacuum works, and those due later to
 #: `<table>_later`, from which the store moves them into `_soon` when they come within this long of their due time
-#: (stores/tiers.py). Five minutes: the mover looks every few seconds, so rows are in `_soon` well before they
-#: are due, and a send due within minutes is written once.
-SOON_US = 300_000_000
+#: (stores/tiers.py). A minute: the move looks every 5 s, so a row is in `_soon` a dozen moves before it is due,
+#: and `_soon` holds about a minute of messages (a soak's first run with five minutes held 486,000 rows there).
+SOON_US = 60_000_000
 #: `tier` of the two partitions.
 SOON, LATER = 0, 1
 

@@ -220,3 +220,26 @@ def test_a_store_with_rows_is_split_in_place_while_a_pump_delivers(pg, start):
     with upgraded.engine.connect() as conn:
         ids = conn.execute(text(f"SELECT message_id, id FROM {upgraded.qualified(table)} ORDER BY id")).all()
     assert ids[-1][0] == "m-2000"
+
+
+def test_later_is_looked_after_apart_from_soon(pg):
+    """A vacuum of `_later` (millions of rows) runs for minutes: it has its own check, thread and lock, and the
+    check of the tables the claims churn never waits for it."""
+    from airflow_delay_provider.stores.upkeep import Thresholds
+
+    store = _store(pg)
+    small = Thresholds(analyze_base=500, analyze_fraction=0.0, vacuum_base=500, vacuum_fraction=0.0)
+    store.maintenance.thresholds = store.later_maintenance.thresholds = small
+    for start in range(0, 2000, 1000):
+        store.store(messages(1000, delay=7200, start=start))
+    later = store.tables.later.name
+
+    def changed() -> int:
+        with store.engine.connect() as conn:
+            return conn.execute(text("SELECT n_mod_since_analyze FROM pg_stat_user_tables WHERE relid = "
+                                     "to_regclass(:t)"), {"t": store.qualified(later)}).scalar() or 0
+
+    wait_for(lambda: changed() >= 2000, 10, "the insert counters")
+    assert later not in [t for t, _, _ in store.maintenance.run()]
+    assert store.later_maintenance.key() != store.maintenance.key()
+    assert (later, "analyze") in [(t, w) for t, w, _ in store.later_maintenance.run()]
