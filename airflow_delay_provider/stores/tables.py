@@ -65,8 +65,10 @@ ID_TYPE = BigInteger().with_variant(Integer, "sqlite")
 #: (stores/tiers.py). A minute: the move looks every 5 s, so a row is in `_soon` a dozen moves before it is due,
 #: and `_soon` holds about a minute of messages (a soak's first run with five minutes held 486,000 rows there).
 SOON_US = 60_000_000
-#: `tier` of the two partitions.
-SOON, LATER = 0, 1
+#: `tier` of the partition of messages due soon.
+SOON = 0
+#: `tier` of the partition of messages due later.
+LATER = 1
 
 
 def _message_columns() -> list[Column[Any]]:

@@ -38,7 +38,7 @@ def _loaded(pg) -> SqlDelayedMessageStore:
     store = SqlDelayedMessageStore(url, table=table, schema=schema)
     store.create_schema()
     store.maintenance.thresholds = SMALL
-    _bulk(store, 1000, delay=60)
+    _bulk(store, 1000, delay=30)  # due within a minute: in `_soon`, whose counters these tests read
     wait_for(lambda: (_counters(store)[1] or 0) >= 1000, 10, "the insert counters")
     return store
 
