@@ -108,7 +108,8 @@ class _SqlClaim(Claim):
 
 
 class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
-    """Delayed messages in one table; claims lock rows (`FOR UPDATE SKIP LOCKED` on PostgreSQL).
+    """Delayed messages in one table (on PostgreSQL in two partitions, `_soon` and `_later`: stores/tiers.py); claims
+    lock rows (`FOR UPDATE SKIP LOCKED` on PostgreSQL).
 
     The store is its database (SqlDatabase) and its tables (`tables`, declared in tables.py), and the parts that
     each work on those two: `settings` (destinations, pauses, policies, queue delays, throttles), `leases` (bulk
