@@ -70,6 +70,8 @@ BODY = b"x" * 200
 PREFIX = "soak_"
 #: (share, low, high, log-uniform?) of the delays in seconds.
 DELAYS = ((0.80, 1, 60, False), (0.15, 60, 3_600, False), (0.05, 3_600, 86_400, True))
+#: The prefilled messages' due times start this many seconds after they are written: the pump's start.
+STARTUP_S = 10
 MEAN_DELAY = sum(share * ((high - low) / math.log(high / low) if logu else (low + high) / 2)
                  for share, low, high, logu in DELAYS)
 
@@ -156,6 +158,7 @@ def consume(spec: dict) -> None:
     seen = bytearray(spec["max_ids"] // 8 + 1)
     duplicates = early = received = 0
     minute: list[float] = []
+    worst: tuple[float, str] = (-math.inf, "")
     minute_end = time.monotonic() + 60
     deadline = time.monotonic() + spec["seconds"]
     print("ready", flush=True)
@@ -170,6 +173,8 @@ def consume(spec: dict) -> None:
             late = (m.enqueued_at - m.due_at).total_seconds() * 1000
             early += late < 0
             minute.append(late)
+            if late > worst[0]:
+                worst = (late, m.enqueued_at.isoformat())
         received += len(batch)
         if batch:
             transport.ack(QUEUE, [m.receipt for m in batch])
@@ -178,8 +183,10 @@ def consume(spec: dict) -> None:
         if time.monotonic() >= minute_end:
             minute.sort()
             print(json.dumps({"minute": len(minute), "p50": percentile(minute, 0.5) if minute else None,
-                              "p99": percentile(minute, 0.99) if minute else None}), flush=True)
-            minute, minute_end = [], minute_end + 60
+                              "p99": percentile(minute, 0.99) if minute else None,
+                              # When the latest message of the minute was enqueued: where to look for a stall.
+                              "worst_ms": worst[0] if minute else None, "worst_at": worst[1]}), flush=True)
+            minute, minute_end, worst = [], minute_end + 60, (-math.inf, "")
     counted = sum(bin(b).count("1") for b in seen)
     print(json.dumps({"received": received, "distinct_numbered": counted, "duplicates": duplicates,
                       "early": early}), flush=True)
@@ -238,8 +245,9 @@ class Soak:
 
     def prefill(self, rate: float) -> int:
         """COPY the backlog a day of sends at `rate` would leave: rate x mean delay messages (or --prefill). The
-        farthest are written first and each chunk's due times count from when it is written, so none is overdue
-        by the time the soak starts."""
+        farthest are written first and each chunk's due times count from when it is written, plus `STARTUP_S`, so
+        none is overdue before the pump has started: a pump that starts late on due messages is a restart, not the
+        churn this measures (in a run without it the first minute's p99 was the 1.0-1.5 s the pump took to start)."""
         n = int(rate * MEAN_DELAY) if self.args.prefill is None else self.args.prefill
         rng = random.Random(2)
         offsets = sorted((int(pending_delay(rng) * 1_000_000) for _ in range(n)), reverse=True)
@@ -249,10 +257,11 @@ class Soak:
         with psycopg.connect(libpq(self.args.pg_url)) as conn:
             for done in range(0, n, 100_000):
                 now = to_us(self.store.clock())
+                start = now + STARTUP_S * 1_000_000
                 rows = io.StringIO()
                 for i in range(done, min(n, done + 100_000)):
-                    tier = LATER if offsets[i] > SOON_US else SOON  # the partition store() would choose
-                    rows.write(f"fill-{i:012d}\t{QUEUE}\t{body}\t{{}}\t{now + offsets[i]}\t{now}\t0\t{tier}\n")
+                    tier = LATER if start + offsets[i] > now + SOON_US else SOON  # the partition store() would choose
+                    rows.write(f"fill-{i:012d}\t{QUEUE}\t{body}\t{{}}\t{start + offsets[i]}\t{now}\t0\t{tier}\n")
                 with conn.cursor().copy(f"COPY {table} (message_id, destination, body, headers, due_at_us, "
                                         "stored_at_us, failures, tier) FROM STDIN") as copy:
                     copy.write(rows.getvalue())
@@ -326,6 +335,33 @@ class Soak:
 
         threading.Thread(target=hold, daemon=True).start()
 
+    def watch_statements(self, stop: threading.Event, over_ms: float = 300.0) -> None:
+        """In a thread: every 100 ms, the statements on this run's schema that have run longer than `over_ms`
+        (what the pump, the sender, the consumer or the upkeep waits on, and on whom), kept as
+        `self.r["slow_statements"]`, one entry per statement with the longest time seen; a lateness spike beside
+        none of them is a stall outside the database."""
+        seen: dict[tuple[int, str], dict] = {}
+        query = ("SELECT pid, query_start::text, extract(epoch FROM now() - query_start) * 1000, wait_event_type, "
+                 "wait_event, left(regexp_replace(query, '\\s+', ' ', 'g'), 160), pg_blocking_pids(pid) FROM "
+                 "pg_stat_activity WHERE state = 'active' AND pid <> pg_backend_pid() AND (position(%s in query) > 0 "
+                 # A commit names no table: one that waits is the WAL's flush (a checkpoint's writes beside it).
+                 "OR ltrim(upper(query)) LIKE 'COMMIT%%') "
+                 "AND now() - query_start > make_interval(secs => %s)")
+        with psycopg.connect(libpq(self.args.pg_url), autocommit=True) as conn:
+            while not stop.wait(0.1):
+                with contextlib.suppress(psycopg.Error):
+                    for pid, start, ms, wait_type, wait, text_, blockers in conn.execute(
+                            query, [self.schema, over_ms / 1000]).fetchall():
+                        entry = seen.setdefault((pid, start), {"pid": pid, "start": start, "query": text_,
+                                                               "waits": [], "blocked_by": []})
+                        entry["ms"] = float(ms)
+                        if wait and f"{wait_type}:{wait}" not in entry["waits"]:
+                            entry["waits"].append(f"{wait_type}:{wait}")
+                        for blocker in blockers or ():
+                            if blocker not in entry["blocked_by"]:
+                                entry["blocked_by"].append(blocker)
+        self.r["slow_statements"] = sorted(seen.values(), key=lambda e: e["start"])
+
     def run(self) -> None:
         top = self.args.rate or self.max_rate() / 2
         if not self.args.rate:
@@ -340,6 +376,9 @@ class Soak:
         pumper = self.start(self.spec(role="pump", deadline=deadline))
         sender = self.start(self.spec(role="send", rate=top, seconds=seconds))
         minutes = []
+        stop_watching = threading.Event()
+        watcher = threading.Thread(target=self.watch_statements, args=(stop_watching,), daemon=True)
+        watcher.start()
         previous, at = self.sample(), time.monotonic()
         if self.args.hold_snapshot:
             minute, held = (float(x) for x in self.args.hold_snapshot.split(":"))
@@ -351,11 +390,13 @@ class Soak:
             claimed = sampled["queue_inserts"] - previous["queue_inserts"]
             seconds, at = time.monotonic() - at, time.monotonic()
             row = {"minute": m + 1, "claimed": claimed, "rate": claimed / seconds, "received": line["minute"] / 60,
-                   "p50_ms": line["p50"], "p99_ms": line["p99"], **sampled, **self.per_minute(previous, sampled)}
+                   "p50_ms": line["p50"], "p99_ms": line["p99"], "worst_ms": line.get("worst_ms"),
+                   "worst_at": line.get("worst_at"), **sampled, **self.per_minute(previous, sampled)}
             previous = sampled
             minutes.append(row)
             log(f"minute {m + 1}: claimed {row['rate']:,.0f} msg/s, received {row['received']:,.0f} msg/s, lateness "
-                f"p50 {row['p50_ms'] or 0:.0f} ms p99 {row['p99_ms'] or 0:.0f} ms, {row['rows']:,} rows, "
+                f"p50 {row['p50_ms'] or 0:.0f} ms p99 {row['p99_ms'] or 0:.0f} ms (worst "
+                f"{row['worst_ms'] or 0:.0f} ms, enqueued {row['worst_at']}), {row['rows']:,} rows, "
                 f"{row['dead']:,} dead, {row['size_mb']:,.0f} MB ({row['soon_rows']:,} rows, {row['soon_dead']:,} "
                 f"dead, {row['soon_mb']:,.0f} MB due soon), {row['vacuums']} vacuums, {row['analyses']} "
                 f"analyses; queue {row['queue_rows']:,} rows, {row['queue_dead']:,} dead, {row['queue_mb']:,.0f} "
@@ -364,6 +405,8 @@ class Soak:
                 f"from outside shared buffers; WAL {row['wal_mb']:,.0f} MB, {row['fpi_per_k']:.0f} full page images "
                 f"per 1,000 claimed; {row['checkpoints_in_minute']} checkpoints; CPU {row['cpu_busy'] * 100:.0f}% "
                 f"busy, {row['cpu_iowait_share'] * 100:.1f}% iowait")
+        stop_watching.set()
+        watcher.join(10)
         sent = Children.result(sender, 120)["sent"]
         pumped = Children.result(pumper, 120)
         self.r["upkeep"] = pumped["upkeep"]
@@ -422,6 +465,14 @@ def report(r: dict) -> None:
                        ("bytes_per_row", "table + indexes per stored message (bytes)")):
         a, b = mean(first, key), mean(last, key)
         print(f"| {label} | {a:,.1f} | {b:,.1f} | {b / a if a else 0:.2f} |")
+    slow = [e for e in r.get("slow_statements", ())
+            if not e["query"].lstrip().upper().startswith(("VACUUM", "ANALYZE", "REINDEX", "CREATE INDEX"))]
+    if slow:
+        print("\nStatements other than the upkeep's that ran longer than 300 ms (when, how long, waiting on what, "
+              "blocked by):")
+        for e in slow:
+            print(f"- {e['start']} {e['ms']:,.0f} ms pid {e['pid']} {e['waits'] or '-'} {e['blocked_by'] or '-'}: "
+                  f"{e['query'][:100]}")
     print(f"\nsent {r['sent']:,}; lost {r['lost']}, duplicates {r['duplicates']}, early {r['early']}; "
           f"{r['stored_at_end']:,} still stored (not due), {r['queued_at_end']:,} in the queue at the end; "
           f"pump peak RSS {r['pump_peak_rss_mb']:.0f} MB")
