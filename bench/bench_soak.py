@@ -61,7 +61,7 @@ from airflow_delay_provider.core.message import DelayedMessage  # noqa: E402
 from airflow_delay_provider.core.pump import Pump, PumpConfig  # noqa: E402
 from airflow_delay_provider.stores import upkeep as upkeep_module  # noqa: E402
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore, to_us  # noqa: E402
-from airflow_delay_provider.stores.tables import LATER, SOON, SOON_US  # noqa: E402
+from airflow_delay_provider.stores.tables import tier_of  # noqa: E402
 from airflow_delay_provider.stores.upkeep import HOLDS_BACK_VACUUM  # noqa: E402
 from airflow_delay_provider.transports.sql import SqlTableTransport  # noqa: E402
 
@@ -260,7 +260,7 @@ class Soak:
                 start = now + STARTUP_S * 1_000_000
                 rows = io.StringIO()
                 for i in range(done, min(n, done + 100_000)):
-                    tier = LATER if start + offsets[i] > now + SOON_US else SOON  # the partition store() would choose
+                    tier = tier_of(start + offsets[i], now)  # the partition store() would choose
                     rows.write(f"fill-{i:012d}\t{QUEUE}\t{body}\t{{}}\t{start + offsets[i]}\t{now}\t0\t{tier}\n")
                 with conn.cursor().copy(f"COPY {table} (message_id, destination, body, headers, due_at_us, "
                                         "stored_at_us, failures, tier) FROM STDIN") as copy:

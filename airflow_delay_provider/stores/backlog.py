@@ -38,7 +38,7 @@ from airflow_delay_provider.core.checks import check_int
 from airflow_delay_provider.core.message import check_destination
 from airflow_delay_provider.stores.destinations import DestinationSettings
 from airflow_delay_provider.stores.engine import Database
-from airflow_delay_provider.stores.tables import COUNT_SLOT_US, StoreTables, _message, from_us, to_us
+from airflow_delay_provider.stores.tables import COUNT_SLOT_US, StoreTables, _message, from_us, tier_of, to_us
 
 #: Passes an action makes: the second and later ones see rows that a claim it waited for wrote back.
 _PASSES = 4
@@ -48,14 +48,18 @@ class BacklogControls:
     """Browse, count and change one store's scheduled messages, on its database and tables.
 
     :param settings: the store's destinations (known ones, paused ones).
-    :param scope: the conditions every read and change adds (a store restricted to some destinations)."""
+    :param scope: the conditions every read and change adds (a store restricted to some destinations).
+    :param tiered: whether the messages are in the two partitions (stores/tiers.py): a reschedule puts each row
+        in the partition of its new due time."""
 
     def __init__(self, db: Database, tables: StoreTables, settings: DestinationSettings,
-                 scope: Callable[[], Sequence[ColumnElement[bool]]] = tuple) -> None:
+                 scope: Callable[[], Sequence[ColumnElement[bool]]] = tuple,
+                 tiered: Callable[[], bool] = lambda: False) -> None:
         self.db = db
         self.tables = tables
         self.settings = settings
         self.scope = scope
+        self.tiered = tiered
         self._has_counts = False
 
     # -- reading ------------------------------------------------------------------------------------
@@ -234,13 +238,20 @@ class BacklogControls:
         if selector.destination is not None:
             self.settings.check_known([selector.destination])
         t = self.tables.messages
-        where = [*self._selected(selector), self.tables.unleased(to_us(self.db.clock()))]
+        now_us = to_us(self.db.clock())
+        where = [*self._selected(selector), self.tables.unleased(now_us)]
+        new_values: dict[str, int] = {}
         if due_us is not None:
             where.append(t.c.due_at_us != due_us)  # rows already at the new time are done
+            new_values["due_at_us"] = due_us
+            if self.tiered():
+                # A row of `_later` made due now goes where claims read at once, not at the next move; PostgreSQL
+                # moves a row whose partition key changes.
+                new_values["tier"] = tier_of(due_us, now_us)
         changed: list[str] = []
         with self.db.errors(action), self.db.engine.begin() as conn:
             for _ in range(_PASSES):
-                statement = delete(t) if due_us is None else update(t).values(due_at_us=due_us)
+                statement = delete(t) if due_us is None else update(t).values(**new_values)
                 changed.extend(conn.execute(statement.where(*where).returning(t.c.message_id)).scalars())
                 # A claim this pass waited for may have written rows back for a retry; a new statement
                 # (a new snapshot) sees them, and the next pass takes them.

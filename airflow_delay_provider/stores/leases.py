@@ -12,14 +12,33 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, Table, Update, bindparam, delete, func, insert, or_, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Select,
+    Table,
+    Update,
+    bindparam,
+    delete,
+    func,
+    insert,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.engine import Connection
 
 from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
 from airflow_delay_provider.stores.engine import Database
-from airflow_delay_provider.stores.tables import SWEEP_COLUMNS, StoreTables, _rebuild, check_claim_id, to_us
+from airflow_delay_provider.stores.tables import (
+    SWEEP_COLUMNS,
+    StoreTables,
+    _rebuild,
+    check_claim_id,
+    tier_of_rows,
+    to_us,
+)
 
 log = logging.getLogger("airflow_delay_provider.stores.sql")
 
@@ -27,9 +46,12 @@ log = logging.getLogger("airflow_delay_provider.stores.sql")
 class SweepLeases:
     """One store's bulk-sweep leases, on its database and tables (the sweeps table holds one row per lease)."""
 
-    def __init__(self, db: Database, tables: StoreTables) -> None:
+    def __init__(self, db: Database, tables: StoreTables, tiered: Callable[[], bool] = lambda: False) -> None:
+        """:param tiered: whether the messages are in the two partitions (stores/tiers.py): rows a sweep releases
+            go to the partition of their due time."""
         self.db = db
         self.tables = tables
+        self.tiered = tiered
 
     def start_sweep(
         self, claim_id: str, due_before: datetime, due_from: datetime | None = None,
@@ -215,7 +237,10 @@ class SweepLeases:
         t, s = self.tables.messages, self.tables.sweeps
         now_us = to_us(self.db.clock())
         with self.db.errors("finish a sweep"), self.db.engine.begin() as conn:
-            released = conn.execute(update(t).where(t.c.claim_id == claim_id).values(claim_id=None)).rowcount
+            release = update(t).where(t.c.claim_id == claim_id).values(claim_id=None)
+            if self.tiered():  # a due row left in `_later` would wait for the next move: claims may not read there
+                release = release.values(tier=tier_of_rows(t.c.due_at_us, now_us))
+            released = conn.execute(release).rowcount
             conn.execute(update(s).where(s.c.claim_id == claim_id).values(
                 status=status, finished_at_us=now_us, lease_until_us=0,
                 summary=json.dumps({**summary, "released": released}),

@@ -18,7 +18,22 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ARRAY, ColumnElement, String, Table, any_, delete, func, insert, inspect, literal, or_, select
+from sqlalchemy import (
+    ARRAY,
+    ColumnElement,
+    String,
+    Table,
+    and_,
+    any_,
+    delete,
+    func,
+    insert,
+    inspect,
+    literal,
+    literal_column,
+    or_,
+    select,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Row
 from sqlalchemy.sql import Select
@@ -39,16 +54,15 @@ from airflow_delay_provider.stores.listener import StoreWaiting
 from airflow_delay_provider.stores.migrations import STORE_SCHEMA, SchemaMigrations, VersionedTables
 from airflow_delay_provider.stores.tables import (
     DEFAULT_TABLE,
-    LATER,
     MAX_TABLE_NAME,
     SOON,
-    SOON_US,
     SWEEP_COLUMNS,
     StoreTables,
     _message,
     check_claim_id,
     check_store_table,
     from_us,
+    tier_of,
     to_us,
 )
 from airflow_delay_provider.stores.tiers import LaterMessages
@@ -141,11 +155,12 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         self._due_start = IndexStart()  # where this object's claims start reading the due index
         self.waiting = StoreWaiting(self, self.tables.channel, lambda: self._wants)
         self.settings = DestinationSettings(self, self.tables)
-        self.leases = SweepLeases(self, self.tables)
+        self.leases = SweepLeases(self, self.tables, self.tiered)
         self.events = EventLeases(self, self.tables, self.leases)
-        self.controls = BacklogControls(self, self.tables, self.settings, lambda: self._scope)
+        self.controls = BacklogControls(self, self.tables, self.settings, lambda: self._scope, self.tiered)
         t = self.tables
-        self.later = LaterMessages(self, self.tables)
+        self.later = LaterMessages(self, self.tables, self._earliest_due)
+        self._soon_only = False  # whether the last claim left `_later` out (its start is read apart)
         self._tiered: bool | None = None
         self._tiered_checked = -math.inf
         # On PostgreSQL from schema version 8 the messages are in two partitions, whose counters and indexes
@@ -309,7 +324,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         ]
         if tiered:
             for r in rows:
-                r["tier"] = LATER if r["due_at_us"] > now + SOON_US else SOON
+                r["tier"] = tier_of(r["due_at_us"], now)
         remember = deduplicate and self.dedup_window_us > 0
         with self.errors("store delayed messages"), self.engine.begin() as conn:
             if remember:
@@ -389,7 +404,12 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         t, tables = self.table, self.tables
         due = select(t.c.id).where(t.c.due_at_us <= to_us(now), tables.unleased(to_us(now)), tables.not_paused(),
                                    tables.dispatchable(), *self._scope)
-        if self.is_postgres and (start := self._claims_start(now)):
+        soon_only = self._leaves_later_out(to_us(now))
+        if soon_only:
+            due = due.where(self._in_soon())
+        if soon_only != self._soon_only:  # the other partitions' start was never read: read it from the beginning
+            self._soon_only, self._due_start = soon_only, IndexStart()
+        if self.is_postgres and (start := self._claims_start(now, soon_only)):
             due = due.where(t.c.due_at_us >= start)
         if due_before is not None:
             due = due.where(t.c.due_at_us < to_us(due_before))
@@ -397,13 +417,24 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             due = due.where(t.c.destination.not_in(list(exclude)))
         return due.order_by(t.c.due_at_us, t.c.id).limit(limit).with_for_update(skip_locked=True)
 
-    def _claims_start(self, now: datetime) -> int:
+    def _leaves_later_out(self, now_us: int) -> bool:
+        """Whether claims at `now_us` may read `_soon` only: `_later` holds nothing they could take until its last
+        look's bound (stores/tiers.py). Never on SQLite or a store not migrated to the two partitions."""
+        return now_us < self.later.clear_until_us
+
+    def _in_soon(self) -> ColumnElement[bool]:
+        # A literal, not a bound parameter: the planner leaves `_later` out of the plan itself.
+        return self.table.c.tier == literal_column(str(SOON))
+
+    def _claims_start(self, now: datetime, soon_only: bool = False) -> int:
         """Where claims start reading the due index (engine.IndexStart): the earliest due time a claim could take
         (future ones too), and as the mark this clock's time less `_START_MARGIN_US` (senders' due times are never
         before their own clock, which lags the database's by at most a round trip)."""
         def read(walk_from: int, _look_ahead: float) -> tuple[int | None, int]:
             # Due rows stay due: what a claim could take later is in the earliest due time already.
             first = self._earliest_due(to_us(now)).where(self.table.c.due_at_us >= walk_from)
+            if soon_only:
+                first = first.where(self._in_soon())
             with self.errors("read where claims start"), self.engine.begin() as conn:
                 self.in_index_order(conn)
                 return conn.execute(first).scalar(), to_us(self.clock()) - _START_MARGIN_US
@@ -421,11 +452,16 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
                                            *self._scope).order_by(t.c.due_at_us).limit(1)
 
     def claimed(self, ids: Select[int]) -> ColumnElement[bool]:
-        """The condition on the table's rows whose ids the subquery `ids` gives."""
+        """The condition on the table's rows whose ids the subquery `ids` gives (built by `due_ids` just before:
+        the partitions it read)."""
         # `id = ANY(ARRAY(...))` looks each claimed row up by its key; with `IN (...)` PostgreSQL's planner
         # hash-joins the subquery against a scan of the whole table (measured: 10-30% slower claims).
         subquery = ids.scalar_subquery()
-        return self.table.c.id == any_(func.array(subquery)) if self.is_postgres else self.table.c.id.in_(subquery)
+        if not self.is_postgres:
+            return self.table.c.id.in_(subquery)
+        if self._soon_only:  # as `due_ids` found: else each claimed id is also looked up in `_later`'s key
+            return and_(self._in_soon(), self.table.c.id == any_(func.array(subquery)))
+        return self.table.c.id == any_(func.array(subquery))
 
     @contextmanager
     def claim_due(
@@ -559,13 +595,20 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     # -- reads -----------------------------------------------------------------------------------
     def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:
         t = self.table
-        query = self._earliest_due(to_us(self.clock()))
+        now_us = to_us(self.clock())
+        query = self._earliest_due(now_us)
         if destination is not None:
             query = query.where(t.c.destination == destination)
         if due_before is not None:
             query = query.where(t.c.due_at_us < to_us(due_before))
         with self.errors("read the next due time"), self.engine.connect() as conn:
-            value = conn.execute(query).scalar()
+            value = None
+            if self._leaves_later_out(now_us):  # `_later` only when `_soon` has nothing before its bound
+                value = conn.execute(query.where(self._in_soon())).scalar()
+                if value is not None and value >= self.later.clear_until_us:
+                    value = None
+            if value is None:
+                value = conn.execute(query).scalar()
         if value is None:
             return None
         # Read from the beginning: a message made due before where claims start (rescheduled, resumed) is taken

@@ -30,6 +30,7 @@ from sqlalchemy import (
     Table,
     Text,
     and_,
+    case,
     or_,
     select,
 )
@@ -69,6 +70,16 @@ SOON_US = 60_000_000
 SOON = 0
 #: `tier` of the partition of messages due later.
 LATER = 1
+
+
+def tier_of(due_at_us: int, now_us: int) -> int:
+    """The partition a message due at `due_at_us` goes to when it is written at `now_us`."""
+    return LATER if due_at_us > now_us + SOON_US else SOON
+
+
+def tier_of_rows(due_at_us: ColumnElement[int], now_us: int) -> ColumnElement[int]:
+    """`tier_of` in SQL, for rows written again at `now_us`."""
+    return case((due_at_us > now_us + SOON_US, LATER), else_=SOON)
 
 
 def _message_columns() -> list[Column[Any]]:

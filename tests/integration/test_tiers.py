@@ -14,10 +14,9 @@ from airflow_delay_provider.core.backlog import Selector
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.pump import Pump
-from airflow_delay_provider.stores import sql as store_module
-from airflow_delay_provider.stores import tiers
+from airflow_delay_provider.stores import tables, tiers
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
-from airflow_delay_provider.stores.tables import SOON_US
+from airflow_delay_provider.stores.tables import SOON_US, from_us, to_us
 from airflow_delay_provider.testing import InMemoryTransport
 from airflow_delay_provider.transports.sql import SqlTableTransport
 from tests.helpers import drain, messages
@@ -70,7 +69,7 @@ def test_messages_go_to_the_partition_of_their_due_time_and_every_read_sees_both
 
 def test_the_move_brings_messages_into_soon_before_they_are_due(pg, monkeypatch):
     store = _store(pg)
-    monkeypatch.setattr(store_module, "SOON_US", 1_000_000)  # sends due more than 1 s later go to _later
+    monkeypatch.setattr(tables, "SOON_US", 1_000_000)  # sends due more than 1 s later go to _later
     store.store(messages(3, delay=20) + messages(2, delay=3600, start=3))
     assert set(_where(store).values()) == {"later"}
     histogram = store.backlog()["destinations"]["orders"]["histogram"]
@@ -90,7 +89,7 @@ def test_a_pump_moves_and_delivers_messages_stored_for_later_once_each(pg, monke
     once each and none early, into the SQL-table queue."""
     url, schema, table = pg
     store = _store(pg)
-    monkeypatch.setattr(store_module, "SOON_US", 500_000)
+    monkeypatch.setattr(tables, "SOON_US", 500_000)
     monkeypatch.setattr(tiers, "SOON_US", 2_000_000)
     monkeypatch.setattr(tiers, "MOVE_EVERY_SECONDS", 0.2)
     batch = messages(200, delay=3) + messages(50, delay=-1, start=200)
@@ -110,10 +109,12 @@ def test_a_pump_moves_and_delivers_messages_stored_for_later_once_each(pg, monke
 def test_due_messages_still_in_later_are_claimed_without_the_move(pg, monkeypatch):
     """The move is for locality only: with nobody moving, a due message in `_later` is claimed on time."""
     store = _store(pg)
-    monkeypatch.setattr(store_module, "SOON_US", 0)
+    monkeypatch.setattr(store.later, "start", lambda: None)  # nobody moves (a pump's upkeep would)
+    monkeypatch.setattr(tables, "SOON_US", 0)
     store.store(messages(5, delay=0.2))
     assert set(_where(store).values()) == {"later"}
-    wait_for(lambda: store.count_scheduled(due_before=utcnow()) == {"orders": 5}, 10, "the messages to fall due")
+    # On the store's clock, which the pump claims by (it lags this host's by up to a round trip).
+    wait_for(lambda: store.count_scheduled(due_before=store.clock()) == {"orders": 5}, 10, "the messages to fall due")
     transport = InMemoryTransport()
     transport.provision("orders")
     assert Pump(store, transport).run(stop_when_idle=True).stats.dispatched == 5
@@ -243,3 +244,89 @@ def test_later_is_looked_after_apart_from_soon(pg):
     assert later not in [t for t, _, _ in store.maintenance.run()]
     assert store.later_maintenance.key() != store.maintenance.key()
     assert (later, "analyze") in [(t, w) for t, w, _ in store.later_maintenance.run()]
+
+
+def _claim_plan(store: SqlDelayedMessageStore) -> tuple[list[str], str]:
+    """The ids a claim took now (handed back), and the plan its statement ran with (replayed, explained)."""
+    from sqlalchemy import event
+
+    sent: list[tuple[str, object]] = []
+
+    def record(_conn, _cursor, statement, parameters, *_) -> None:
+        sent.append((statement, parameters))
+
+    event.listen(store.engine, "before_cursor_execute", record)
+    try:
+        with store.claim_due(store.clock(), 100) as claim:
+            taken = [m.message_id for m in claim.messages]
+    finally:
+        event.remove(store.engine, "before_cursor_execute", record)
+    plans = []
+    with store.engine.begin() as conn:
+        for statement, parameters in sent:
+            if statement.lstrip().upper().startswith("DELETE"):
+                plans.append("\n".join(row[0] for row in conn.exec_driver_sql(f"EXPLAIN {statement}", parameters)))
+            elif not statement.lstrip().upper().startswith("INSERT"):  # not the hand-back
+                conn.exec_driver_sql(statement, parameters)
+    assert len(plans) == 1, sent
+    return taken, plans[0]
+
+
+def test_claims_leave_later_out_while_a_look_finds_nothing_due_there(pg):
+    """`_later`'s due index holds the dead entries of every moved row until a vacuum of millions gets to them:
+    once the move has looked and found nothing there a claim could take, claims read `_soon` only."""
+    store = _store(pg)
+    store.store(messages(3, delay=-1) + messages(5, delay=3600, start=3))
+    later = store.tables.later.name
+    taken, plan = _claim_plan(store)  # a store object that has not looked yet reads both
+    assert sorted(taken) == ["m-0", "m-1", "m-2"] and later in plan, plan
+    assert store.later.run() == 0
+    assert store.later.clear_until_us > to_us(store.clock()) + tiers.CLEAR_US - 5_000_000
+    taken, plan = _claim_plan(store)
+    assert sorted(taken) == ["m-0", "m-1", "m-2"], taken  # the same rows: the hand-back put them back
+    assert later not in plan and store.tables.soon.name in plan, plan
+    # What a send puts in `_later` after the look is due after its bound.
+    store.store(messages(2, delay=SOON_US / 1e6 + 0.001, start=10))
+    assert _where(store)["m-10"] == "later"
+    assert store.get("m-10").due_at > from_us(int(store.later.clear_until_us))
+
+
+def test_a_due_row_the_move_did_not_take_keeps_claims_reading_later(pg, monkeypatch):
+    """Without the move (none has run, or it failed), a look that finds a row of `_later` due soon bounds the
+    claims' `_soon`-only reading at its due time: from then on they read `_later` too and take it on time."""
+    store = _store(pg)
+    monkeypatch.setattr(store.later, "start", lambda: None)  # nobody moves (a pump's upkeep would)
+    monkeypatch.setattr(tables, "SOON_US", 0)
+    store.store(messages(2, delay=0.5))
+    assert set(_where(store).values()) == {"later"}
+    store.later.look()  # no move
+    due = store.get("m-0").due_at
+    assert store.later.clear_until_us == to_us(due)
+    assert store._leaves_later_out(to_us(store.clock()))
+    wait_for(lambda: store.clock() >= due, 10, "the messages to fall due on the store's clock")
+    assert not store._leaves_later_out(to_us(store.clock()))
+    transport = InMemoryTransport()
+    transport.provision("orders")
+    assert Pump(store, transport).run(stop_when_idle=True).stats.dispatched == 2
+    assert all(m.enqueued_at >= due for m in transport.receive("orders", max_messages=10))
+
+
+def test_a_reschedule_and_a_sweeps_release_put_rows_where_claims_read(pg):
+    """A row of `_later` rescheduled to now, or released by a sweep that ends, goes to `_soon`: claims that
+    leave `_later` out take it at once, not at the next move. One rescheduled to tomorrow goes to `_later`."""
+    store = _store(pg)
+    store.store(messages(3, delay=3600) + messages(1, delay=-1, start=3))
+    assert store.reschedule(Selector(message_ids=["m-0"]), store.clock())["rescheduled"] == ["m-0"]
+    assert store.reschedule(Selector(message_ids=["m-3"]), store.clock() + timedelta(days=1))["rescheduled"]
+    assert _where(store) == {"m-0": "soon", "m-1": "later", "m-2": "later", "m-3": "later"}
+    # m-1 falls due in `_later` (no move has run), a sweep leases it and m-0, then ends without sending them.
+    with store.engine.begin() as conn:
+        conn.execute(text(f"UPDATE {store.qualified(store.tables.later.name)} SET due_at_us = :now "
+                          "WHERE message_id = 'm-1'"), {"now": to_us(store.clock())})
+    assert store.start_sweep("sweep-1", due_before=store.clock() + timedelta(seconds=1))["claimed"] == 2
+    assert store.finish_sweep("sweep-1", "failed", {}) == 2  # m-0 and m-1
+    assert _where(store) == {"m-0": "soon", "m-1": "soon", "m-2": "later", "m-3": "later"}
+    store.later.look()
+    assert store._leaves_later_out(to_us(store.clock()))
+    with store.claim_due(store.clock(), 100) as claim:
+        assert sorted(m.message_id for m in claim.messages) == ["m-0", "m-1"]
