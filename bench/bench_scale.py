@@ -10,7 +10,9 @@ that was already running, asleep, in a process of its own:
 - the pump's rate (first claim to last commit) as a ratio to the empty store's in the same run;
 - the first delivery after the due time (a consumer process records arrival times) and the last;
 - the pump process's peak RSS;
-- missing, duplicated and early deliveries (must all be 0).
+- missing, duplicated and early deliveries (must all be 0);
+- what the pump's sessions were doing while the burst ran (sampled every 20 ms: the wait event, or CPU, and
+  the statement) and the most dirty and writeback memory the kernel held, in each burst's log line and the JSON.
 
 Each figure is the median of --repeat bursts (default 3). Each size is measured right after the fill (nobody
 runs ANALYZE or VACUUM by hand: the pump's own upkeep starts as it would in a deployment) and again once the
@@ -34,6 +36,7 @@ import random
 import signal
 import statistics
 import sys
+import threading
 import time
 import uuid
 from contextlib import contextmanager
@@ -83,6 +86,30 @@ HOUR_US = 3_600_000_000
 
 
 # -- children -----------------------------------------------------------------------------------------
+#: The application_name of the pump that drains each burst (what `watching_pump` samples).
+BURST_PUMP = "adp-scale-burst-pump"
+
+
+def with_app_name(url: str, name: str) -> str:
+    return f"{url}{'&' if '?' in url else '?'}application_name={name}"
+
+
+def kernel_dirty_mb() -> tuple[float, float]:
+    """The kernel's dirty and writeback memory (/proc/meminfo), MB; zeros where there is no /proc."""
+    found = {"Dirty": 0.0, "Writeback": 0.0}
+    with contextlib.suppress(OSError), open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            name, _, value = line.partition(":")
+            if name in found:
+                found[name] = int(value.split()[0]) / 1024
+    return found["Dirty"], found["Writeback"]
+
+
+def waits_text(waits: dict[str, int]) -> str:
+    """Samples by wait and statement, most first: `CPU in WITH claimed AS ... 41, IO:WALSync in COMMIT 3`."""
+    return ", ".join(f"{k} {n}" for k, n in sorted(waits.items(), key=lambda kv: -kv[1])) or "no sample"
+
+
 def child(spec: dict) -> None:
     role = spec["role"]
     result = {"consume_rabbitmq": consume_rabbitmq, "consume_sql": consume_sql}.get(role, run_pump)(spec)
@@ -273,7 +300,8 @@ class Bench:
         """Store a burst due `lead` seconds later while a pump sleeps; measure store(), the pump, arrivals."""
         lead = self.args.lead
         deadline = time.time() + lead + self.args.timeout
-        pump = self.children.start(self.spec(role="pump", transport=kind, mode="sleep", deadline=deadline, n=self.n))
+        pump = self.children.start(self.spec(role="pump", transport=kind, mode="sleep", deadline=deadline, n=self.n,
+                                             url=with_app_name(self.args.pg_url, BURST_PUMP)))
         if kind == "rabbitmq":
             consumer = self.children.start(self.spec(role="consume_rabbitmq", n=self.n, linger=0.5,
                                                      want_arrivals=True))
@@ -288,20 +316,21 @@ class Bench:
         # Default ids, as a sender that names none gets.
         messages = [DelayedMessage(QUEUE, BODY, due_at, {"content-type": "application/json"}) for _ in range(self.n)]
         wal = self.wal()
-        started = time.perf_counter()
-        for i in range(0, self.n, BATCH):
-            self.store.store(messages[i: i + BATCH])
-        store_rate = self.n / (time.perf_counter() - started)
-        wal_mb = self.wal(wal)
-        if time.time() > due - 0.5:
-            log(f"warning: the burst was stored only {due - time.time():.2f} s before its due time; raise --lead")
-        got = Children.result(consumer, self.args.timeout + lead + 30)
-        pumped = Children.result(pump, 60)
+        with self.watching_pump() as watched:
+            started = time.perf_counter()
+            for i in range(0, self.n, BATCH):
+                self.store.store(messages[i: i + BATCH])
+            store_rate = self.n / (time.perf_counter() - started)
+            wal_mb = self.wal(wal)
+            if time.time() > due - 0.5:
+                log(f"warning: the burst was stored only {due - time.time():.2f} s before its due time; raise --lead")
+            got = Children.result(consumer, self.args.timeout + lead + 30)
+            pumped = Children.result(pump, 60)
         late = sorted((t - due) * 1000 for t in got["arrivals"].values())
         row = {"store_rate": store_rate, "store_wal_mb": wal_mb, "first_ms": late[0] if late else None,
                "p99_ms": percentile(late, 0.99) if late else None, "last_ms": late[-1] if late else None,
                "missing": self.n - got["distinct"], "duplicates": got["duplicates"],
-               "early": sum(1 for x in late if x < 0), "pump_peak_rss_mb": pumped.get("peak_rss_mb")}
+               "early": sum(1 for x in late if x < 0), "pump_peak_rss_mb": pumped.get("peak_rss_mb"), **watched}
         if got.get("first_enqueued") is not None:  # the SQL queue says when the pump inserted (database clock)
             row["first_enqueued_ms"] = (got["first_enqueued"] - due) * 1000
         if pumped.get("first_claim"):
@@ -312,8 +341,39 @@ class Bench:
             f"{row.get('pump_rate', 0):,.0f} msg/s, first claim {row.get('first_claim_ms', math.nan):.1f} ms, first "
             f"{row['first_ms']:.1f} ms, last {row['last_ms']:.0f} ms "
             f"after due, rss {row['pump_peak_rss_mb']}, missing {row['missing']}, duplicates {row['duplicates']}, "
-            f"early {row['early']}")
+            f"early {row['early']}; the pump's sessions: {waits_text(row['pump_waits'])}; kernel dirty / "
+            f"writeback at most {row['dirty_mb']:,.0f} / {row['writeback_mb']:,.0f} MB")
         return row
+
+    @contextmanager
+    def watching_pump(self):
+        """While a burst runs: every 20 ms, what the burst pump's active sessions wait on (PostgreSQL's wait event,
+        or `CPU` for none) in which statement, and the most dirty and writeback memory the kernel held (what a
+        bulk load leaves to be written, which a checkpoint's fsync then waits for)."""
+        watched = {"pump_waits": {}, "dirty_mb": 0.0, "writeback_mb": 0.0}
+        stop = threading.Event()
+
+        def sample() -> None:
+            waits = watched["pump_waits"]
+            with psycopg.connect(libpq(self.args.pg_url), autocommit=True) as conn:
+                while not stop.wait(0.02):
+                    for kind, event, query in conn.execute(
+                            "SELECT wait_event_type, wait_event, left(regexp_replace(query, '\\s+', ' ', 'g'), 40) "
+                            "FROM pg_stat_activity WHERE application_name = %s AND state = 'active'",
+                            [BURST_PUMP]).fetchall():
+                        key = f"{f'{kind}:{event}' if event else 'CPU'} in {query}"
+                        waits[key] = waits.get(key, 0) + 1
+                    dirty, writeback = kernel_dirty_mb()
+                    watched["dirty_mb"] = max(watched["dirty_mb"], dirty)
+                    watched["writeback_mb"] = max(watched["writeback_mb"], writeback)
+
+        thread = threading.Thread(target=sample, name="watch-pump", daemon=True)
+        thread.start()
+        try:
+            yield watched
+        finally:
+            stop.set()
+            thread.join()
 
     def bursts(self, kind: str) -> dict:
         """--repeat bursts in a row: the median of each figure (sums of missing, duplicated and early), and each
@@ -369,7 +429,7 @@ class Bench:
             if kind == "rabbitmq":
                 consumer = self.children.start(self.spec(role="consume_rabbitmq", n=self.n, linger=1.0,
                                                          want_arrivals=False))
-            named = f"{self.args.pg_url}{'&' if '?' in self.args.pg_url else '?'}application_name=adp-scale-pump"
+            named = with_app_name(self.args.pg_url, "adp-scale-pump")
             pumps = [self.children.start(self.spec(role="pump", transport=kind, mode="drain", url=named), stdin=True)
                      for _ in range(count)]
             for p in pumps:
