@@ -30,7 +30,6 @@ from sqlalchemy import (
     insert,
     inspect,
     literal,
-    literal_column,
     or_,
     select,
 )
@@ -406,7 +405,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
                                    tables.dispatchable(), *self._scope)
         soon_only = self._leaves_later_out(to_us(now))
         if soon_only:
-            due = due.where(self._in_soon())
+            due = due.where(self.tables.in_tier(SOON))
         if soon_only != self._soon_only:  # the other partitions' start was never read: read it from the beginning
             self._soon_only, self._due_start = soon_only, IndexStart()
         if self.is_postgres and (start := self._claims_start(now, soon_only)):
@@ -422,10 +421,6 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         look's bound (stores/tiers.py). Never on SQLite or a store not migrated to the two partitions."""
         return now_us < self.later.clear_until_us
 
-    def _in_soon(self) -> ColumnElement[bool]:
-        # A literal, not a bound parameter: the planner leaves `_later` out of the plan itself.
-        return self.table.c.tier == literal_column(str(SOON))
-
     def _claims_start(self, now: datetime, soon_only: bool = False) -> int:
         """Where claims start reading the due index (engine.IndexStart): the earliest due time a claim could take
         (future ones too), and as the mark this clock's time less `_START_MARGIN_US` (senders' due times are never
@@ -434,7 +429,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             # Due rows stay due: what a claim could take later is in the earliest due time already.
             first = self._earliest_due(to_us(now)).where(self.table.c.due_at_us >= walk_from)
             if soon_only:
-                first = first.where(self._in_soon())
+                first = first.where(self.tables.in_tier(SOON))
             with self.errors("read where claims start"), self.engine.begin() as conn:
                 self.in_index_order(conn)
                 return conn.execute(first).scalar(), to_us(self.clock()) - _START_MARGIN_US
@@ -460,7 +455,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         if not self.is_postgres:
             return self.table.c.id.in_(subquery)
         if self._soon_only:  # as `due_ids` found: else each claimed id is also looked up in `_later`'s key
-            return and_(self._in_soon(), self.table.c.id == any_(func.array(subquery)))
+            return and_(self.tables.in_tier(SOON), self.table.c.id == any_(func.array(subquery)))
         return self.table.c.id == any_(func.array(subquery))
 
     @contextmanager
@@ -604,7 +599,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         with self.errors("read the next due time"), self.engine.connect() as conn:
             value = None
             if self._leaves_later_out(now_us):  # `_later` only when `_soon` has nothing before its bound
-                value = conn.execute(query.where(self._in_soon())).scalar()
+                value = conn.execute(query.where(self.tables.in_tier(SOON))).scalar()
                 if value is not None and value >= self.later.clear_until_us:
                     value = None
             if value is None:

@@ -31,6 +31,7 @@ from sqlalchemy import (
     Text,
     and_,
     case,
+    literal_column,
     or_,
     select,
 )
@@ -270,6 +271,11 @@ class StoreTables:
         """Rows of destinations that are not paused: every claim and lease adds this."""
         d = self.dests
         return self.messages.c.destination.not_in(select(d.c.destination).where(d.c.paused_at_us.is_not(None)))
+
+    def in_tier(self, tier: int) -> ColumnElement[bool]:
+        """Rows of one partition (SOON or LATER). A literal, not a bound parameter: the planner leaves the other
+        partition out of the plan itself."""
+        return self.messages.c.tier == literal_column(str(tier))
 
     def dispatchable(self) -> ColumnElement[bool]:
         """Rows a pump or a sweep may take: not those of event destinations (Airflow takes them as events)."""

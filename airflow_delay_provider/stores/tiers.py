@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from sqlalchemy import Select, literal_column, text
+from sqlalchemy import Select, text
 
 from airflow_delay_provider.stores.engine import Database
 from airflow_delay_provider.stores.tables import LATER, SOON, SOON_US, StoreTables, to_us
@@ -116,7 +116,7 @@ class LaterMessages:
         now = to_us(self.db.clock())
         horizon = now + CLEAR_US
         t = self.tables.messages
-        first = self._earliest(now).where(t.c.tier == literal_column(str(LATER)), t.c.due_at_us < horizon)
+        first = self._earliest(now).where(self.tables.in_tier(LATER), t.c.due_at_us < horizon)
         with self.db.errors("look at messages due later"), self.db.engine.begin() as conn:
             self.db.in_index_order(conn)
             value = conn.execute(first).scalar()
