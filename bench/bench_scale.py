@@ -14,13 +14,18 @@ that was already running, asleep, in a process of its own:
 - what the pump's sessions were doing while the burst ran (sampled every 20 ms: the wait event, or CPU, and
   the statement) and the most dirty and writeback memory the kernel held, in each burst's log line and the JSON.
 
-Each figure is the median of --repeat bursts (default 3). Each size is measured right after the fill (nobody
+Each figure is the median of --repeat bursts (default 5). A burst on a second store of the same database, kept
+empty, runs just before or after each one (alternately), and a ratio "vs empty" is the median of the pairs'
+ratios: this machine's speed drifts from minute to minute, and a pair measured seconds apart shares the drift
+(at size 0 both stores are empty, so that row's ratios show what is left: the noise of single bursts). Each
+burst's log line also counts the full page images the WAL took and the checkpoints that started while the pump
+drained it. Each size is measured right after the fill (nobody
 runs ANALYZE or VACUUM by hand: the pump's own upkeep starts as it would in a deployment) and again once the
 store's upkeep has analysed the table ("settled"). At the largest size it also times the backlog calls the UI
 makes (browse, backlog histogram, cancel) and drains a burst with 1, 2 and 4 pump processes, each with its
 own connections as pumps on separate hosts would have.
 
-    .venv/bin/python bench/bench_scale.py                              # 0, 1M, 10M (about 25 minutes)
+    .venv/bin/python bench/bench_scale.py                              # 0, 1M, 10M (about 25-30 minutes)
     .venv/bin/python bench/bench_scale.py --sizes 0,200000 --pumps 1,2  # a quick look
 """
 
@@ -30,6 +35,7 @@ import argparse
 import contextlib
 import io
 import json
+import logging
 import math
 import os
 import random
@@ -40,6 +46,7 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -105,12 +112,28 @@ def kernel_dirty_mb() -> tuple[float, float]:
     return found["Dirty"], found["Writeback"]
 
 
+def schedstat_ms(pid: int) -> dict[str, tuple[float, float]]:
+    """Each thread's time on a CPU and waiting for one on the run queue (ms since it started;
+    /proc/<pid>/task/*/schedstat), by thread id; empty once the process is gone or where there is no /proc."""
+    threads = {}
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/task/{task}/schedstat") as stat:
+                on_cpu, on_queue, _ = stat.read().split()
+                threads[task] = (int(on_cpu) / 1e6, int(on_queue) / 1e6)
+    return threads
+
+
 def waits_text(waits: dict[str, int]) -> str:
     """Samples by wait and statement, most first: `CPU in WITH claimed AS ... 41, IO:WALSync in COMMIT 3`."""
     return ", ".join(f"{k} {n}" for k, n in sorted(waits.items(), key=lambda kv: -kv[1])) or "no sample"
 
 
 def child(spec: dict) -> None:
+    # The store's upkeep says what it did (ANALYZE, VACUUM, summing up the backlog counts) and when: beside the
+    # bursts' log lines, what ran at the same time.
+    logging.basicConfig(level=logging.WARNING, format="[%(asctime)s] %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("airflow_delay_provider.stores").setLevel(logging.INFO)
     role = spec["role"]
     result = {"consume_rabbitmq": consume_rabbitmq, "consume_sql": consume_sql}.get(role, run_pump)(spec)
     print(json.dumps(result), flush=True)
@@ -165,6 +188,29 @@ class ScaleChildren(Children):
 
 
 # -- the run ------------------------------------------------------------------------------------------
+@dataclass
+class Target:
+    """A store and its SQL-table queue, in a schema of their own: the one filled, or the empty one each burst is
+    paired with."""
+
+    schema: str
+    store: SqlDelayedMessageStore
+    sql: SqlTableTransport
+
+    @classmethod
+    def create(cls, url: str, schema: str) -> Target:
+        store = SqlDelayedMessageStore(url, schema=schema)
+        store.create_schema()
+        sql = SqlTableTransport(url, schema=schema, table_prefix=TABLE_PREFIX)
+        sql.provision(QUEUE)
+        return cls(schema, store, sql)
+
+    def close(self) -> None:
+        for close in (self.store.close, self.sql.close):
+            with contextlib.suppress(Exception):
+                close()
+
+
 class Bench:
     def __init__(self, args) -> None:
         self.args = args
@@ -182,10 +228,9 @@ class Bench:
     def setup(self) -> None:
         rabbitmqctl("add_vhost", self.vhost)
         rabbitmqctl("set_permissions", "-p", self.vhost, "guest", ".*", ".*", ".*")
-        self.store = SqlDelayedMessageStore(self.args.pg_url, schema=self.schema)
-        self.store.create_schema()
-        self.sql = SqlTableTransport(self.args.pg_url, schema=self.schema, table_prefix=TABLE_PREFIX)
-        self.sql.provision(QUEUE)
+        self.filled = Target.create(self.args.pg_url, self.schema)
+        self.empty = Target.create(self.args.pg_url, f"{self.schema}_empty")
+        self.store, self.sql = self.filled.store, self.filled.sql
         self.rmq = RabbitMQTransport(rmq_params(self.args.host, self.vhost))
         self.rmq.provision(QUEUE)
         self.rmq.provision(WARMUP)
@@ -194,7 +239,7 @@ class Bench:
 
     def teardown(self) -> None:
         self.children.kill_all()
-        for close in (self.rmq.close, self.store.close, self.sql.close, self.conn.close):
+        for close in (self.rmq.close, self.filled.close, self.empty.close, self.conn.close):
             with contextlib.suppress(Exception):
                 close()
         try:
@@ -204,9 +249,10 @@ class Bench:
                              "AND position(%s in query) > 0", [self.schema])
                 conn.execute("SET lock_timeout = '60s'")
                 conn.execute(f"DROP SCHEMA IF EXISTS {self.schema} CASCADE")
+                conn.execute(f"DROP SCHEMA IF EXISTS {self.schema}_empty CASCADE")
         finally:
             rabbitmqctl("delete_vhost", self.vhost)
-        log(f"dropped schema {self.schema} and vhost {self.vhost}")
+        log(f"dropped schemas {self.schema} and {self.schema}_empty and vhost {self.vhost}")
 
     # -- the backlog
     def fill(self, target: int) -> dict:
@@ -288,6 +334,13 @@ class Bench:
         self.stored += self.n
         return self.n / (time.perf_counter() - started), self.wal(wal)
 
+    def wal_counters(self) -> tuple[int, int]:
+        """The full page images the WAL has taken and the checkpoints started, since the server's statistics
+        were reset."""
+        return self.conn.execute(
+            "SELECT (SELECT wal_fpi FROM pg_stat_wal), "
+            "(SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter)").fetchone()
+
     def wal(self, since=None):
         """The WAL position now, or the MiB written since `since`."""
         if since is None:
@@ -296,18 +349,18 @@ class Bench:
                                        [since]).fetchone()[0]) / 2**20
 
     # -- one burst
-    def burst(self, kind: str) -> dict:
+    def burst(self, kind: str, target: Target) -> dict:
         """Store a burst due `lead` seconds later while a pump sleeps; measure store(), the pump, arrivals."""
         lead = self.args.lead
         deadline = time.time() + lead + self.args.timeout
         pump = self.children.start(self.spec(role="pump", transport=kind, mode="sleep", deadline=deadline, n=self.n,
-                                             url=with_app_name(self.args.pg_url, BURST_PUMP)))
+                                             url=with_app_name(self.args.pg_url, BURST_PUMP), schema=target.schema))
         if kind == "rabbitmq":
             consumer = self.children.start(self.spec(role="consume_rabbitmq", n=self.n, linger=0.5,
                                                      want_arrivals=True))
         else:
             consumer = self.children.start(self.spec(role="consume_sql", n=self.n, linger=0.5, want_arrivals=True,
-                                                     poll_ms=1.0), stdin=True)
+                                                     poll_ms=1.0, schema=target.schema), stdin=True)
         due_at = utcnow() + timedelta(seconds=lead)
         due = due_at.timestamp()
         if kind == "sql":
@@ -316,53 +369,75 @@ class Bench:
         # Default ids, as a sender that names none gets.
         messages = [DelayedMessage(QUEUE, BODY, due_at, {"content-type": "application/json"}) for _ in range(self.n)]
         wal = self.wal()
-        with self.watching_pump() as watched:
+        with self.watching_pump(pump.pid) as watched:
             started = time.perf_counter()
             for i in range(0, self.n, BATCH):
-                self.store.store(messages[i: i + BATCH])
+                target.store.store(messages[i: i + BATCH])
             store_rate = self.n / (time.perf_counter() - started)
             wal_mb = self.wal(wal)
+            fpi, checkpoints = self.wal_counters()
             if time.time() > due - 0.5:
                 log(f"warning: the burst was stored only {due - time.time():.2f} s before its due time; raise --lead")
             got = Children.result(consumer, self.args.timeout + lead + 30)
             pumped = Children.result(pump, 60)
+            fpi_after, checkpoints_after = self.wal_counters()
         late = sorted((t - due) * 1000 for t in got["arrivals"].values())
         row = {"store_rate": store_rate, "store_wal_mb": wal_mb, "first_ms": late[0] if late else None,
                "p99_ms": percentile(late, 0.99) if late else None, "last_ms": late[-1] if late else None,
                "missing": self.n - got["distinct"], "duplicates": got["duplicates"],
-               "early": sum(1 for x in late if x < 0), "pump_peak_rss_mb": pumped.get("peak_rss_mb"), **watched}
+               "early": sum(1 for x in late if x < 0), "pump_peak_rss_mb": pumped.get("peak_rss_mb"),
+               "drain_fpi": fpi_after - fpi, "drain_checkpoints": checkpoints_after - checkpoints, **watched}
         if got.get("first_enqueued") is not None:  # the SQL queue says when the pump inserted (database clock)
             row["first_enqueued_ms"] = (got["first_enqueued"] - due) * 1000
         if pumped.get("first_claim"):
             row["pump_rate"] = pumped["dispatched"] / (pumped["last_commit"] - pumped["first_claim"])
             row["first_claim_ms"] = (pumped["first_claim"] - due) * 1000  # when the pump began the first claim
-        self.clear_queue(kind)
-        log(f"burst -> {kind} over {self.stored:,}: store {store_rate:,.0f} msg/s, pump "
+        self.clear_queue(kind, target)
+        over = f"{self.stored:,}" if target is self.filled else "the empty store"
+        log(f"burst -> {kind} over {over}: store {store_rate:,.0f} msg/s, pump "
             f"{row.get('pump_rate', 0):,.0f} msg/s, first claim {row.get('first_claim_ms', math.nan):.1f} ms, first "
             f"{row['first_ms']:.1f} ms, last {row['last_ms']:.0f} ms "
             f"after due, rss {row['pump_peak_rss_mb']}, missing {row['missing']}, duplicates {row['duplicates']}, "
-            f"early {row['early']}; the pump's sessions: {waits_text(row['pump_waits'])}; kernel dirty / "
+            f"early {row['early']}; the pump's sessions: {waits_text(row['pump_waits'])}; on a CPU / waiting for one: "
+            f"pump {row['pump_cpu_ms']:,.0f} / {row['pump_runqueue_ms']:,.0f} ms, its sessions "
+            f"{row['sessions_cpu_ms']:,.0f} / {row['sessions_runqueue_ms']:,.0f} ms; while it drained, "
+            f"{row['drain_fpi']:,} full page images and {row['drain_checkpoints']} checkpoint(s) started; "
+            f"kernel dirty / "
             f"writeback at most {row['dirty_mb']:,.0f} / {row['writeback_mb']:,.0f} MB")
         return row
 
     @contextmanager
-    def watching_pump(self):
+    def watching_pump(self, pump_pid: int):
         """While a burst runs: every 20 ms, what the burst pump's active sessions wait on (PostgreSQL's wait event,
         or `CPU` for none) in which statement, and the most dirty and writeback memory the kernel held (what a
-        bulk load leaves to be written, which a checkpoint's fsync then waits for)."""
+        bulk load leaves to be written, which a checkpoint's fsync then waits for). "CPU" is also a session the
+        kernel has not run yet: the time the pump process and its sessions spent on a CPU and waiting for one
+        (the run queue, /proc's schedstat) over the burst tells the two apart."""
         watched = {"pump_waits": {}, "dirty_mb": 0.0, "writeback_mb": 0.0}
         stop = threading.Event()
+        # By (process, thread): a thread that ends during the burst keeps its last reading.
+        first: dict[tuple[int, str], tuple[float, float]] = {}
+        last: dict[tuple[int, str], tuple[float, float]] = {}
+
+        def note(pid: int) -> None:
+            for task, now in schedstat_ms(pid).items():
+                first.setdefault((pid, task), now)
+                last[(pid, task)] = now
 
         def sample() -> None:
             waits = watched["pump_waits"]
             with psycopg.connect(libpq(self.args.pg_url), autocommit=True) as conn:
                 while not stop.wait(0.02):
-                    for kind, event, query in conn.execute(
-                            "SELECT wait_event_type, wait_event, left(regexp_replace(query, '\\s+', ' ', 'g'), 40) "
-                            "FROM pg_stat_activity WHERE application_name = %s AND state = 'active'",
-                            [BURST_PUMP]).fetchall():
-                        key = f"{f'{kind}:{event}' if event else 'CPU'} in {query}"
-                        waits[key] = waits.get(key, 0) + 1
+                    note(pump_pid)
+                    # Every session of the pump, idle ones too: their counters start before the burst.
+                    for pid, state, kind, event, query in conn.execute(
+                            "SELECT pid, state, wait_event_type, wait_event, "
+                            "left(regexp_replace(query, '\\s+', ' ', 'g'), 40) "
+                            "FROM pg_stat_activity WHERE application_name = %s", [BURST_PUMP]).fetchall():
+                        note(pid)
+                        if state == "active":
+                            key = f"{f'{kind}:{event}' if event else 'CPU'} in {query}"
+                            waits[key] = waits.get(key, 0) + 1
                     dirty, writeback = kernel_dirty_mb()
                     watched["dirty_mb"] = max(watched["dirty_mb"], dirty)
                     watched["writeback_mb"] = max(watched["writeback_mb"], writeback)
@@ -374,11 +449,19 @@ class Bench:
         finally:
             stop.set()
             thread.join()
+            for key, mine in (("pump", lambda pid: pid == pump_pid), ("sessions", lambda pid: pid != pump_pid)):
+                tasks = [t for t in last if mine(t[0])]
+                watched[f"{key}_cpu_ms"] = sum(last[t][0] - first[t][0] for t in tasks)
+                watched[f"{key}_runqueue_ms"] = sum(last[t][1] - first[t][1] for t in tasks)
 
     def bursts(self, kind: str) -> dict:
-        """--repeat bursts in a row: the median of each figure (sums of missing, duplicated and early), and each
-        run's pump rate and first delivery."""
-        runs = [self.burst(kind) for _ in range(self.args.repeat)]
+        """--repeat bursts into the filled store, each paired with one into the empty store (before it, then
+        after the next, and so on): the median of each figure (sums of missing, duplicated and early), the
+        median of the pairs' ratios, and each run."""
+        runs, empty_runs = [], []
+        for i in range(self.args.repeat):
+            for target in (self.empty, self.filled) if i % 2 == 0 else (self.filled, self.empty):
+                (empty_runs if target is self.empty else runs).append(self.burst(kind, target))
         row = {key: statistics.median(r[key] for r in runs)
                for key in ("store_rate", "store_wal_mb", "first_ms", "p99_ms", "last_ms")}
         for key in ("pump_rate", "first_enqueued_ms"):
@@ -386,12 +469,21 @@ class Bench:
                 row[key] = statistics.median(r[key] for r in runs)
         row |= {key: sum(r[key] for r in runs) for key in ("missing", "duplicates", "early")}
         row["pump_peak_rss_mb"] = max(r["pump_peak_rss_mb"] for r in runs)
-        row["runs"] = runs
+        for key, rate in (("ratio", "pump_rate"), ("store_ratio", "store_rate")):
+            pairs = [r[rate] / e[rate] for r, e in zip(runs, empty_runs, strict=True) if r.get(rate) and e.get(rate)]
+            if pairs:
+                row[key], row[f"{key}s"] = statistics.median(pairs), pairs
+        row["runs"], row["empty_runs"] = runs, empty_runs
+        row["empty_pump_rate"] = statistics.median(e.get("pump_rate", 0) for e in empty_runs)
+        row["empty_first_ms"] = statistics.median(e["first_ms"] for e in empty_runs)
+        row["missing"] += sum(e["missing"] for e in empty_runs)
+        row["duplicates"] += sum(e["duplicates"] for e in empty_runs)
+        row["early"] += sum(e["early"] for e in empty_runs)
         return row
 
-    def clear_queue(self, kind: str) -> None:
+    def clear_queue(self, kind: str, target: Target | None = None) -> None:
         if kind == "sql":
-            self.conn.execute(f"TRUNCATE {self.sql.messages.fullname}")
+            self.conn.execute(f"TRUNCATE {(target or self.filled).sql.messages.fullname}")
 
     # -- the UI's calls
     def ui_calls(self) -> dict:
@@ -464,7 +556,6 @@ class Bench:
 
     # -- the whole run
     def run(self) -> None:
-        empty = None
         for size in self.args.sizes:
             entry = self.r["sizes"].setdefault(size, {})
             entry |= self.fill(size)
@@ -473,16 +564,10 @@ class Bench:
                 if phase == "settled":
                     entry |= self.settle()
                 for kind in self.args.transports:
-                    row = self.bursts(kind)
-                    if empty is not None and kind in empty and row.get("pump_rate"):
-                        row["ratio"] = row["pump_rate"] / empty[kind]["pump_rate"]
-                        row["store_ratio"] = row["store_rate"] / empty[kind]["store_rate"]
-                    entry[f"{phase}_{kind}"] = row
+                    entry[f"{phase}_{kind}"] = self.bursts(kind)
                 rate, wal_mb = self.store_random_ids()
                 entry[f"{phase}_random_ids_store_rate"], entry[f"{phase}_random_ids_wal_mb"] = rate, wal_mb
                 log(f"store() with random ids over {self.stored:,}: {rate:,.0f}/s, {wal_mb:.0f} MiB of WAL")
-            if size == 0:
-                empty = {kind: entry[f"fresh_{kind}"] for kind in self.args.transports}
         biggest = self.r["sizes"][max(self.args.sizes)]
         biggest["ui_ms"] = self.ui_calls()
         biggest["pumps"] = {kind: self.many_pumps(kind) for kind in self.args.transports}
@@ -491,12 +576,14 @@ class Bench:
 def report(r: dict) -> None:
     print(f"\n{describe(r['machine'])}")
     print(f"Burst of {r['burst']:,} messages of {r['body_bytes']} B due at one instant, with N messages due 1 h to "
-          "7 days later already in the store (written by COPY); PostgreSQL with its default settings. Ratios are "
-          "against the empty store in the same run.\n")
+          "7 days later already in the store (written by COPY); PostgreSQL with its default settings. Each burst "
+          "is paired with one into a second store of the same database, kept empty, just before or after it; a "
+          "ratio \"vs empty\" is the median of the pairs' ratios (each pair's in brackets). At size 0 both stores "
+          "are empty: those ratios are the noise of single bursts.\n")
     print("| stored later | when | destination | store() msg/s | vs empty | pump msg/s | vs empty | first after due "
-          "(consumer; pump's insert) | "
+          "(consumer; pump's insert) | the empty store's first, same minutes | "
           "last after due | pump peak RSS | missing / dup / early |")
-    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for size, entry in r["sizes"].items():
         for key, row in entry.items():
             if not key.startswith(("fresh_", "settled_")) or not isinstance(row, dict):
@@ -506,6 +593,7 @@ def report(r: dict) -> None:
             inserted = f"; {row['first_enqueued_ms']:.1f} ms" if "first_enqueued_ms" in row else ""
             print(f"| {int(size):,} | {when} | {kind} | {row['store_rate']:,.0f} | {_ratio(row, 'store_ratio')} | "
                   f"{row.get('pump_rate', 0):,.0f} | {_ratio(row, 'ratio')} | {row['first_ms']:.1f} ms{inserted} | "
+                  f"{row.get('empty_first_ms', math.nan):.1f} ms | "
                   f"{row['last_ms']:.0f} ms | {row['pump_peak_rss_mb']:.0f} MB | "
                   f"{row['missing']} / {row['duplicates']} / {row['early']} |")
     print(f"\n| stored later | when | store() msg/s, random ids (uuid4) | vs empty | WAL per {r['burst']:,} | "
@@ -544,10 +632,14 @@ def report(r: dict) -> None:
 
 
 def _ratio(row: dict, key: str) -> str:
-    return f"{row[key]:.2f}x" if key in row else "1.00x"
+    if key not in row:
+        return ""
+    return f"{row[key]:.2f}x ({' / '.join(f'{x:.2f}' for x in row.get(f'{key}s', []))})"
 
 
 def plot(r: dict, path: Path) -> None:
+    """Left: the pump's rate against the empty store's in the same minutes (median of the pairs, and their range);
+    right: the first delivery after the due time, the filled store's and the empty one's."""
     plt = pyplot()
     if plt is None:
         return
@@ -557,16 +649,24 @@ def plot(r: dict, path: Path) -> None:
         for phase, style in (("fresh", "-"), ("settled", "--")):
             points = [(int(size), e.get(f"{phase}_{kind}") or e.get(f"fresh_{kind}"))
                       for size, e in r["sizes"].items()]
-            points = [(s, row) for s, row in points if row]
+            points = [(s, row) for s, row in points if row and "ratio" in row]
             xs = [max(s, 1) for s, _ in points]
-            axes[0].plot(xs, [row.get("pump_rate", 0) for _, row in points], style, marker=marker,
-                         label=f"{kind}, {phase}")
-            axes[1].plot(xs, [row["first_ms"] for _, row in points], style, marker=marker, label=f"{kind}, {phase}")
-    for ax, title in ((axes[0], "pump msg/s"), (axes[1], "first delivery after due (ms)")):
+            ratios = [row["ratio"] for _, row in points]
+            spread = [[y - min(row["ratios"]) for y, (_, row) in zip(ratios, points, strict=True)],
+                      [max(row["ratios"]) - y for y, (_, row) in zip(ratios, points, strict=True)]]
+            axes[0].errorbar(xs, ratios, yerr=spread, fmt=f"{marker}{style}", capsize=3, label=f"{kind}, {phase}")
+            line, = axes[1].plot(xs, [row["first_ms"] for _, row in points], style, marker=marker,
+                                 label=f"{kind}, {phase}")
+            axes[1].plot(xs, [row.get("empty_first_ms", math.nan) for _, row in points], ":", marker=marker,
+                         color=line.get_color(), alpha=0.5, label=f"{kind}, {phase}: the empty store")
+    axes[0].axhline(0.9, color="grey", linewidth=0.8)
+    axes[1].axhline(15, color="grey", linewidth=0.8)
+    for ax, title in ((axes[0], "pump rate vs the empty store, same minutes"),
+                      (axes[1], "first delivery after due (ms)")):
         ax.set_xscale("log")
         ax.set_xlabel("messages due later in the store")
         ax.set_title(title)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6)
     save_figure(fig, path)
 
 
@@ -579,7 +679,9 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=20_000)
     parser.add_argument("--transports", type=lambda s: s.split(","), default=["sql", "rabbitmq"])
     parser.add_argument("--pumps", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
-    parser.add_argument("--repeat", type=int, default=3, help="bursts per size, phase and destination (medians)")
+    parser.add_argument("--repeat", type=int, default=5,
+                        help="bursts per size, phase and destination (medians), each paired with one on the empty "
+                        "store")
     parser.add_argument("--lead", type=float, default=3.0, help="seconds between storing a burst and its due time")
     parser.add_argument("--settle-timeout", type=float, default=900.0,
                         help="seconds to wait for autovacuum before the settled measure")

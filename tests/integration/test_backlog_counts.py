@@ -134,6 +134,19 @@ def test_upkeep_sums_the_rows_of_changes_up(pg):
     assert_counts_match(store)
 
 
+def test_a_sum_up_replaces_every_row_of_changes_and_says_how_many(pg):
+    store = _store(pg)
+    for _ in range(5):
+        store.store(_spread(24, "orders"))
+    rows = _count_rows(store)
+    with store.engine.begin() as conn:
+        replaced = store.controls.sum_up_counts(conn)
+    assert replaced == rows > _count_rows(store)
+    with store.engine.begin() as conn:  # one row per destination and slot already: replaced by themselves
+        assert store.controls.sum_up_counts(conn) == _count_rows(store)
+    assert_counts_match(store)
+
+
 def test_concurrent_pumps_and_senders_keep_the_counts(pg):
     url, schema, table = pg
     store = _store(pg)
