@@ -160,12 +160,18 @@ def test_killed_sweep_is_taken_over_after_its_lease_and_nothing_is_lost(spark_re
     store, transport, sql = backlog(pg, n)
     window_end = (utcnow() + timedelta(minutes=1)).isoformat()
     slow = json.dumps({"throttlePolicy": {"maxReceivesPerSecond": 2000}})  # ~10 s: time to kill it mid-run
-    # The direct reader, with both partitions running at once: each leased its whole range before sending.
+    # The direct reader, with both partitions running at once: each leases its whole range before sending.
     proc = submit(*specs(*pg, sql), "--due-before", window_end, "--lease-seconds", "5", "--claim-id", "first",
                   "--delivery-policy", slow, "--partitions", "2", wait=False)
+
+    def both_leased_and_2000_delivered() -> bool:
+        # A partition whose task has not started yet holds no lease: its rows would be swept afresh, not taken over.
+        delivered = transport.depth("orders")["visible"]  # read first: rows only move from leased to delivered
+        return delivered >= 2000 and store.backlog()["totals"]["in_flight"] + delivered >= n
+
     try:
-        wait_for(lambda: transport.depth("orders")["visible"] >= 2000 or proc.poll() is not None, 120,
-                 "the sweep to deliver 2000")
+        wait_for(lambda: proc.poll() is not None or both_leased_and_2000_delivered(), 120,
+                 "both partitions to lease their rows and the sweep to deliver 2000")
         assert proc.poll() is None, "the sweep ended before it could be killed: " + proc.stdout.read()[-3000:]
     finally:
         with contextlib.suppress(ProcessLookupError):  # spark-submit and everything it started
