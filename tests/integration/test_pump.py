@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 
@@ -29,6 +29,7 @@ class FlakyTransport(SqlTableTransport):
         self.fail = dict(fail)
         self.down = down
         self.attempts = Counter()
+        self.failed_at: list[datetime] = []  # when each failing send returned, this host's clock
 
     def moves_from(self, store) -> bool:
         return False  # its failures are in send(): the pump must call it, not move rows inside the database
@@ -45,6 +46,7 @@ class FlakyTransport(SqlTableTransport):
             else:
                 ok.append(m)
         failures.update(super().send(ok, connection))
+        self.failed_at.extend(utcnow() for _ in failures)
         return failures
 
 
