@@ -22,13 +22,14 @@ import pytest
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.spark.local_cluster import LocalCluster
 from tests import helpers
-from tests.conftest import RABBIT_HOST, RABBIT_PORT, _rabbitmqctl
+from tests.conftest import QUICK_JVM, RABBIT_HOST, RABBIT_PORT, _rabbitmqctl
 from tests.helpers import consume_ids, drain, make_store
 from tests.integration.test_airflow import _pg_conn
 from tests.integration.test_spark import due_messages
 
 N = 100_000
-EXECUTOR_CONF = {"spark.executor.memory": "512m", "spark.ui.enabled": "false"}
+EXECUTOR_CONF = {"spark.executor.memory": "512m", "spark.ui.enabled": "false",
+                 "spark.executor.extraJavaOptions": QUICK_JVM}
 #: What executors must not find in their Python: the archive brings them.
 SHIPPED = ("airflow_delay_provider", "sqlalchemy", "psycopg", "pika", "boto3")
 
@@ -51,7 +52,8 @@ def cluster(bare_python, tmp_path_factory):
 
     if not SPARK_SUBMIT.exists():
         pytest.fail(f"{SPARK_SUBMIT} is missing: install the spark extra (`make test` does)", pytrace=False)
-    with LocalCluster(workers=2, cores=1, memory="1g", path=f"{bare_python.parent}:/usr/bin:/bin") as running:
+    with LocalCluster(workers=2, cores=1, memory="1g", path=f"{bare_python.parent}:/usr/bin:/bin",
+                      env={"SPARK_DAEMON_JAVA_OPTS": QUICK_JVM}) as running:
         yield running
 
 
@@ -76,17 +78,23 @@ def secret_forms(secret: str) -> set[str]:
 
 
 class CommandLines(threading.Thread):
-    """Every distinct command line on this machine while it runs (each process is every node here)."""
+    """Every distinct command line on this machine while it runs (each process is every node here), and the
+    Python workers that ran in a directory under `where` (another test's local Spark runs its own beside)."""
 
-    def __init__(self) -> None:
+    def __init__(self, where: Path) -> None:
         super().__init__(daemon=True)
+        self.where = str(where)
         self.seen: set[str] = set()
+        self.workers: set[str] = set()
         self.stopped = threading.Event()
 
     def run(self) -> None:
         while not self.stopped.wait(0.05):
-            for proc in psutil.process_iter(["cmdline"]):
-                self.seen.add(" ".join(proc.info["cmdline"] or ()))
+            for proc in psutil.process_iter(["cmdline", "cwd"]):
+                line = " ".join(proc.info["cmdline"] or ())
+                self.seen.add(line)
+                if "pyspark.daemon" in line and (proc.info["cwd"] or "").startswith(self.where):
+                    self.workers.add(line)
 
     def __enter__(self) -> CommandLines:
         self.start()
@@ -105,16 +113,15 @@ def sweep_operator(conn_id: str, store_conn: str, **kwargs):
                              **kwargs)
 
 
-def run_watched(op, secrets: list[str], bare_python: Path) -> dict:
+def run_watched(op, secrets: list[str], bare_python: Path, cluster: LocalCluster) -> dict:
     """Run the operator while watching every command line; checks none holds a secret and that the
-    executors' Python workers ran on the bare Python."""
-    with CommandLines() as lines:
+    executors' Python workers (those in the cluster's directories) ran on the bare Python."""
+    with CommandLines(cluster.directory) as lines:
         summary = op.execute({})
     leaks = {form for line in lines.seen for s in secrets for form in secret_forms(s) if form in line}
     assert not leaks, f"secrets on a command line: {leaks}"
     # The launcher (a shell script, seen before it execs) and the bare Python it runs: nothing else.
-    workers = {line for line in lines.seen if "pyspark.daemon" in line} - {
-        "/bin/sh ./environment/bin/python -m pyspark.daemon pyspark.worker"}
+    workers = lines.workers - {"/bin/sh ./environment/bin/python -m pyspark.daemon pyspark.worker"}
     assert workers and all(line.startswith(f"{bare_python} ") for line in workers), workers
     assert not Path(op._secret.directory).exists(), "the secret file outlived the sweep"
     return summary
@@ -135,7 +142,7 @@ def test_the_sweep_moves_100000_rows_exactly_once_on_executors_without_the_packa
     store.store(due_messages(N, queue))
 
     op = sweep_operator(spark_conn, store_conn)
-    summary = run_watched(op, [password], bare_python)
+    summary = run_watched(op, [password], bare_python, cluster)
 
     assert summary["status"] == "done" and summary["destinations"] == {queue: {"dispatched": N}}
     assert summary["claimed"] == N and summary["released"] == 0
@@ -171,7 +178,7 @@ def test_the_sweep_sends_100000_at_least_once_to_rabbitmq_from_executors_without
     store.store(due_messages(N, "orders"))
 
     op = sweep_operator(spark_conn, store_conn, transport="rabbitmq", transport_conn_id=rabbit_conn)
-    summary = run_watched(op, [password], bare_python)
+    summary = run_watched(op, [password], bare_python, cluster)
 
     assert summary["status"] == "done" and summary["released"] == 0
     assert summary["destinations"]["orders"]["dispatched"] == N
