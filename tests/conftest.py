@@ -35,6 +35,12 @@ os.environ.update(
     }
 )
 
+#: The tests' Spark JVMs live a minute or two: C1 alone and the serial collector, since C2's compiling never pays
+#: back that soon; a third less CPU for a Spark test on a 2-core machine. spark-submit's driver (and a local
+#: master's executors, in the same JVM) reads SPARK_SUBMIT_OPTS; a standalone cluster's executors take it as conf.
+QUICK_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+os.environ.setdefault("SPARK_SUBMIT_OPTS", QUICK_JVM)
+
 from airflow_delay_provider.compat import AIRFLOW_VERSION, shared_stream  # noqa: E402 - Airflow after its settings
 
 # Delayed DAG runs need Airflow 3.3's shared streams; on 3.2 they are refused (tests/unit/test_compat.py checks

@@ -71,10 +71,9 @@ def receive_until(queues: SqlTableTransport, queue: str, expected: set[str], tim
     return got + drain(queues, queue)
 
 
-def collect(transport, queue: str, expected: int, timeout: float, rearm: bool = False) -> list:
+def collect(transport, queue: str, expected: int, timeout: float) -> list:
     """Consume until `expected` distinct messages arrived and the queue is empty, or `timeout`;
-    returns (arrival time, message) for every delivery, duplicates included. With `rearm`, the timeout
-    starts again at each delivery: a consumer that is merely slow is waited for, lost messages still end it."""
+    returns (arrival time, message) for every delivery, duplicates included."""
     got, seen = [], set()
     deadline = time.monotonic() + timeout
     while (len(seen) < expected or transport.depth(queue)["visible"]) and time.monotonic() < deadline:
@@ -84,8 +83,6 @@ def collect(transport, queue: str, expected: int, timeout: float, rearm: bool = 
         seen.update(m.message_id for m in batch)
         if batch:
             transport.ack(queue, [m.receipt for m in batch])
-            if rearm:
-                deadline = time.monotonic() + timeout
         else:
             time.sleep(0.02)
     return got
@@ -115,8 +112,9 @@ def spread_backlog(store) -> None:
 def consume_ids(parameters, queue: str, expected: int, quiet: float) -> Counter:
     """How often each message id arrived in a RabbitMQ queue, read with a window of 1,000 unacknowledged
     deliveries and acknowledged in bulk: the transport's receive() asks for each message in turn, which takes
-    minutes for 100,000 on a busy machine. Stops once `expected` distinct ids arrived, or when `quiet` seconds
-    pass with nothing (a lost message ends it)."""
+    minutes for 100,000 on a busy machine. Stops once `expected` distinct ids arrived and the queue holds no
+    more (a copy sent twice is counted too), or when `quiet` seconds pass with nothing (a lost message ends it).
+    Call it once the senders are done: what they sent is in the queue by then."""
     import pika
 
     ids: Counter = Counter()
@@ -125,28 +123,26 @@ def consume_ids(parameters, queue: str, expected: int, quiet: float) -> Counter:
         channel = connection.channel()
         channel.basic_qos(prefetch_count=1000)
         tag = acked = 0
-        for method, properties, _body in channel.consume(queue, inactivity_timeout=quiet):
-            if method is None:
-                break
+        last = time.monotonic()
+        for method, properties, _body in channel.consume(queue, inactivity_timeout=0.5):
+            if method is None:  # nothing buffered here: all arrived, or still on its way
+                if len(ids) >= expected and channel.queue_declare(queue, passive=True).method.message_count == 0:
+                    break
+                if time.monotonic() - last > quiet:
+                    break
+                continue
+            last = time.monotonic()
             ids[properties.message_id] += 1
             tag = method.delivery_tag
             if tag - acked >= 500:
                 channel.basic_ack(tag, multiple=True)
                 acked = tag
-            if len(ids) >= expected:
-                break
         if tag > acked:
             channel.basic_ack(tag, multiple=True)
         channel.cancel()
     finally:
         connection.close()
     return ids
-
-
-def collect_while_arriving(transport, queue: str, expected: int, quiet: float) -> list:
-    """`collect` for a queue a slow consumer empties (a receive per message, on a loaded machine): it gives up
-    only once `quiet` seconds pass with nothing received."""
-    return collect(transport, queue, expected, quiet, rearm=True)
 
 
 def bare_python(where: Path) -> Path:

@@ -22,7 +22,7 @@ from airflow_delay_provider.core.pump import Pump, PumpConfig
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.spark import sweep as sweep_app
 from tests.conftest import RABBIT_HOST, RABBIT_PORT
-from tests.helpers import collect_while_arriving, drain, make_store, make_transport
+from tests.helpers import consume_ids, drain, make_store, make_transport
 from tests.waiting import wait_for
 
 APP = Path(sweep_app.__file__).with_name("sweep_app.py")
@@ -132,8 +132,7 @@ def test_sweep_beside_a_pump_to_rabbitmq_loses_nothing_and_repeats_only_what_was
     pumped = results["r"].stats.dispatched
     assert summary["dispatched"] > 0 and pumped > 0, (summary, pumped)
     assert summary["dispatched"] + pumped == n
-    # One basic.get per message: on a loaded machine that takes minutes, so wait for as long as they arrive.
-    received = Counter(m.message_id for _, m in collect_while_arriving(rabbit, "orders", n, quiet=15))
+    received = consume_ids(rabbit.parameters, "orders", n, quiet=15)
     assert len(received) == n, n - len(received)  # nothing lost
     # At least once into RabbitMQ: a batch whose confirms do not come in time (a broker slowed by a loaded machine:
     # "no confirm within 30 s" in one CI run) is handed back and sent again, so its messages may arrive twice.
