@@ -191,13 +191,15 @@ def test_sqs_operators_provision_send_relay_dispatch(run_dag, aws_conn, sqs_clie
         provision >> slow >> [native, stored] >> dispatch >> relay
     state, states, values = run_dag(dag)
     assert state == "success", states
-    assert values["relay"]["handed_over"] == 1 and values["relay"]["failed"] == 0
+    transport = SqsTransport(sqs_client, queue_delay=1)
+    # What SQS holds at this point says which side missed the message, should the relay not hand it over.
+    held = {"delay queue": transport.lifecycle("orders", delay_queue=True), "orders": transport.lifecycle("orders")}
+    assert values["relay"]["handed_over"] == 1 and values["relay"]["failed"] == 0, (values["relay"], held)
     assert values["dispatch"]["dispatched"] == 1
     assert values["slow"]["queues"][0]["delay_queue"] == "slow-delay.fifo"
     slow_url = sqs_client.get_queue_url(QueueName="slow")["QueueUrl"]
     assert sqs_client.get_queue_attributes(QueueUrl=slow_url, AttributeNames=["DelaySeconds"])["Attributes"] == {
         "DelaySeconds": "600"}
-    transport = SqsTransport(sqs_client, queue_delay=1)
     got = wait_for(transport, "orders", 2, 30)
     assert sorted(m.body for _, m in got) == [b"long", b"stored"]
     assert {m.message_id for _, m in got} == {values["native"], values["stored"]}
