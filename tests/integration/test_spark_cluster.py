@@ -83,7 +83,7 @@ class CommandLines(threading.Thread):
 
     def __init__(self, where: Path) -> None:
         super().__init__(daemon=True)
-        self.where = str(where)
+        self.where = where
         self.seen: set[str] = set()
         self.workers: set[str] = set()
         self.stopped = threading.Event()
@@ -93,7 +93,7 @@ class CommandLines(threading.Thread):
             for proc in psutil.process_iter(["cmdline", "cwd"]):
                 line = " ".join(proc.info["cmdline"] or ())
                 self.seen.add(line)
-                if "pyspark.daemon" in line and (proc.info["cwd"] or "").startswith(self.where):
+                if "pyspark.daemon" in line and Path(proc.info["cwd"] or "/").is_relative_to(self.where):
                     self.workers.add(line)
 
     def __enter__(self) -> CommandLines:
