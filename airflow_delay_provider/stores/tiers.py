@@ -36,12 +36,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import threading
-import time
 from collections.abc import Callable
 
 from sqlalchemy import Select, text
 
+from airflow_delay_provider.stores.background import BackgroundWork
 from airflow_delay_provider.stores.engine import Database
 from airflow_delay_provider.stores.tables import LATER, SOON, SOON_US, StoreTables, to_us
 
@@ -58,15 +57,16 @@ CLEAR_US = SOON_US // 2
 _COLUMNS = "id, message_id, destination, body, headers, due_at_us, stored_at_us, failures, claim_id"
 
 
-class LaterMessages:
+class LaterMessages(BackgroundWork):
     """Moves one store's `_later` messages into `_soon` as they come due (PostgreSQL, schema version 8 on)."""
+
+    thread_name = "delay-store-move"
 
     def __init__(self, db: Database, tables: StoreTables, earliest: Callable[[int], Select[int]]) -> None:
         """:param earliest: the query of the earliest due time a claim could take, given now (µs)."""
+        super().__init__()
         self.db = db
         self.tables = tables
-        self.checked = -float("inf")
-        self.thread: threading.Thread | None = None
         self._earliest = earliest
         #: Until when (the database's clock, µs) `_later` holds no row the claims could take.
         self.clear_until_us = -math.inf
@@ -84,15 +84,8 @@ class LaterMessages:
         digest = hashlib.sha1(f"airflow_delay_provider.tiers:{messages}".encode()).digest()
         self._key = int.from_bytes(digest[:8], "big", signed=True)
 
-    def start(self) -> None:
-        """Move in a background thread when it is time (never blocks)."""
-        if time.monotonic() - self.checked < MOVE_EVERY_SECONDS:
-            return
-        if self.thread is not None and self.thread.is_alive():
-            return
-        self.checked = time.monotonic()
-        self.thread = threading.Thread(target=self.run, name="delay-store-move", daemon=True)
-        self.thread.start()
+    def interval(self) -> float:
+        return MOVE_EVERY_SECONDS
 
     def run(self) -> int:
         """Move everything due within `SOON_US`, batch by batch; returns how many rows left `_later`."""

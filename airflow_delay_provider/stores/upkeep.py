@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Any
 from sqlalchemy import Table, text
 from sqlalchemy.engine import Connection
 
+from airflow_delay_provider.stores.background import BackgroundWork
 from airflow_delay_provider.stores.engine import Database
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class Thresholds:
         return todo
 
 
-class TableUpkeep:
+class TableUpkeep(BackgroundWork):
     """The upkeep of one set of tables (a store's, or the SQL-table queues'), on their database.
 
     :param kept: the tables to vacuum, the first one the table that names the set (called at each check: a
@@ -87,30 +87,29 @@ class TableUpkeep:
     :param before: work to do at each check, before the counters are read.
     """
 
+    thread_name = "delay-store-upkeep"
+
     def __init__(self, db: Database, kept: Callable[[], Sequence[Table]], rebuilt: Sequence[Table] = (),
                  analyzed: Sequence[Table] | None = None,
                  before: Callable[[Connection], object] | None = None) -> None:
+        super().__init__()
         self.db = db
         self.kept = kept
         self.rebuilt = tuple(rebuilt)
         self.analyzed = None if analyzed is None else tuple(analyzed)
         self.before = before
         self.thresholds = Thresholds()
-        self.checked = -float("inf")
-        self.thread: threading.Thread | None = None
 
     def __repr__(self) -> str:
         return f"TableUpkeep({self.db!r})"
 
+    def interval(self) -> float:
+        return UPKEEP_CHECK_SECONDS
+
     def start(self) -> None:
         """Start the check in a background thread when it is time (never blocks; PostgreSQL only)."""
-        if not self.db.is_postgres or time.monotonic() - self.checked < UPKEEP_CHECK_SECONDS:
-            return
-        if self.thread is not None and self.thread.is_alive():
-            return
-        self.checked = time.monotonic()
-        self.thread = threading.Thread(target=self.run, name="delay-store-upkeep", daemon=True)
-        self.thread.start()
+        if self.db.is_postgres:
+            super().start()
 
     def run(self) -> list[tuple[str, str, float]]:
         """Check the counters and do what they call for; returns (table, work, seconds) of what was done."""
