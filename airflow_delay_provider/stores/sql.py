@@ -159,7 +159,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         self.controls = BacklogControls(self, self.tables, self.settings, lambda: self._scope, self.tiered)
         t = self.tables
         self.later = LaterMessages(self, self.tables, self._earliest_due)
-        self._soon_only = False  # whether the last claim left `_later` out (its start is read apart)
+        self._start_soon_only = False  # whether `_due_start` is `_soon`'s alone (read apart from both partitions')
         self._tiered: bool | None = None
         self._tiered_checked = -math.inf
         # On PostgreSQL from schema version 8 the messages are in two partitions, whose counters and indexes
@@ -396,18 +396,24 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         self.accepted.remember_sent(message_ids)
 
     def due_ids(
-        self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = ()
+        self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = (),
+        soon_only: bool | None = None,
     ) -> Select[int]:
         """The query of the ids a claim takes: due, not leased, paused or an event destination; oldest first;
-        rows another claim holds are skipped, never waited for or handed out twice."""
+        rows another claim holds are skipped, never waited for or handed out twice.
+
+        :param soon_only: read `_soon` only (see `claims_soon_only`; by default, what it says at `now`). Pass the
+            same to `claimed`.
+        """
         t, tables = self.table, self.tables
         due = select(t.c.id).where(t.c.due_at_us <= to_us(now), tables.unleased(to_us(now)), tables.not_paused(),
                                    tables.dispatchable(), *self._scope)
-        soon_only = self._leaves_later_out(to_us(now))
+        if soon_only is None:
+            soon_only = self.claims_soon_only(now)
         if soon_only:
             due = due.where(self.tables.in_tier(SOON))
-        if soon_only != self._soon_only:  # the other partitions' start was never read: read it from the beginning
-            self._soon_only, self._due_start = soon_only, IndexStart()
+        if soon_only != self._start_soon_only:  # the other partitions' start was never read: read it afresh
+            self._start_soon_only, self._due_start = soon_only, IndexStart()
         if self.is_postgres and (start := self._claims_start(now, soon_only)):
             due = due.where(t.c.due_at_us >= start)
         if due_before is not None:
@@ -416,10 +422,11 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             due = due.where(t.c.destination.not_in(list(exclude)))
         return due.order_by(t.c.due_at_us, t.c.id).limit(limit).with_for_update(skip_locked=True)
 
-    def _leaves_later_out(self, now_us: int) -> bool:
-        """Whether claims at `now_us` may read `_soon` only: `_later` holds nothing they could take until its last
-        look's bound (stores/tiers.py). Never on SQLite or a store not migrated to the two partitions."""
-        return now_us < self.later.clear_until_us
+    def claims_soon_only(self, now: datetime) -> bool:
+        """Whether claims at `now` may read `_soon` only: `_later` holds nothing they could take until its last
+        look's bound (stores/tiers.py). Never on SQLite or a store not migrated to the two partitions. The move
+        renews the bound in another thread, so a claim asks once and builds `due_ids` and `claimed` from that."""
+        return to_us(now) < self.later.clear_until_us
 
     def _claims_start(self, now: datetime, soon_only: bool = False) -> int:
         """Where claims start reading the due index (engine.IndexStart): the earliest due time a claim could take
@@ -446,15 +453,18 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         return select(t.c.due_at_us).where(tables.unleased(now_us), tables.not_paused(), tables.dispatchable(),
                                            *self._scope).order_by(t.c.due_at_us).limit(1)
 
-    def claimed(self, ids: Select[int]) -> ColumnElement[bool]:
-        """The condition on the table's rows whose ids the subquery `ids` gives (built by `due_ids` just before:
-        the partitions it read)."""
+    def claimed(self, ids: Select[int], soon_only: bool = False) -> ColumnElement[bool]:
+        """The condition on the table's rows whose ids the subquery `ids` gives.
+
+        :param soon_only: `ids` reads `_soon` only (`due_ids` with the same `soon_only`), so each id is looked up in
+            `_soon`'s key alone; else in both partitions' keys.
+        """
         # `id = ANY(ARRAY(...))` looks each claimed row up by its key; with `IN (...)` PostgreSQL's planner
         # hash-joins the subquery against a scan of the whole table (measured: 10-30% slower claims).
         subquery = ids.scalar_subquery()
         if not self.is_postgres:
             return self.table.c.id.in_(subquery)
-        if self._soon_only:  # as `due_ids` found: else each claimed id is also looked up in `_later`'s key
+        if soon_only:
             return and_(self.tables.in_tier(SOON), self.table.c.id == any_(func.array(subquery)))
         return self.table.c.id == any_(func.array(subquery))
 
@@ -463,7 +473,8 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = ()
     ) -> Iterator[Claim]:
         t = self.table
-        claimed = self.claimed(self.due_ids(now, limit, due_before, exclude))
+        soon_only = self.claims_soon_only(now)
+        claimed = self.claimed(self.due_ids(now, limit, due_before, exclude, soon_only), soon_only)
         claim_rows = delete(t).where(claimed).returning(*self.tables.row)
         with self.errors("claim due messages"), self.engine.begin() as conn:
             self.in_index_order(conn)
@@ -598,7 +609,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             query = query.where(t.c.due_at_us < to_us(due_before))
         with self.errors("read the next due time"), self.engine.connect() as conn:
             value = None
-            if self._leaves_later_out(now_us):  # `_later` only when `_soon` has nothing before its bound
+            if now_us < self.later.clear_until_us:  # `_later` only when `_soon` has nothing before its bound
                 value = conn.execute(query.where(self.tables.in_tier(SOON))).scalar()
                 if value is not None and value >= self.later.clear_until_us:
                     value = None

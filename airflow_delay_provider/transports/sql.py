@@ -197,7 +197,8 @@ class SqlTableTransport(SqlDatabase, Transport):
         queue table (`WITH claimed AS (DELETE ... RETURNING ...) INSERT ... SELECT FROM claimed`): the claim and
         the send of the pump's exactly-once path, without the rows coming to Python and going back."""
         assert isinstance(store, SqlDelayedMessageStore)
-        _, counts = self._moving(store, store.due_ids(now, limit, due_before, exclude), now)
+        soon_only = store.claims_soon_only(now)
+        _, counts = self._moving(store, store.due_ids(now, limit, due_before, exclude, soon_only), now, soon_only)
         with store.errors("move due messages into their queues"), store.engine.begin() as conn:
             store.in_index_order(conn)
             return [(queue, from_us(due_us), n) for queue, due_us, n in conn.execute(counts)]
@@ -225,16 +226,17 @@ class SqlTableTransport(SqlDatabase, Transport):
         return [(queue, from_us(due_us), n) for queue, due_us, n, _, _ in rows], (rows[0][4] if rows else 0)
 
     def _moving(
-        self, store: SqlDelayedMessageStore, ids: Select[int], now: datetime
+        self, store: SqlDelayedMessageStore, ids: Select[int], now: datetime, soon_only: bool = False
     ) -> tuple[CTE, Rows]:
-        """The move of the rows `ids` selects (those of provisioned queues): the CTE of the rows deleted from
-        the store, and the statement inserting them into the queue table that returns (queue, due time, count)."""
+        """The move of the rows `ids` selects (those of provisioned queues; `soon_only`: from `_soon` alone): the
+        CTE of the rows deleted from the store, and the statement inserting them into the queue table that
+        returns (queue, due time, count)."""
         t, q = store.tables.messages, self.messages
         # Other destinations are dead-lettered by a claim. `= ANY(ARRAY(...))` is a filter on the due index's
         # ordered scan; with `IN (SELECT ...)` the planner may hash-join every due row and sort them all for a
         # batch of 16, which it did with statistics gathered before the due rows were stored.
         ids = ids.where(t.c.destination == any_(func.array(select(self.queues.c.name).scalar_subquery())))
-        claimed = (delete(t).where(store.claimed(ids))
+        claimed = (delete(t).where(store.claimed(ids, soon_only))
                    .returning(t.c.id, t.c.destination, t.c.message_id, t.c.body, t.c.headers, t.c.due_at_us,
                               t.c.claim_id)
                    .cte("claimed"))

@@ -302,9 +302,9 @@ def test_a_due_row_the_move_did_not_take_keeps_claims_reading_later(pg, monkeypa
     store.later.look()  # no move
     due = store.get("m-0").due_at
     assert store.later.clear_until_us == to_us(due)
-    assert store._leaves_later_out(to_us(store.clock()))
+    assert store.claims_soon_only(store.clock())
     wait_for(lambda: store.clock() >= due, 10, "the messages to fall due on the store's clock")
-    assert not store._leaves_later_out(to_us(store.clock()))
+    assert not store.claims_soon_only(store.clock())
     transport = InMemoryTransport()
     transport.provision("orders")
     assert Pump(store, transport).run(stop_when_idle=True).stats.dispatched == 2
@@ -327,6 +327,32 @@ def test_a_reschedule_and_a_sweeps_release_put_rows_where_claims_read(pg):
     assert store.finish_sweep("sweep-1", "failed", {}) == 2  # m-0 and m-1
     assert _where(store) == {"m-0": "soon", "m-1": "soon", "m-2": "later", "m-3": "later"}
     store.later.look()
-    assert store._leaves_later_out(to_us(store.clock()))
+    assert store.claims_soon_only(store.clock())
     with store.claim_due(store.clock(), 100) as claim:
         assert sorted(m.message_id for m in claim.messages) == ["m-0", "m-1"]
+
+
+def test_a_sweeps_move_takes_later_rows_on_a_store_whose_claims_leave_later_out(pg):
+    """Whether claims leave `_later` out is decided per claim, not kept from the last one: a sweep's move on the
+    same store object (a pump and a sweep in one process) right after such a claim still takes the rows of its
+    window that are in `_later`."""
+    url, schema, table = pg
+    store = _store(pg)
+    store.store(messages(3, delay=3600))
+    with store.engine.begin() as conn:  # due now, still in `_later` (no move has run)
+        conn.execute(text(f"UPDATE {store.qualified(store.tables.later.name)} SET due_at_us = :now"),
+                      {"now": to_us(store.clock())})
+    store.later.clear_until_us = to_us(store.clock()) + 60_000_000  # as a look that came just before them
+    assert store.claims_soon_only(store.clock())
+    with store.claim_due(store.clock(), 100) as claim:  # reads `_soon` alone: nothing
+        assert claim.messages == []
+    queue = SqlTableTransport(url, schema=schema, table_prefix=f"{table}_")
+    queue.provision("orders")
+    store.open_sweep("sweep-1", due_before=store.clock() + timedelta(seconds=1))
+    low, high, n = store.leases.window_range("sweep-1")
+    assert n == 3
+    moved = queue.move_window(store, "sweep-1", low, high, 100)
+    assert moved is not None and sum(count for _, _, count in moved[0]) == 3
+    assert sorted(m.message_id for m in drain(queue, "orders")) == ["m-0", "m-1", "m-2"]
+    assert _where(store) == {}
+
