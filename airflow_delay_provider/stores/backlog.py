@@ -14,10 +14,11 @@ import logging
 import time
 from collections.abc import Callable, Collection, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import ColumnElement, and_, case, delete, func, inspect, literal, or_, select, union_all, update
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import OperationalError
 
 from airflow_delay_provider.core.backlog import (
     BODY_PREVIEW_BYTES,
@@ -46,6 +47,10 @@ log = logging.getLogger(__name__)
 
 #: Passes an action makes: the second and later ones see rows that a claim it waited for wrote back.
 _PASSES = 4
+#: Attempts of an action whose transaction met a row moved between the partitions meanwhile (SQLSTATE below).
+_ATTEMPTS = 5
+_MOVED_MEANWHILE = "40001"  # PostgreSQL's serialization_failure: "tuple to be locked was already moved to ..."
+_T = TypeVar("_T")
 
 
 class BacklogControls:
@@ -228,7 +233,8 @@ class BacklogControls:
         self.settings.check_known(names)
         t = self.tables.messages
         mine = t.c.destination.in_(names)
-        with self.db.errors("forget destinations"), self.db.engine.begin() as conn:
+
+        def forget(conn: Connection) -> dict[str, int]:
             # Lock the rows first (a pump claiming one of them now finishes before the count), so the counts are
             # what the delete below removes.
             conn.execute(select(t.c.id).where(mine).with_for_update())
@@ -239,7 +245,9 @@ class BacklogControls:
             if scheduled:
                 conn.execute(delete(t).where(mine))
             self.settings.forget(conn, names)
-        return forget_report(names, scheduled)
+            return scheduled
+
+        return forget_report(names, self._in_transaction("forget destinations", forget))
 
     def _change(self, selector: Selector, action: str, due_us: int | None) -> tuple[list[str], list[str]]:
         """Delete (due_us None) or re-time the selected rows no live sweep lease holds, in passes until a
@@ -258,8 +266,9 @@ class BacklogControls:
                 # A row of `_later` made due now goes where claims read at once, not at the next move; PostgreSQL
                 # moves a row whose partition key changes.
                 new_values["tier"] = tier_of(due_us, now_us)
-        changed: list[str] = []
-        with self.db.errors(action), self.db.engine.begin() as conn:
+
+        def change(conn: Connection) -> tuple[list[str], list[str]]:
+            changed: list[str] = []
             for _ in range(_PASSES):
                 statement = delete(t) if due_us is None else update(t).values(**new_values)
                 changed.extend(conn.execute(statement.where(*where).returning(t.c.message_id)).scalars())
@@ -276,7 +285,26 @@ class BacklogControls:
                     conn.execute(select(func.pg_notify(self.tables.channel, str(due_us))))
             in_flight = list(conn.execute(select(t.c.message_id).where(
                 *self._selected(selector), self._leased_now()).limit(LISTED + 1)).scalars())
-        return changed, in_flight
+            return changed, in_flight
+
+        return self._in_transaction(action, change)
+
+    def _in_transaction(self, action: str, work: Callable[[Connection], _T]) -> _T:
+        """`work` in a transaction of its own, and again from the start when it waited for a row that the
+        transaction holding it moved to the other partition (a reschedule between `_soon` and `_later`, a sweep
+        releasing its rows): PostgreSQL then fails the statement that waited (SQLSTATE 40001) and the whole
+        transaction rolls back, so nothing of the first attempt was written."""
+        with self.db.errors(action):
+            for attempt in range(1, _ATTEMPTS + 1):
+                try:
+                    with self.db.engine.begin() as conn:
+                        return work(conn)
+                except OperationalError as exc:
+                    if attempt == _ATTEMPTS or getattr(exc.orig, "sqlstate", None) != _MOVED_MEANWHILE:
+                        raise
+                    log.info("%s: a row it waited for was moved to the other partition meanwhile; again (attempt "
+                             "%d of %d)", action, attempt + 1, _ATTEMPTS)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _accepted(self, message_ids: Sequence[str]) -> list[str]:
         """Of these ids, those the store accepted within its de-duplication window."""

@@ -28,7 +28,9 @@ partition of their due time, and those it retries are moved like any other (a sw
 a row still in `_later` waits for the next move, 5 s at most, or goes with claims that read both). A reschedule
 puts each row in the partition of its new due time (PostgreSQL moves a row whose partition key changes). A cancel
 or reschedule that reaches a row the move has locked finds it gone and, at its next pass, in `_soon`
-(stores/backlog.py makes several passes).
+(stores/backlog.py makes several passes). One that waited for a row another transaction moved to the other
+partition by changing its due time (a concurrent reschedule, a sweep's release) is failed by PostgreSQL (SQLSTATE
+40001) and rolled back; the backlog's actions then run again in a new transaction.
 """
 
 from __future__ import annotations

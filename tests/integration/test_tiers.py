@@ -356,3 +356,51 @@ def test_a_sweeps_move_takes_later_rows_on_a_store_whose_claims_leave_later_out(
     assert sorted(m.message_id for m in drain(queue, "orders")) == ["m-0", "m-1", "m-2"]
     assert _where(store) == {}
 
+
+@pytest.mark.parametrize("action", ["reschedule", "cancel", "forget"])
+def test_an_action_that_waited_for_a_row_moved_to_the_other_partition_meanwhile_is_done_again(pg, action):
+    """Another session reschedules a message of `_later` to now (PostgreSQL moves the row into `_soon`) and holds
+    its transaction open; a reschedule, cancel or forget of the same message waits for it, and when it commits,
+    PostgreSQL fails the waiting statement ("tuple to be locked was already moved to another partition due to
+    concurrent update", SQLSTATE 40001). The action runs again in a new transaction and is done, not reported
+    as an unreachable database."""
+    url, _, _ = pg
+    store = _store(pg)
+    store.store(messages(1, delay=3600))
+    assert _where(store) == {"m-0": "later"}
+    outcome: list = []
+
+    def act() -> None:
+        try:
+            if action == "reschedule":
+                outcome.append(store.reschedule(Selector(message_ids=["m-0"]), store.clock() + timedelta(hours=2)))
+            elif action == "cancel":
+                outcome.append(store.cancel(Selector(message_ids=["m-0"])))
+            else:
+                outcome.append(store.forget_destinations(["orders"], force=True))
+        except Exception as exc:  # noqa: BLE001 - the assertion below shows it
+            outcome.append(exc)
+
+    with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")) as other:
+        other.execute(f"UPDATE {store.qualified(store.table_name)} SET due_at_us = %s, tier = {tables.SOON} "
+                      "WHERE message_id = 'm-0'", [to_us(store.clock())])
+        xid = other.execute("SELECT backend_xid::text FROM pg_stat_activity WHERE pid = pg_backend_pid()").fetchone()[0]
+        actor = threading.Thread(target=act)
+        actor.start()
+        wait_for(lambda: other.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'transactionid' AND NOT "
+                                       "granted AND transactionid::text = %s", [xid]).fetchone()[0] > 0,
+                 30, f"the {action} to wait for the row the other session moved")
+        other.commit()
+    actor.join(30)
+    assert not actor.is_alive()
+    [result] = outcome
+    assert not isinstance(result, Exception), repr(result)
+    if action == "reschedule":
+        assert result["rescheduled"] == ["m-0"]
+        assert _where(store) == {"m-0": "later"}  # two hours ahead: back in `_later`
+    elif action == "cancel":
+        assert result["cancelled"] == ["m-0"]
+        assert _where(store) == {}
+    else:
+        assert result == {"forgotten": ["orders"], "purged": {"orders": 1}} and _where(store) == {}
+        assert "orders" not in store.destinations()
