@@ -601,15 +601,15 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     # -- reads -----------------------------------------------------------------------------------
     def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:
         t = self.table
-        now_us = to_us(self.clock())
-        query = self._earliest_due(now_us)
+        now = self.clock()
+        query = self._earliest_due(to_us(now))
         if destination is not None:
             query = query.where(t.c.destination == destination)
         if due_before is not None:
             query = query.where(t.c.due_at_us < to_us(due_before))
         with self.errors("read the next due time"), self.engine.connect() as conn:
             value = None
-            if now_us < self.later.clear_until_us:  # `_later` only when `_soon` has nothing before its bound
+            if self.claims_soon_only(now):  # `_later` only when `_soon` has nothing before its bound
                 value = conn.execute(query.where(self.tables.in_tier(SOON))).scalar()
                 if value is not None and value >= self.later.clear_until_us:
                     value = None
