@@ -81,7 +81,7 @@ from airflow_delay_provider.core.delays import utcnow  # noqa: E402
 from airflow_delay_provider.core.message import DelayedMessage  # noqa: E402
 from airflow_delay_provider.core.pump import Pump, PumpConfig  # noqa: E402
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore, to_us  # noqa: E402
-from airflow_delay_provider.stores.tables import LATER  # noqa: E402
+from airflow_delay_provider.stores.tables import tier_of  # noqa: E402
 from airflow_delay_provider.transports.rabbitmq import RabbitMQTransport  # noqa: E402
 from airflow_delay_provider.transports.sql import SqlTableTransport  # noqa: E402
 
@@ -274,8 +274,10 @@ class Bench:
                 rows = io.StringIO()
                 for key in keys:
                     due = now + HOUR_US + rng.randrange(167 * HOUR_US)
-                    # Due an hour or more later: where store() puts them (tables.SOON_US), `_later`.
-                    rows.write(f"{key}\t{rng.choice(FILL_DESTINATIONS)}\t{body}\t{HEADERS}\t{due}\t{now}\t0\t{LATER}\n")
+                    # Due an hour or more later: where store() puts them, the partition of their hour within a day
+                    # or so, `_far` beyond it.
+                    tier = tier_of(due, now, ring=True)
+                    rows.write(f"{key}\t{rng.choice(FILL_DESTINATIONS)}\t{body}\t{HEADERS}\t{due}\t{now}\t0\t{tier}\n")
                 with conn.cursor().copy(f"COPY {messages} (message_id, destination, body, headers, due_at_us, "
                                         "stored_at_us, failures, tier) FROM STDIN") as copy:
                     copy.write(rows.getvalue())
@@ -306,13 +308,14 @@ class Bench:
         """Wait until the messages table's statistics are fresh again, analysed by the store's own upkeep (what
         every running pump calls; this process calls it as a pump would) or by autovacuum where it is on."""
         started = time.perf_counter()
-        # The fill went to the partition of messages due later.
-        query = ("SELECT n_mod_since_analyze, coalesce(last_analyze, last_autoanalyze) IS NOT NULL "
-                 "FROM pg_stat_user_tables WHERE relid = %s::regclass")
+        # The fill went to the partitions of `_later`: each that holds rows analysed since, as the upkeep's
+        # thresholds have it.
+        query = ("SELECT coalesce(bool_and(coalesce(last_analyze, last_autoanalyze) IS NOT NULL AND "
+                 "n_mod_since_analyze < 0.02 * n_live_tup + 1000), false) FROM pg_stat_user_tables WHERE relid IN "
+                 "(SELECT relid FROM pg_partition_tree(%s::regclass) WHERE isleaf) AND n_live_tup > 0")
         while time.perf_counter() - started < self.args.settle_timeout:
             self.store.upkeep()
-            modified, analysed = self.conn.execute(query, [self.store.tables.later.fullname]).fetchone()
-            if analysed and modified < 0.02 * max(self.stored, 1) + 1000:
+            if self.conn.execute(query, [self.store.tables.later.fullname]).fetchone()[0]:
                 break
             time.sleep(1)
         else:

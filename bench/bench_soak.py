@@ -59,6 +59,7 @@ from machine import describe, machine  # noqa: E402
 
 from airflow_delay_provider.core.message import DelayedMessage  # noqa: E402
 from airflow_delay_provider.core.pump import Pump, PumpConfig  # noqa: E402
+from airflow_delay_provider.stores import tiers as tiers_module  # noqa: E402
 from airflow_delay_provider.stores import upkeep as upkeep_module  # noqa: E402
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore, to_us  # noqa: E402
 from airflow_delay_provider.stores.tables import tier_of  # noqa: E402
@@ -124,8 +125,8 @@ def send(spec: dict) -> None:
 
 
 class UpkeepRecords(logging.Handler):
-    """The store's upkeep passes (vacuums, analyses, index rebuilds, how long each took), with their times, for the
-    result; each is also printed, so a run shows them as they come."""
+    """The store's upkeep passes (vacuums, analyses, index rebuilds, how long each took) and truncations, with their
+    times, for the result; each is also printed, so a run shows them as they come."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -141,9 +142,10 @@ def pump(spec: dict) -> None:
     store = SqlDelayedMessageStore(spec["url"], schema=spec["schema"])
     transport = SqlTableTransport(spec["url"], schema=spec["schema"], table_prefix=PREFIX)
     upkeep = UpkeepRecords()
-    upkeep_log = logging.getLogger(upkeep_module.__name__)
-    upkeep_log.addHandler(upkeep)
-    upkeep_log.setLevel(logging.INFO)
+    # The upkeep's passes, and the truncation of each hour's partition once its hour is past.
+    for name in (upkeep_module.__name__, tiers_module.__name__):
+        logging.getLogger(name).addHandler(upkeep)
+        logging.getLogger(name).setLevel(logging.INFO)
     print("ready", flush=True)
     result = Pump(store, transport, PumpConfig(batch_size=1000)).run(
         deadline=datetime.fromtimestamp(spec["deadline"], UTC))
@@ -260,7 +262,7 @@ class Soak:
                 start = now + STARTUP_S * 1_000_000
                 rows = io.StringIO()
                 for i in range(done, min(n, done + 100_000)):
-                    tier = tier_of(start + offsets[i], now)  # the partition store() would choose
+                    tier = tier_of(start + offsets[i], now, ring=True)  # the partition store() would choose
                     rows.write(f"fill-{i:012d}\t{QUEUE}\t{body}\t{{}}\t{start + offsets[i]}\t{now}\t0\t{tier}\n")
                 with conn.cursor().copy(f"COPY {table} (message_id, destination, body, headers, due_at_us, "
                                         "stored_at_us, failures, tier) FROM STDIN") as copy:
@@ -270,7 +272,8 @@ class Soak:
         return n
 
     def sample(self) -> dict:
-        # A partitioned table (the store's messages: `_soon` and `_later`) counts as the sum of its partitions.
+        # A partitioned table (the store's messages: `_soon`, and `_later`'s `_far` and hours) counts as the sum of
+        # its partitions.
         stats = ("SELECT sum(n_live_tup)::int8, sum(n_dead_tup)::int8, sum(vacuum_count + autovacuum_count)::int8, "
                  "sum(analyze_count + autoanalyze_count)::int8, sum(pg_total_relation_size(relid))::int8, "
                  f"sum(n_tup_ins)::int8 FROM pg_stat_user_tables WHERE relid IN {TABLE_AND_PARTITIONS}")

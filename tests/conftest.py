@@ -99,6 +99,17 @@ def pg_schema():
     schema = f"adp_test_{uuid.uuid4().hex[:10]}"
     yield schema
     engine = create_engine(PG_URL)
+    # A few tables a transaction, then the schema: one DROP SCHEMA ... CASCADE of the run's hundreds of stores
+    # (each with 28 partitions of messages and their indexes) takes more locks than PostgreSQL's lock table holds
+    # by default ("out of shared memory": max_locks_per_transaction).
+    with engine.connect() as conn:
+        tables = conn.execute(text(
+            "SELECT c.oid::regclass::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = :schema AND c.relkind IN ('r', 'p') AND NOT c.relispartition"),
+            {"schema": schema}).scalars().all()
+    for start in range(0, len(tables), 10):
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP TABLE IF EXISTS {', '.join(tables[start:start + 10])} CASCADE"))
     with engine.begin() as conn:
         conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
     engine.dispose()

@@ -59,16 +59,18 @@ class BacklogControls:
     :param settings: the store's destinations (known ones, paused ones).
     :param scope: the conditions every read and change adds (a store restricted to some destinations).
     :param tiered: whether the messages are in the two partitions (stores/tiers.py): a reschedule puts each row
-        in the partition of its new due time."""
+        in the partition of its new due time.
+    :param ringed: whether `_later` is in partitions by due hour (schema version 9)."""
 
     def __init__(self, db: Database, tables: StoreTables, settings: DestinationSettings,
                  scope: Callable[[], Sequence[ColumnElement[bool]]] = tuple,
-                 tiered: Callable[[], bool] = lambda: False) -> None:
+                 tiered: Callable[[], bool] = lambda: False, ringed: Callable[[], bool] = lambda: False) -> None:
         self.db = db
         self.tables = tables
         self.settings = settings
         self.scope = scope
         self.tiered = tiered
+        self.ringed = ringed
         self._has_counts = False
 
     # -- reading ------------------------------------------------------------------------------------
@@ -265,7 +267,7 @@ class BacklogControls:
             if self.tiered():
                 # A row of `_later` made due now goes where claims read at once, not at the next move; PostgreSQL
                 # moves a row whose partition key changes.
-                new_values["tier"] = tier_of(due_us, now_us)
+                new_values["tier"] = tier_of(due_us, now_us, self.ringed())
 
         def change(conn: Connection) -> tuple[list[str], list[str]]:
             changed: list[str] = []

@@ -46,12 +46,15 @@ log = logging.getLogger("airflow_delay_provider.stores.sql")
 class SweepLeases:
     """One store's bulk-sweep leases, on its database and tables (the sweeps table holds one row per lease)."""
 
-    def __init__(self, db: Database, tables: StoreTables, tiered: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, db: Database, tables: StoreTables, tiered: Callable[[], bool] = lambda: False,
+                 ringed: Callable[[], bool] = lambda: False) -> None:
         """:param tiered: whether the messages are in the two partitions (stores/tiers.py): rows a sweep releases
-            go to the partition of their due time."""
+            go to the partition of their due time.
+        :param ringed: whether `_later` is in partitions by due hour (schema version 9)."""
         self.db = db
         self.tables = tables
         self.tiered = tiered
+        self.ringed = ringed
 
     def start_sweep(
         self, claim_id: str, due_before: datetime, due_from: datetime | None = None,
@@ -239,7 +242,7 @@ class SweepLeases:
         with self.db.errors("finish a sweep"), self.db.engine.begin() as conn:
             release = update(t).where(t.c.claim_id == claim_id).values(claim_id=None)
             if self.tiered():  # a due row left in `_later` would wait for the next move: claims may not read there
-                release = release.values(tier=tier_of_rows(t.c.due_at_us, now_us))
+                release = release.values(tier=tier_of_rows(t.c.due_at_us, now_us, self.ringed()))
             released = conn.execute(release).rowcount
             conn.execute(update(s).where(s.c.claim_id == claim_id).values(
                 status=status, finished_at_us=now_us, lease_until_us=0,

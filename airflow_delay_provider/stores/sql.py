@@ -77,6 +77,10 @@ _START_MARGIN_US = 1_000_000
 _TIERS_CHECK_SECONDS = 30.0
 
 
+def _literal(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
 __all__ = [  # the names other modules import from here
     "DEFAULT_DEDUP_WINDOW_SECONDS", "DEFAULT_TABLE", "MAX_TABLE_NAME", "SWEEP_COLUMNS", "LeasedRows",
     "SqlDelayedMessageStore", "check_claim_id", "check_store_table", "from_us", "to_us",
@@ -154,13 +158,15 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         self._due_start = IndexStart()  # where this object's claims start reading the due index
         self.waiting = StoreWaiting(self, self.tables.channel, lambda: self._wants)
         self.settings = DestinationSettings(self, self.tables)
-        self.leases = SweepLeases(self, self.tables, self.tiered)
+        self.leases = SweepLeases(self, self.tables, self.tiered, self.ringed)
         self.events = EventLeases(self, self.tables, self.leases)
-        self.controls = BacklogControls(self, self.tables, self.settings, lambda: self._scope, self.tiered)
+        self.controls = BacklogControls(self, self.tables, self.settings, lambda: self._scope, self.tiered,
+                                       self.ringed)
         t = self.tables
-        self.later = LaterMessages(self, self.tables, self._earliest_due)
+        self.later = LaterMessages(self, self.tables, self._earliest_due, self.ringed)
         self._start_soon_only = False  # whether `_due_start` is `_soon`'s alone (read apart from both partitions')
         self._tiered: bool | None = None
+        self._ringed = False
         self._tiered_checked = -math.inf
         # On PostgreSQL from schema version 8 the messages are in two partitions, whose counters and indexes
         # are their own (the partitioned table has none); the names of tables not there are passed over.
@@ -171,7 +177,10 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             before=lambda conn: self.controls.counted() and self.controls.sum_up_counts(conn))
         # `_later` holds millions, and a vacuum of it runs for minutes (102 s at 8.9 million in the soak): in a
         # thread and under a lock of its own, so that `_soon`, which the claims churn, is never left waiting for it.
-        self.later_maintenance = TableUpkeep(self, kept=lambda: (t.later,), rebuilt=(t.later,))
+        # From schema version 9 the hours' partitions are truncated as they rest (stores/tiers.py), and `_far`, which
+        # holds what is due beyond them, is vacuumed: the names of tables not there are passed over.
+        self.later_maintenance = TableUpkeep(self, kept=lambda: (t.later, t.far, *t.hours), rebuilt=(t.later, t.far),
+                                             vacuumed=(t.later, t.far))
         self.migrations = SchemaMigrations(self, VersionedTables(
             package=STORE_SCHEMA, kind="delay store", label=f"Delay store {t.where}", versions=t.versions,
             tables=t.of_store(), names=self._template_names(),
@@ -261,6 +270,10 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             # Schema version 8: the partitions, the sequence of ids they share, and the indexes by name.
             "soon": q(f"{t}_soon"), "soon_name": preparer.quote_identifier(f"{t}_soon"), "later": q(f"{t}_later"),
             "id_seq": q(f"{t}_id_seq"),
+            # Schema version 9: `_later`'s partitions; the hours' are named in a loop (checked identifiers, as
+            # literals).
+            "far": q(f"{t}_far"), "far_name": preparer.quote_identifier(f"{t}_far"),
+            "schema_literal": "NULL" if self.schema is None else _literal(self.schema), "table_literal": _literal(t),
             "ix_due_q": q(str(due_index.name)), "ix_leased_q": q(leased),
             "ix_soon_due": preparer.quote_identifier(f"ix_soon_{short}"), "ix_soon_due_q": q(f"ix_soon_{short}"),
             "ix_soon_leased": preparer.quote_identifier(f"ix_soon_leased_{short}"),
@@ -284,13 +297,20 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
 
     def tiered(self) -> bool:
         """Whether the messages are in the two partitions `_soon` and `_later` (PostgreSQL, schema version 8 on)."""
-        if not self.is_postgres or self._tiered:
+        if not self.is_postgres or self._ringed:
             return bool(self._tiered)
         if time.monotonic() - self._tiered_checked > _TIERS_CHECK_SECONDS:
             self._tiered_checked = time.monotonic()
             with self.errors("inspect the delay store"), self.engine.connect() as conn:
-                self._tiered = inspect(conn).has_table(self.tables.later.name, schema=self.schema)
+                inspector = inspect(conn)
+                self._tiered = inspector.has_table(self.tables.later.name, schema=self.schema)
+                self._ringed = self._tiered and inspector.has_table(self.tables.far.name, schema=self.schema)
         return bool(self._tiered)
+
+    def ringed(self) -> bool:
+        """Whether `_later` is in partitions by due hour (PostgreSQL, schema version 9 on)."""
+        self.tiered()
+        return self._ringed
 
     def exists(self) -> bool:
         with self.errors("inspect the delay store"), self.engine.connect() as conn:
@@ -308,7 +328,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             raise InvalidMessageError(f"messages must be DelayedMessage objects (each checked when it is built), "
                                       f"got {type(wrong).__name__}")
         now = to_us(self.clock())
-        tiered = self.tiered()
+        tiered, ring = self.tiered(), self.ringed()
         rows: list[dict[str, Any]] = [
             {
                 "message_id": m.message_id,
@@ -323,7 +343,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         ]
         if tiered:
             for r in rows:
-                r["tier"] = tier_of(r["due_at_us"], now)
+                r["tier"] = tier_of(r["due_at_us"], now, ring)
         remember = deduplicate and self.dedup_window_us > 0
         with self.errors("store delayed messages"), self.engine.begin() as conn:
             if remember:

@@ -31,6 +31,8 @@ from sqlalchemy import (
     Text,
     and_,
     case,
+    cast,
+    func,
     literal_column,
     or_,
     select,
@@ -69,18 +71,47 @@ ID_TYPE = BigInteger().with_variant(Integer, "sqlite")
 SOON_US = 60_000_000
 #: `tier` of the partition of messages due soon.
 SOON = 0
-#: `tier` of the partition of messages due later.
+#: `tier` of the messages due later: all of `<table>_later` on schema version 8; from version 9, those due beyond
+#: the hourly partitions' reach (`<table>_far`).
 LATER = 1
+#: From schema version 9 `<table>_later` is itself partitioned by `tier`: `<table>_far` (LATER) and `RING_HOURS`
+#: partitions `<table>_hour00` ... of the messages due in one hour each, used in turn (tier `FIRST_HOUR` +
+#: the due hour modulo `RING_HOURS`). Messages due in the current hour and the next `RING_HOURS - 2` go to their
+#: hour's partition; the hour just past rests, empty, until the store truncates it (stores/tiers.py). So each
+#: move empties one partition of an hour's messages instead of spreading dead rows over all of `_later`.
+HOUR_US = 3_600_000_000
+RING_HOURS = 26
+FIRST_HOUR = 2
 
 
-def tier_of(due_at_us: int, now_us: int) -> int:
-    """The partition a message due at `due_at_us` goes to when it is written at `now_us`."""
-    return LATER if due_at_us > now_us + SOON_US else SOON
+def hour_tier(due_at_us: int) -> int:
+    """The `tier` of the hourly partition of a message due at `due_at_us` (schema version 9)."""
+    return FIRST_HOUR + (due_at_us // HOUR_US) % RING_HOURS
 
 
-def tier_of_rows(due_at_us: ColumnElement[int], now_us: int) -> ColumnElement[int]:
+def ring_until(now_us: int) -> int:
+    """Messages written at `now_us` due before this go to the hourly partitions, later ones to `_far`: the hours
+    from the current one to `RING_HOURS - 2` ahead (a day and more), leaving the hour just past to rest."""
+    return (now_us // HOUR_US + RING_HOURS - 1) * HOUR_US
+
+
+def tier_of(due_at_us: int, now_us: int, ring: bool = False) -> int:
+    """The partition a message due at `due_at_us` goes to when it is written at `now_us`.
+
+    :param ring: the store has the hourly partitions (schema version 9 on)."""
+    if due_at_us <= now_us + SOON_US:
+        return SOON
+    return hour_tier(due_at_us) if ring and due_at_us < ring_until(now_us) else LATER
+
+
+def tier_of_rows(due_at_us: ColumnElement[int], now_us: int, ring: bool = False) -> ColumnElement[int]:
     """`tier_of` in SQL, for rows written again at `now_us`."""
-    return case((due_at_us > now_us + SOON_US, LATER), else_=SOON)
+    later: Any = LATER
+    if ring:
+        hour = cast(literal_column(str(FIRST_HOUR)) + func.mod(func.div(due_at_us, literal_column(str(HOUR_US))),
+                                                               literal_column(str(RING_HOURS))), SmallInteger)
+        later = case((due_at_us < ring_until(now_us), hour), else_=LATER)
+    return case((due_at_us > now_us + SOON_US, later), else_=SOON)
 
 
 def _message_columns() -> list[Column[Any]]:
@@ -224,6 +255,9 @@ class StoreTables:
     #: The partitions of `messages` on PostgreSQL from schema version 8 (see SOON_US).
     soon: Table
     later: Table
+    #: From schema version 9, the partitions of `later` (see RING_HOURS).
+    far: Table
+    hours: tuple[Table, ...]
     ids: Table
     sweeps: Table
     throttle: Table
@@ -243,6 +277,8 @@ class StoreTables:
         return cls(
             name=name, schema=schema, messages=store_table(md, name, schema),
             soon=partition_table(f"{name}_soon", schema), later=partition_table(f"{name}_later", schema),
+            far=partition_table(f"{name}_far", schema),
+            hours=tuple(partition_table(f"{name}_hour{n:02d}", schema) for n in range(RING_HOURS)),
             ids=ids_table(md, name, schema),
             sweeps=sweeps_table(md, f"{name}_sweeps", schema), throttle=throttle_table(md, name, schema),
             delays=queue_delays_table(md, name, schema), policies=policies_table(md, name, schema),
@@ -276,6 +312,10 @@ class StoreTables:
         """Rows of one partition (SOON or LATER). A literal, not a bound parameter: the planner leaves the other
         partition out of the plan itself."""
         return self.messages.c.tier == literal_column(str(tier))
+
+    def in_later(self) -> ColumnElement[bool]:
+        """Rows of `_later` (all its partitions from schema version 9)."""
+        return self.messages.c.tier >= literal_column(str(LATER))
 
     def dispatchable(self) -> ColumnElement[bool]:
         """Rows a pump or a sweep may take: not those of event destinations (Airflow takes them as events)."""

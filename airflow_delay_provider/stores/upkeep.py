@@ -84,19 +84,21 @@ class TableUpkeep(BackgroundWork):
         store's set grows when it is migrated).
     :param rebuilt: those of them whose B-tree indexes may grow sparse (see `_rebuild_sparse_indexes`).
     :param analyzed: those whose queries need fresh statistics (the others are read by key); default: all kept.
+    :param vacuumed: those to vacuum (the others are emptied another way); default: all kept.
     :param before: work to do at each check, before the counters are read.
     """
 
     thread_name = "delay-store-upkeep"
 
     def __init__(self, db: Database, kept: Callable[[], Sequence[Table]], rebuilt: Sequence[Table] = (),
-                 analyzed: Sequence[Table] | None = None,
+                 analyzed: Sequence[Table] | None = None, vacuumed: Sequence[Table] | None = None,
                  before: Callable[[Connection], object] | None = None) -> None:
         super().__init__()
         self.db = db
         self.kept = kept
         self.rebuilt = tuple(rebuilt)
         self.analyzed = None if analyzed is None else tuple(analyzed)
+        self.vacuumed = None if vacuumed is None else tuple(vacuumed)
         self.before = before
         self.thresholds = Thresholds()
 
@@ -150,6 +152,7 @@ class TableUpkeep(BackgroundWork):
         for table in self.rebuilt:
             done.extend(self._rebuild_sparse_indexes(conn, table))
         analyzed = self.kept() if self.analyzed is None else self.analyzed
+        vacuumed = self.kept() if self.vacuumed is None else self.vacuumed
         for table in self.kept():
             row = conn.execute(text(
                 "SELECT n_live_tup, n_dead_tup, n_mod_since_analyze FROM pg_stat_user_tables "
@@ -157,7 +160,7 @@ class TableUpkeep(BackgroundWork):
             if row is None:
                 continue
             for work in self.thresholds.work(*row):
-                if work == "analyze" and table not in analyzed:
+                if table not in (analyzed if work == "analyze" else vacuumed):
                     continue
                 started = time.monotonic()
                 # Identifiers come from the store's checked names, quoted by the dialect.

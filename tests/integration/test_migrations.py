@@ -82,7 +82,10 @@ def test_fresh_store_records_every_version_and_matches_the_table_definitions(db)
                 # unique keys are each partition's: PostgreSQL allows none on the partitioned table without `tier`.
                 declared = _declared_shape(t, extra=[(leased, ("claim_id",), False)])
                 assert _found_shape(conn, t) == {**declared, "primary_key": []}
-                for part in (store.tables.soon, store.tables.later):
+                # `_later` is partitioned again by `tier` (schema version 9): its partitions hold the keys.
+                found = _found_shape(conn, store.tables.later)
+                assert found["columns"] == declared["columns"] and found["primary_key"] == []
+                for part in (store.tables.soon, store.tables.far, *store.tables.hours):
                     found = _found_shape(conn, part)
                     assert found["columns"] == declared["columns"] and found["primary_key"] == ["id"], part.name
                     assert sorted(columns for _, columns, _ in found["indexes"]) == [("claim_id",), ("due_at_us", "id")]
@@ -244,8 +247,10 @@ def test_upgrade_from_version_4_runs_under_pumps_and_loses_nothing(pg):
     assert all(m.enqueued_at >= due[m.message_id] for m in received)  # none early
     assert sum(r.stats.dispatched for r in results) == 300
     with upgraded.engine.connect() as conn:
-        for part in ("soon", "later"):  # the partitions of schema version 8 (the partitioned table keeps no rows)
+        # The partitions that keep rows (the partitioned tables keep none): `_soon`, `_far` (schema version 8's
+        # `_later`) and the hours' partitions, which are truncated and left to autovacuum only past half dead.
+        for part, factor in (("soon", "0.02"), ("far", "0.02"), ("hour00", "0.5"), ("hour25", "0.5")):
             options = conn.execute(text("SELECT reloptions FROM pg_class WHERE oid = to_regclass(:t)"),
-                                   {"t": upgraded._template_names()[part]}).scalar()
-            assert "autovacuum_vacuum_scale_factor=0.02" in options
+                                   {"t": upgraded.qualified(f"{table}_{part}")}).scalar()
+            assert f"autovacuum_vacuum_scale_factor={factor}" in options, part
     assert upgraded.backlog()["totals"]["scheduled"] == 0

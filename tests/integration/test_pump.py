@@ -338,12 +338,18 @@ def test_queues_in_the_store_database_are_filled_by_one_statement_exactly_once_i
     transport.move_due = recording
     pump = Pump(store, transport, PumpConfig(batch_size=100),
                 policies={"slow": DeliveryPolicy(max_receives_per_second=1)})
+    started = time.monotonic()
     result = pump.run(stop_when_idle=True, deadline=utcnow() + timedelta(seconds=20))
+    took = time.monotonic() - started
     assert moves and all(exclude == {"slow"} and moved <= {"orders"} for moved, exclude in moves)
     got = drain(transport, "orders")
     assert [m.message_id for m in got] == [f"o-{i}" for i in reversed(range(300))]  # once each, due order
     assert got[0].headers == {"n": "299"} and got[0].body == b"o299" and got[0].enqueued_at >= got[0].due_at
     assert [m.message_id for m in drain(transport, "error")] == ["lost-1"]  # claimed, dead-lettered
-    assert len(drain(transport, "slow")) == 1  # throttled: claimed at its rate (1/s), never moved in bulk
-    assert store.count_scheduled() == {"held": 1, "slow": 2}  # paused: left stored; the rest waits for tokens
-    assert result.stats.dispatched == 301 and result.stats.dead_lettered == 1
+    # Throttled: claimed at its rate (1/s: the first at once, then one a second while the run lasts), never moved
+    # in bulk; the rest waits for tokens.
+    slow = len(drain(transport, "slow"))
+    assert 1 <= slow <= min(3, 1 + int(took)), (slow, took)
+    waiting = {"held": 1, "slow": 3 - slow} if slow < 3 else {"held": 1}
+    assert store.count_scheduled() == waiting  # paused: left stored
+    assert result.stats.dispatched == 300 + slow and result.stats.dead_lettered == 1

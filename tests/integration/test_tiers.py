@@ -41,6 +41,15 @@ def _where(store: SqlDelayedMessageStore) -> dict[str, str]:
     return found
 
 
+def _leaves(store: SqlDelayedMessageStore) -> dict[str, str]:
+    """Each stored message id: the name of the table that holds it (`_soon`, `_far`, an hour's partition)."""
+    with store.engine.connect() as conn:
+        return dict(conn.execute(text(
+            f"SELECT m.message_id, c.relname FROM {store.qualified(store.table_name)} AS m JOIN pg_class AS c "
+            "ON c.oid = m.tableoid"
+        )).all())
+
+
 def _scheduled(store: SqlDelayedMessageStore) -> int:
     return store.backlog()["totals"]["scheduled"]
 
@@ -175,10 +184,12 @@ def test_one_process_moves_at_a_time(pg, monkeypatch):
     assert store.later.move_batch(100) == 3
 
 
-@pytest.mark.parametrize("start", [4, 7])
+@pytest.mark.parametrize("start", [4, 7, 8])
 def test_a_store_with_rows_is_split_in_place_while_a_pump_delivers(pg, start):
     """An older store with rows due before, during and after the upgrade and a day later: it becomes the
-    `_soon` partition in place (every row kept, ids and counts too) while a pump delivers, each once."""
+    `_soon` partition in place (every row kept, ids and counts too) while a pump delivers, each once. A store
+    of schema version 8 keeps its `_later` in place as `_far`, and the move sends those rows on to their hours'
+    partitions."""
     url, schema, table = pg
     old = SqlDelayedMessageStore(url, table=table, schema=schema)
     assert old.migrate(up_to=start) == list(range(1, start + 1))
@@ -213,8 +224,14 @@ def test_a_store_with_rows_is_split_in_place_while_a_pump_delivers(pg, start):
     assert sorted(m.message_id for m in received) == sorted(m.message_id for b in batches for m in b)
     due = {m.message_id: m.due_at for b in batches for m in b}
     assert all(m.enqueued_at >= due[m.message_id] for m in received)
-    assert _where(upgraded) == {m.message_id: "soon" for m in far}  # kept in place, not copied
+    kept_in = f"{table}_far" if start == 8 else f"{table}_soon"
+    assert _leaves(upgraded) == {m.message_id: kept_in for m in far}  # kept in place, not copied
     assert _scheduled(upgraded) == 50
+    if start == 8:  # rows of `_soon` stay there (claims take them when due); those of `_later` go to their hour
+        upgraded.later.run()
+        assert _leaves(upgraded) == {
+            m.message_id: f"{table}_hour{tables.hour_tier(to_us(m.due_at)) - tables.FIRST_HOUR:02d}" for m in far}
+        assert _scheduled(upgraded) == 50
     # New sends go by their due time; ids keep growing from the same sequence.
     upgraded.store(messages(1, delay=7200, start=2000))
     assert _where(upgraded)["m-2000"] == "later"
@@ -224,26 +241,31 @@ def test_a_store_with_rows_is_split_in_place_while_a_pump_delivers(pg, start):
 
 
 def test_later_is_looked_after_apart_from_soon(pg):
-    """A vacuum of `_later` (millions of rows) runs for minutes: it has its own check, thread and lock, and the
-    check of the tables the claims churn never waits for it."""
+    """A vacuum of `_far` (millions of rows) runs for minutes: it has its own check, thread and lock, and the
+    check of the tables the claims churn never waits for it. The hours' partitions are analysed there, never
+    vacuumed: the move truncates each once its hour is past."""
     from airflow_delay_provider.stores.upkeep import Thresholds
 
     store = _store(pg)
     small = Thresholds(analyze_base=500, analyze_fraction=0.0, vacuum_base=500, vacuum_fraction=0.0)
     store.maintenance.thresholds = store.later_maintenance.thresholds = small
     for start in range(0, 2000, 1000):
-        store.store(messages(1000, delay=7200, start=start))
-    later = store.tables.later.name
+        store.store(messages(1000, delay=7200, start=start) + messages(1000, delay=3 * 86400, start=5000 + start))
+    store.cancel(Selector(message_ids=[f"m-{i}" for i in (*range(1000), *range(5000, 6000))]))
+    hour = store.tables.hours[tables.hour_tier(to_us(store.clock()) + 7_200_000_000) - tables.FIRST_HOUR].name
+    far = store.tables.far.name
 
-    def changed() -> int:
+    def counters(name: str) -> tuple[int, int]:
         with store.engine.connect() as conn:
-            return conn.execute(text("SELECT n_mod_since_analyze FROM pg_stat_user_tables WHERE relid = "
-                                     "to_regclass(:t)"), {"t": store.qualified(later)}).scalar() or 0
+            return conn.execute(text("SELECT n_mod_since_analyze, n_dead_tup FROM pg_stat_user_tables WHERE relid = "
+                                     "to_regclass(:t)"), {"t": store.qualified(name)}).one()
 
-    wait_for(lambda: changed() >= 2000, 10, "the insert counters")
-    assert later not in [t for t, _, _ in store.maintenance.run()]
+    for name in (hour, far):
+        wait_for(lambda name=name: (c := counters(name))[0] >= 3000 and c[1] >= 1000, 10, f"the counters of {name}")
+    assert not {hour, far} & {t for t, _, _ in store.maintenance.run()}
     assert store.later_maintenance.key() != store.maintenance.key()
-    assert (later, "analyze") in [(t, w) for t, w, _ in store.later_maintenance.run()]
+    done = {(t, w) for t, w, _ in store.later_maintenance.run()}
+    assert {(far, "vacuum"), (far, "analyze"), (hour, "analyze")} <= done and (hour, "vacuum") not in done, done
 
 
 def _claim_plan(store: SqlDelayedMessageStore) -> tuple[list[str], str]:
@@ -404,3 +426,61 @@ def test_an_action_that_waited_for_a_row_moved_to_the_other_partition_meanwhile_
     else:
         assert result == {"forgotten": ["orders"], "purged": {"orders": 1}} and _where(store) == {}
         assert "orders" not in store.destinations()
+
+
+def test_the_database_puts_rows_in_the_partition_the_code_does(pg):
+    """`tier_of_rows` (a sweep's release) and the move from `_far` compute in SQL what `tier_of` does in Python."""
+    from sqlalchemy import BigInteger, column, select, values
+
+    store = _store(pg)
+    now = to_us(store.clock())
+    dues = [now - 1, now + SOON_US, now + SOON_US + 1, now + 7_200_000_000, now + 86_400_000_000,
+            tables.ring_until(now) - 1, tables.ring_until(now), now + 5 * 86_400_000_000]
+    due = column("due_at_us", BigInteger)
+    rows = values(due, name="v").data([(d,) for d in dues])
+    with store.engine.connect() as conn:
+        found = conn.execute(select(tables.tier_of_rows(rows.c.due_at_us, now, ring=True))).scalars().all()
+    assert found == [tables.tier_of(d, now, ring=True) for d in dues]
+
+
+def test_messages_due_within_the_hours_reach_leave_far_for_their_hours_partition(pg):
+    """A message due beyond the hours' reach waits in `_far`; once its hour comes within reach the move sends it
+    to that hour's partition, and one due within the minute straight on to `_soon`."""
+    store = _store(pg)
+    store.store(messages(3, delay=3 * 86_400))
+    assert set(_leaves(store).values()) == {f"{store.table_name}_far"}
+    now = to_us(store.clock())
+    with store.engine.begin() as conn:  # as time passing would: due in two hours, and in 10 s (still in `_far`)
+        far = store.qualified(store.tables.far.name)
+        conn.execute(text(f"UPDATE {far} SET due_at_us = :due WHERE message_id IN ('m-0', 'm-1')"),
+                     {"due": now + 7_200_000_000})
+        conn.execute(text(f"UPDATE {far} SET due_at_us = :due WHERE message_id = 'm-2'"), {"due": now + 10_000_000})
+    assert store.later.run() == 1  # m-2: into `_soon`
+    hour = f"{store.table_name}_hour{tables.hour_tier(now + 7_200_000_000) - tables.FIRST_HOUR:02d}"
+    assert _leaves(store) == {"m-0": hour, "m-1": hour, "m-2": f"{store.table_name}_soon"}
+    assert _scheduled(store) == 3 and store.count_scheduled() == {"orders": 3}
+
+
+def test_the_partition_of_the_hour_past_is_truncated_once_empty_without_waiting_for_readers(pg, monkeypatch):
+    store = _store(pg)
+    store.store(messages(3, delay=7200))
+    hour = store.tables.hours[tables.hour_tier(to_us(store.clock()) + 7_200_000_000) - tables.FIRST_HOUR]
+    name = store.qualified(hour.name)
+    real_clock = store.clock
+    monkeypatch.setattr(store, "clock", lambda: real_clock() + timedelta(hours=3))  # that hour is now the one past
+    assert store.later.rest() is False  # still holds rows (as if a sweep held them): not truncated
+
+    def size() -> int:
+        with store.engine.connect() as conn:
+            return conn.execute(text("SELECT pg_relation_size(:t)"), {"t": name}).scalar()
+
+    store.cancel(Selector(message_ids=["m-0", "m-1", "m-2"]))
+    assert size() > 0  # the dead rows' page
+    with psycopg.connect(pg[0].replace("postgresql+psycopg://", "postgresql://"), autocommit=False) as reader:
+        # Another session reading all of `_later` in a transaction (a claim that reads every partition, a report).
+        reader.execute(f"SELECT count(*) FROM {store.qualified(store.tables.later.name)}")
+        assert store.later.rest() is False  # never waits for it: the next move tries again
+        assert store.later.rested_hour is None and size() > 0
+    assert store.later.rest() is True
+    assert size() == 0 and store.later.rested_hour is not None
+    assert store.later.rest() is False  # once an hour
