@@ -72,6 +72,8 @@ log = logging.getLogger(__name__)
 MOVE_EVERY_SECONDS = 5.0
 #: Rows per move statement.
 MOVE_BATCH = 10_000
+#: Move statements from `_far` into the hours' partitions per run, at most (100,000 rows every 5 s).
+FAR_BATCHES_PER_RUN = 10
 #: How long after a look at `_later` the claims may leave it out (microseconds), at most: rows sent to `_later`
 #: since are due more than `SOON_US` after their sender's clock, so this covers a send that took `SOON_US -
 #: CLEAR_US` (30 s) from its clock reading to its commit. Moves every 5 s renew it long before it runs out.
@@ -126,16 +128,17 @@ class LaterMessages(BackgroundWork):
         return MOVE_EVERY_SECONDS
 
     def run(self) -> int:
-        """Move everything due within `SOON_US` (and, by hours, what came within the hours' reach), batch by batch,
-        then truncate the resting hour's partition; returns how many rows left `_later` for `_soon`."""
+        """Move everything due within `SOON_US`, batch by batch; then (schema version 9) up to
+        `FAR_BATCHES_PER_RUN` batches of what came within the hours' reach, and truncate the resting hour's
+        partition. Returns how many rows left `_later` for `_soon`."""
         moved = 0
         try:
-            ringed = self.ringed()
-            if ringed:
-                self._move_all(self.move_far_batch)
             moved = self._move_all(self.move_batch)
             self.look()
-            if ringed:
+            if self.ringed():
+                # After the move into `_soon` (which takes `_far`'s rows due within the minute too), and bounded:
+                # after an upgrade `_far` may hold millions within reach, and the next run goes on.
+                self._move_all(self.move_far_batch, FAR_BATCHES_PER_RUN)
                 self.rest()
         except Exception as exc:  # an outage or a migration: the claims read _later too once the look runs out
             log.warning("moving messages due soon of %r skipped: %s", self.db, exc)
@@ -145,10 +148,10 @@ class LaterMessages(BackgroundWork):
         return moved
 
     @staticmethod
-    def _move_all(batch: Callable[[int], int | None]) -> int:
-        moved = 0
-        while (taken := batch(MOVE_BATCH)) is not None:
-            moved += taken
+    def _move_all(batch: Callable[[int], int | None], most: float = math.inf) -> int:
+        moved, done = 0, 0
+        while done < most and (taken := batch(MOVE_BATCH)) is not None:
+            moved, done = moved + taken, done + 1
             if taken < MOVE_BATCH:
                 break
         return moved

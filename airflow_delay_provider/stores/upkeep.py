@@ -60,17 +60,25 @@ class Thresholds:
     vacuum_fraction: float = 0.02
     #: An index is rebuilt when it takes this many times the pages its entries would fill packed (2,000,000 random
     #: UUIDs stored in batches took 1.3 times), and at least `rebuild_min_pages` more (16 MB).
+    #: Tables emptied whole another way: a pass over a partition of two million rows scans its every index, and
+    #: near the end of its hour few rows are left, so 2% of them would call for one every few seconds.
+    emptied_vacuum_base: int = 100_000
+    emptied_vacuum_fraction: float = 0.2
     rebuild_ratio: float = 1.5
     rebuild_min_pages: int = 2_048
 
     def rebuild(self, pages: int, packed: float) -> bool:
         return pages > self.rebuild_ratio * packed and pages - packed > self.rebuild_min_pages
 
-    def work(self, live: int, dead: int, modified: int) -> list[str]:
-        """What a table with these counters needs, in order: "vacuum" and/or "analyze"."""
+    def work(self, live: int, dead: int, modified: int, emptied: bool = False) -> list[str]:
+        """What a table with these counters needs, in order: "vacuum" and/or "analyze".
+
+        :param emptied: the table is emptied whole another way (`TableUpkeep`'s `emptied`)."""
         rows = max(live, 0)
         todo = []
-        if dead > self.vacuum_base + self.vacuum_fraction * rows:
+        base, fraction = ((self.emptied_vacuum_base, self.emptied_vacuum_fraction) if emptied
+                          else (self.vacuum_base, self.vacuum_fraction))
+        if dead > base + fraction * rows:
             todo.append("vacuum")
         if modified > self.analyze_base + self.analyze_fraction * rows:
             todo.append("analyze")
@@ -84,21 +92,23 @@ class TableUpkeep(BackgroundWork):
         store's set grows when it is migrated).
     :param rebuilt: those of them whose B-tree indexes may grow sparse (see `_rebuild_sparse_indexes`).
     :param analyzed: those whose queries need fresh statistics (the others are read by key); default: all kept.
-    :param vacuumed: those to vacuum (the others are emptied another way); default: all kept.
+    :param emptied: those emptied whole another way (the hours' partitions of `_later`, truncated once their hour is
+        past): vacuumed only past `Thresholds.emptied_vacuum_base` and `emptied_vacuum_fraction`, so that the dead
+        entries their readers pass over stay few without a pass every few thousand rows.
     :param before: work to do at each check, before the counters are read.
     """
 
     thread_name = "delay-store-upkeep"
 
     def __init__(self, db: Database, kept: Callable[[], Sequence[Table]], rebuilt: Sequence[Table] = (),
-                 analyzed: Sequence[Table] | None = None, vacuumed: Sequence[Table] | None = None,
+                 analyzed: Sequence[Table] | None = None, emptied: Sequence[Table] = (),
                  before: Callable[[Connection], object] | None = None) -> None:
         super().__init__()
         self.db = db
         self.kept = kept
         self.rebuilt = tuple(rebuilt)
         self.analyzed = None if analyzed is None else tuple(analyzed)
-        self.vacuumed = None if vacuumed is None else tuple(vacuumed)
+        self.emptied = tuple(emptied)
         self.before = before
         self.thresholds = Thresholds()
 
@@ -152,15 +162,15 @@ class TableUpkeep(BackgroundWork):
         for table in self.rebuilt:
             done.extend(self._rebuild_sparse_indexes(conn, table))
         analyzed = self.kept() if self.analyzed is None else self.analyzed
-        vacuumed = self.kept() if self.vacuumed is None else self.vacuumed
         for table in self.kept():
             row = conn.execute(text(
                 "SELECT n_live_tup, n_dead_tup, n_mod_since_analyze FROM pg_stat_user_tables "
                 "WHERE relid = to_regclass(:name)"), {"name": self.db.qualified(table.name)}).first()
             if row is None:
                 continue
-            for work in self.thresholds.work(*row):
-                if table not in (analyzed if work == "analyze" else vacuumed):
+            live, dead, modified = row
+            for work in self.thresholds.work(live, dead, modified, emptied=table in self.emptied):
+                if work == "analyze" and table not in analyzed:
                     continue
                 started = time.monotonic()
                 # Identifiers come from the store's checked names, quoted by the dialect.

@@ -3,6 +3,7 @@ the rest in `_later`, moved into `_soon` as they come due; every read, claim and
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from datetime import timedelta
 
@@ -242,8 +243,8 @@ def test_a_store_with_rows_is_split_in_place_while_a_pump_delivers(pg, start):
 
 def test_later_is_looked_after_apart_from_soon(pg):
     """A vacuum of `_far` (millions of rows) runs for minutes: it has its own check, thread and lock, and the
-    check of the tables the claims churn never waits for it. The hours' partitions are analysed there, never
-    vacuumed: the move truncates each once its hour is past."""
+    check of the tables the claims churn never waits for it. The hours' partitions are checked there too, and
+    vacuumed at far more dead rows than other tables: the move truncates each once its hour is past."""
     from airflow_delay_provider.stores.upkeep import Thresholds
 
     store = _store(pg)
@@ -266,6 +267,9 @@ def test_later_is_looked_after_apart_from_soon(pg):
     assert store.later_maintenance.key() != store.maintenance.key()
     done = {(t, w) for t, w, _ in store.later_maintenance.run()}
     assert {(far, "vacuum"), (far, "analyze"), (hour, "analyze")} <= done and (hour, "vacuum") not in done, done
+    store.later_maintenance.thresholds = dataclasses.replace(small, emptied_vacuum_base=500,
+                                                             emptied_vacuum_fraction=0.0)
+    assert (hour, "vacuum") in {(t, w) for t, w, _ in store.later_maintenance.run()}
 
 
 def _claim_plan(store: SqlDelayedMessageStore) -> tuple[list[str], str]:
@@ -459,6 +463,25 @@ def test_messages_due_within_the_hours_reach_leave_far_for_their_hours_partition
     hour = f"{store.table_name}_hour{tables.hour_tier(now + 7_200_000_000) - tables.FIRST_HOUR:02d}"
     assert _leaves(store) == {"m-0": hour, "m-1": hour, "m-2": f"{store.table_name}_soon"}
     assert _scheduled(store) == 3 and store.count_scheduled() == {"orders": 3}
+
+
+def test_far_is_moved_a_bounded_number_of_batches_a_run_after_the_move_into_soon(pg, monkeypatch):
+    """After an upgrade `_far` may hold millions within the hours' reach: each run moves what is due within the
+    minute first, then at most `FAR_BATCHES_PER_RUN` batches from `_far`, and the next run goes on."""
+    store = _store(pg)
+    store.store(messages(5, delay=3 * 86_400))
+    now = to_us(store.clock())
+    with store.engine.begin() as conn:  # four within reach, one due within the minute
+        far = store.qualified(store.tables.far.name)
+        conn.execute(text(f"UPDATE {far} SET due_at_us = :due WHERE message_id <> 'm-4'"), {"due": now + 7_200_000_000})
+        conn.execute(text(f"UPDATE {far} SET due_at_us = :due WHERE message_id = 'm-4'"), {"due": now + 10_000_000})
+    monkeypatch.setattr(tiers, "MOVE_BATCH", 1)
+    monkeypatch.setattr(tiers, "FAR_BATCHES_PER_RUN", 3)
+    assert store.later.run() == 1  # m-4 into `_soon`, then three of the four into their hour's partition
+    left = [m for m, leaf in _leaves(store).items() if leaf.endswith("_far")]
+    assert len(left) == 1 and _leaves(store)["m-4"].endswith("_soon")
+    store.later.run()
+    assert not any(leaf.endswith("_far") for leaf in _leaves(store).values())
 
 
 def test_the_partition_of_the_hour_past_is_truncated_once_empty_without_waiting_for_readers(pg, monkeypatch):

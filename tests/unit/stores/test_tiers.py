@@ -49,3 +49,16 @@ def test_no_send_goes_to_the_partition_of_the_hour_past(seed):
         assert FIRST_HOUR <= tier < FIRST_HOUR + RING_HOURS and tier != resting
     hours = {hour_tier(NOW + h * HOUR_US) for h in range(RING_HOURS - 1)}
     assert len(hours) == RING_HOURS - 1 and hour_tier((NOW // HOUR_US - 1) * HOUR_US) not in hours
+
+
+def test_the_hours_partitions_are_vacuumed_at_a_fifth_of_their_rows_dead_not_at_a_fiftieth():
+    """Truncated once their hour is past, they are vacuumed only to keep the dead entries the move passes over few:
+    at 100,000 + 20% of their rows dead, not 10,000 + 2% (which near the end of an hour, with few rows left, would
+    call for a pass over every index of a partition of millions every few seconds)."""
+    from airflow_delay_provider.stores.upkeep import Thresholds
+
+    t = Thresholds()
+    assert t.work(2_000_000, 60_000, 0) == ["vacuum"]
+    assert t.work(2_000_000, 60_000, 0, emptied=True) == []
+    assert t.work(2_000_000, 500_001, 0, emptied=True) == ["vacuum"]
+    assert t.work(1_000, 90_000, 0, emptied=True) == []
