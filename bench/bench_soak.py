@@ -424,6 +424,29 @@ class Soak:
                    "early": got["early"], "pump_peak_rss_mb": pumped["peak_rss_mb"]}
 
 
+def print_blocks(rows: list[dict], size: int = 10) -> None:
+    """The minutes in blocks of `size`: mean rates, and the range of every other column over the block."""
+
+    def span(part: list[dict], key: str, fmt: str, unit: str = "") -> str:
+        values = [x.get(key) or 0 for x in part]
+        low, high = format(min(values), fmt), format(max(values), fmt)
+        return f"{low}{unit}" if low == high else f"{low}-{high}{unit}"
+
+    print("\n| minutes | claimed msg/s | received msg/s | lateness p50 | p99 | rows | dead rows | table + indexes | "
+          "due soon: rows, size | queue table | ids table |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for start in range(0, len(rows), size):
+        part = rows[start:start + size]
+        millions = [dict(x, rows_m=x["rows"] / 1e6, dead_k=x["dead"] / 1e3, soon_k=x.get("soon_rows", 0) / 1e3)
+                    for x in part]
+        print(f"| {part[0]['minute']}-{part[-1]['minute']} | {statistics.mean(x['rate'] for x in part):,.0f} | "
+              f"{statistics.mean(x['received'] for x in part):,.0f} | {span(part, 'p50_ms', ',.0f', ' ms')} | "
+              f"{span(part, 'p99_ms', ',.0f', ' ms')} | {span(millions, 'rows_m', ',.2f', ' M')} | "
+              f"{span(millions, 'dead_k', ',.0f', ' k')} | {span(part, 'size_mb', ',.0f', ' MB')} | "
+              f"{span(millions, 'soon_k', ',.0f', ' k')}, {span(part, 'soon_mb', ',.0f', ' MB')} | "
+              f"{span(part, 'queue_mb', ',.0f', ' MB')} | {span(part, 'ids_mb', ',.0f', ' MB')} |")
+
+
 def report(r: dict) -> None:
     print(f"\n{describe(r['machine'])}")
     rows = r["minutes_table"]
@@ -448,6 +471,7 @@ def report(r: dict) -> None:
               f"{row['queue_mb']:,.0f} | {row['ids_mb']:,.0f} | {row.get('oldest_snapshot_s', 0):.0f} s | "
               f"{row['heap_reads_per_k']:,.0f} / {row['idx_reads_per_k']:,.0f} | "
               f"{row['wal_mb']:,.0f} | {row['cpu_busy'] * 100:.0f}% |")
+    print_blocks(rows)
     span = min(10, max(1, len(rows) // 3))
     first, last = rows[:span], rows[-span:]
 
