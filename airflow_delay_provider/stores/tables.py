@@ -104,13 +104,17 @@ def tier_of(due_at_us: int, now_us: int, ring: bool = False) -> int:
     return hour_tier(due_at_us) if ring and due_at_us < ring_until(now_us) else LATER
 
 
+def hour_tier_rows(due_at_us: ColumnElement[int]) -> ColumnElement[int]:
+    """`hour_tier` in SQL (literals only: the move renders it into its statement's text)."""
+    return cast(literal_column(str(FIRST_HOUR)) + func.mod(func.div(due_at_us, literal_column(str(HOUR_US))),
+                                                           literal_column(str(RING_HOURS))), SmallInteger)
+
+
 def tier_of_rows(due_at_us: ColumnElement[int], now_us: int, ring: bool = False) -> ColumnElement[int]:
     """`tier_of` in SQL, for rows written again at `now_us`."""
     later: Any = LATER
     if ring:
-        hour = cast(literal_column(str(FIRST_HOUR)) + func.mod(func.div(due_at_us, literal_column(str(HOUR_US))),
-                                                               literal_column(str(RING_HOURS))), SmallInteger)
-        later = case((due_at_us < ring_until(now_us), hour), else_=LATER)
+        later = case((due_at_us < ring_until(now_us), hour_tier_rows(due_at_us)), else_=LATER)
     return case((due_at_us > now_us + SOON_US, later), else_=SOON)
 
 

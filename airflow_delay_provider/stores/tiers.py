@@ -48,7 +48,7 @@ import logging
 import math
 from collections.abc import Callable
 
-from sqlalchemy import Select, TextClause, text
+from sqlalchemy import Select, TextClause, literal_column, text
 from sqlalchemy.exc import OperationalError
 
 from airflow_delay_provider.stores.background import BackgroundWork
@@ -57,11 +57,11 @@ from airflow_delay_provider.stores.tables import (
     FIRST_HOUR,
     HOUR_US,
     LATER,
-    RING_HOURS,
     SOON,
     SOON_US,
     StoreTables,
     hour_tier,
+    hour_tier_rows,
     ring_until,
     to_us,
 )
@@ -108,9 +108,8 @@ class LaterMessages(BackgroundWork):
         # the target partition under the same id (a send of an id stored longer ago than the de-duplication window)
         # is kept there and the moved one dropped, so the store never holds an id twice after a move.
         self._move = self._moving(f"tier >= {LATER}", db.qualified(tables.later.name), str(SOON))
-        self._move_far = self._moving(
-            f"tier = {LATER}", db.qualified(tables.far.name),
-            f"CAST({FIRST_HOUR} + mod(div(due_at_us, {HOUR_US}), {RING_HOURS}) AS SMALLINT)")
+        hour = hour_tier_rows(literal_column("due_at_us")).compile(dialect=db.engine.dialect)
+        self._move_far = self._moving(f"tier = {LATER}", db.qualified(tables.far.name), str(hour))
         digest = hashlib.sha1(f"airflow_delay_provider.tiers:{messages}".encode()).digest()
         self._key = int.from_bytes(digest[:8], "big", signed=True)
 

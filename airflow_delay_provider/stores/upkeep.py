@@ -58,12 +58,12 @@ class Thresholds:
     analyze_fraction: float = 0.02
     vacuum_base: int = 10_000
     vacuum_fraction: float = 0.02
-    #: An index is rebuilt when it takes this many times the pages its entries would fill packed (2,000,000 random
-    #: UUIDs stored in batches took 1.3 times), and at least `rebuild_min_pages` more (16 MB).
     #: Tables emptied whole another way: a pass over a partition of two million rows scans its every index, and
     #: near the end of its hour few rows are left, so 2% of them would call for one every few seconds.
     emptied_vacuum_base: int = 100_000
     emptied_vacuum_fraction: float = 0.2
+    #: An index is rebuilt when it takes this many times the pages its entries would fill packed (2,000,000 random
+    #: UUIDs stored in batches took 1.3 times), and at least `rebuild_min_pages` more (16 MB).
     rebuild_ratio: float = 1.5
     rebuild_min_pages: int = 2_048
 
