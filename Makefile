@@ -86,6 +86,7 @@ bench: $(STAMP) $(JDBC_JAR)
 	$(BIN)/python bench/bench_throughput.py --plot docs/bench_throughput.png
 	$(BIN)/python bench/bench_scale.py --plot docs/bench_scale.png
 	$(BIN)/python bench/bench_soak.py --minutes 3 --prefill 200000
+	$(BIN)/python bench/bench_later_start.py
 	$(BIN)/python bench/bench_dispatchers.py
 	$(BIN)/python bench/profile_pump.py --plot docs/profile_pump.png
 	$(BIN)/python bench/bench_sqs.py

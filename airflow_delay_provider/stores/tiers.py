@@ -30,6 +30,11 @@ when its hour is past (`rest`) instead of by vacuums of all of `_later`, which g
 churn (12.9 s to 60.4 s a pass in a soak) as the moved rows' free space spread over all its pages. Before it, each
 run moves `_far`'s messages whose hour came within reach into that hour's partition, the same way.
 
+Within the hour, the dead entries of the rows moved out of the current hour's partition lie at the front of its
+due index, where the move and the look read every 5 s. Both start at `start_us` instead (see `look`): the earliest
+row the move could take, or the last look's mark below which no send since can have written; a look from the
+index's beginning, every `FULL_LOOK_SECONDS` and whenever a sweep's lease has run out, finds what else comes below.
+
 Rows the move and a claim both want are never waited for: each skips the other's locked rows. Rows a sweep holds
 (`claim_id` set) are not moved: the sweep removes them by key later; those it releases when it ends go to the
 partition of their due time, and those it retries are moved like any other (a sweep's retry due within seconds of
@@ -46,9 +51,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import time
 from collections.abc import Callable
 
-from sqlalchemy import Select, TextClause, literal_column, text
+from sqlalchemy import Select, TextClause, literal_column, select, text
 from sqlalchemy.exc import OperationalError
 
 from airflow_delay_provider.stores.background import BackgroundWork
@@ -78,6 +84,8 @@ FAR_BATCHES_PER_RUN = 10
 #: since are due more than `SOON_US` after their sender's clock, so this covers a send that took `SOON_US -
 #: CLEAR_US` (30 s) from its clock reading to its commit. Moves every 5 s renew it long before it runs out.
 CLEAR_US = SOON_US // 2
+#: How often the look reads `_later`'s due index from its beginning (seconds), at least; see `LaterMessages.look`.
+FULL_LOOK_SECONDS = 60.0
 #: PostgreSQL's SQLSTATE for a lock not had within `lock_timeout`.
 _LOCK_NOT_AVAILABLE = "55P03"
 _COLUMNS = "id, message_id, destination, body, headers, due_at_us, stored_at_us, failures, claim_id"
@@ -103,6 +111,14 @@ class LaterMessages(BackgroundWork):
         self.clear_until_us = -math.inf
         #: The hour (µs since the epoch, divided by HOUR_US) whose resting partition was last truncated.
         self.rested_hour: int | None = None
+        #: Where the move and the look start reading `_later`'s due index (µs): no row the move could take lies
+        #: below it, as of the last look (see `look`).
+        self.start_us = 0
+        self._mark_us = 0
+        self._next_full = -math.inf
+        self._full_every = FULL_LOOK_SECONDS
+        self._full_at_us = 0
+        self._full_again = False
         messages = db.qualified(tables.messages.name)
         # The rows due before :until (not a sweep's), oldest first, skipping any a claim holds; a row already in
         # the target partition under the same id (a send of an id stored longer ago than the de-duplication window)
@@ -117,7 +133,7 @@ class LaterMessages(BackgroundWork):
         messages = self.db.qualified(self.tables.messages.name)
         return text(
             f"WITH moved AS (DELETE FROM {messages} WHERE {source} AND id = ANY(ARRAY("
-            f"SELECT id FROM {source_table} WHERE due_at_us < :until AND claim_id IS NULL "
+            f"SELECT id FROM {source_table} WHERE due_at_us >= :start AND due_at_us < :until AND claim_id IS NULL "
             f"ORDER BY due_at_us LIMIT :n FOR UPDATE SKIP LOCKED)) RETURNING {_COLUMNS}), "
             f"kept AS (INSERT INTO {messages} ({_COLUMNS}, tier) SELECT {_COLUMNS}, {tier} FROM moved "
             "ON CONFLICT DO NOTHING RETURNING 1) "
@@ -157,14 +173,45 @@ class LaterMessages(BackgroundWork):
 
     def look(self) -> None:
         """Find until when claims may leave `_later` out: its earliest row a claim could take, or `CLEAR_US` from
-        now. A row moved by another process meanwhile, or still being moved, only makes this earlier."""
+        now. A row moved by another process meanwhile, or still being moved, only makes this earlier.
+
+        Each look also reads where the move and the next look start (`start_us`): the current hour's partition
+        holds the dead entries of every row moved out of it in its due index, in front of its live ones, until a
+        vacuum removes them, and reads from the index's beginning every 5 s passed over them all (hundreds of
+        thousands under steady churn). The start is the earliest row the move could take (any a claim holds
+        too: this read skips no lock), or the mark of the look before if lower: the database's clock then plus
+        `CLEAR_US`, below which no send since can have put a row into `_later` (each is due more than `SOON_US`
+        after its sender's clock, and takes at most `SOON_US - CLEAR_US` from that reading to its commit; a
+        sweep's release and a reschedule write due times as sends do).
+
+        What only comes below the start otherwise, the rows of a sweep whose lease has run out, is found by a
+        look from the index's beginning: when a lease ran out since the last such look, while such looks still
+        find rows the start would miss, and every `FULL_LOOK_SECONDS` (or ten times as long as the last one
+        took) in any case."""
         now = to_us(self.db.clock())
         horizon = now + CLEAR_US
-        t = self.tables.messages
+        t, s = self.tables.messages, self.tables.sweeps
         first = self._earliest(now).where(self.tables.in_later(), t.c.due_at_us < horizon)
+        movable = (select(t.c.due_at_us).where(self.tables.in_later(), t.c.claim_id.is_(None))
+                   .order_by(t.c.due_at_us).limit(1))
+        lapsed = select(s.c.claim_id).where(s.c.lease_until_us < now, s.c.lease_until_us >= self._full_at_us)
+        started = time.monotonic()
         with self.db.errors("look at messages due later"), self.db.engine.begin() as conn:
             self.db.in_index_order(conn)
-            value = conn.execute(first).scalar()
+            full = (started >= self._next_full or self._full_again
+                    or conn.execute(lapsed.limit(1)).first() is not None)
+            walk_from = 0 if full else self.start_us
+            low = conn.execute(movable.where(t.c.due_at_us >= walk_from)).scalar()
+            # Below `low` a claim could take only a lapsed lease's rows, which a full look finds.
+            value = (conn.execute(first).scalar() if full
+                     else None if low is None else conn.execute(first.where(t.c.due_at_us >= low)).scalar())
+        if full:
+            self._full_again = value is not None and (low is None or value < low)
+            self._full_at_us = now
+            self._full_every = max(FULL_LOOK_SECONDS, 10 * (time.monotonic() - started))
+            self._next_full = started + self._full_every
+        self.start_us = self._mark_us if low is None else min(low, self._mark_us)
+        self._mark_us = horizon
         self.clear_until_us = horizon if value is None else value
 
     def move_batch(self, limit: int) -> int | None:
@@ -183,7 +230,7 @@ class LaterMessages(BackgroundWork):
             if not conn.execute(text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": self._key}).scalar():
                 return None
             self.db.in_index_order(conn)
-            left, kept = conn.execute(move, {"until": until, "n": limit}).one()
+            left, kept = conn.execute(move, {"start": self.start_us, "until": until, "n": limit}).one()
         if left != kept:
             log.info("%d messages moved were already in %s under the same id: kept those", left - kept, into)
         return int(left)
