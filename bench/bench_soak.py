@@ -15,13 +15,15 @@ analyses of it so far (by autovacuum or the store's upkeep), the queue table's r
 blocks of the messages table and its indexes read from outside PostgreSQL's shared buffers per 1,000 claimed,
 the WAL written and the machine's CPU use. The store's upkeep passes (what, when, how long) go to the JSON.
 At the end it checks that every message sent was delivered once or is still stored, and none early, and
-prints the first ten minutes against the last ten.
+prints ten minutes against ten (`compared`): the first ten after the first turn of the hour against the same
+minutes an hour later when the run is long enough (up to 130 minutes, by when it starts in its hour), else the
+first and last ten, which then compare a store not yet in its steady state with one that is.
 
 --hold-snapshot MINUTE:SECONDS opens a REPEATABLE READ transaction in another session at the start of that minute
 and holds its snapshot that long (as a backup, a report or an index rebuild does): no row deleted meanwhile can
 be vacuumed, and the minutes show what that costs the pump and the consumer.
 
-    .venv/bin/python bench/bench_soak.py --minutes 60 --plot docs/bench_soak.png   # the README's figures
+    .venv/bin/python bench/bench_soak.py --minutes 130 --plot docs/bench_soak.png  # the README's figures
     .venv/bin/python bench/bench_soak.py                                          # 3 minutes (make bench)
     .venv/bin/python bench/bench_soak.py --minutes 6 --hold-snapshot 2:90         # a snapshot held for 90 s
 """
@@ -392,7 +394,8 @@ class Soak:
             sampled = self.sample()
             claimed = sampled["queue_inserts"] - previous["queue_inserts"]
             seconds, at = time.monotonic() - at, time.monotonic()
-            row = {"minute": m + 1, "claimed": claimed, "rate": claimed / seconds, "received": line["minute"] / 60,
+            row = {"minute": m + 1, "ended_utc": datetime.now(UTC).strftime("%H:%M"),
+                   "claimed": claimed, "rate": claimed / seconds, "received": line["minute"] / 60,
                    "p50_ms": line["p50"], "p99_ms": line["p99"], "worst_ms": line.get("worst_ms"),
                    "worst_at": line.get("worst_at"), **sampled, **self.per_minute(previous, sampled)}
             previous = sampled
@@ -447,6 +450,32 @@ def print_blocks(rows: list[dict], size: int = 10) -> None:
               f"{span(part, 'queue_mb', ',.0f', ' MB')} | {span(part, 'ids_mb', ',.0f', ' MB')} |")
 
 
+def compared(rows: list[dict], span: int = 10) -> tuple[list[dict], list[dict], str]:
+    """The two blocks of minutes the report compares, and a sentence on which they are.
+
+    The store does not start in its steady state: the prefill puts into the current hour's partition only the
+    messages due in the rest of that hour, none yet moved out of it, where a store that has run for a day holds
+    there the space of every message moved out since the hour began. From the first turn of the hour on it is
+    as a day of sends would leave it (the hour past's partition truncated, the next one filled by the prefill
+    and the sends since), and its partitions' sizes and the vacuums' work rise through each hour and fall at
+    its turn. So blocks an hour apart after the first turn show drift; the first and last of a shorter run
+    compare different points of hours that are not alike."""
+    hours = [row.get("ended_utc", "")[:2] for row in rows]
+    # The first minute that began after the turn (the one before it ended past it).
+    turn = next((i + 1 for i, h in enumerate(hours) if h != hours[0]), None)
+    if turn is not None and hours[0] and turn + 60 + span <= len(rows):
+        return (rows[turn:turn + span], rows[turn + 60:turn + 60 + span],
+                f"Compared: the first {span} minutes after the first turn of the hour (minute {turn + 1} on) and "
+                f"the same minutes an hour later.")
+    span = min(span, max(1, len(rows) // 3))
+    need = (f"at least {turn + 60 + span} minutes from this start" if turn is not None and hours[0]
+            else "at least 70 minutes past the first turn of the hour")
+    return (rows[:span], rows[-span:],
+            f"Compared: the first and last {span} minutes. The first lie before the first turn of the hour, when the "
+            f"current hour's partition held only what the prefill put there: not the store's steady state (for "
+            f"blocks an hour apart after the turn, run {need}).")
+
+
 def report(r: dict) -> None:
     print(f"\n{describe(r['machine'])}")
     rows = r["minutes_table"]
@@ -472,14 +501,18 @@ def report(r: dict) -> None:
               f"{row['heap_reads_per_k']:,.0f} / {row['idx_reads_per_k']:,.0f} | "
               f"{row['wal_mb']:,.0f} | {row['cpu_busy'] * 100:.0f}% |")
     print_blocks(rows)
-    span = min(10, max(1, len(rows) // 3))
-    first, last = rows[:span], rows[-span:]
+    first, last, where = compared(rows)
+    span = len(first)
 
     def mean(part, key):
         values = [x[key] for x in part if x[key] is not None]
         return statistics.mean(values) if values else 0.0
 
-    print(f"\n| first {span} min vs last {span} | first | last | last / first |")
+    def ends(part: list[dict]) -> str:  # the minutes' ends on the clock, where recorded
+        return f" ({part[0]['ended_utc']}-{part[-1]['ended_utc']} UTC)" if "ended_utc" in part[0] else ""
+
+    print(f"\n{where}\n")
+    print(f"| first {span} min{ends(first)} vs last {span}{ends(last)} | first | last | last / first |")
     print("|---|---:|---:|---:|")
     for row in rows:
         row["bytes_per_row"] = row["size_mb"] * 2**20 / max(row["rows"], 1)
