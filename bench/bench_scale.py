@@ -397,6 +397,10 @@ class Bench:
             row["first_claim_ms"] = (pumped["first_claim"] - due) * 1000  # when the pump began the first claim
         self.clear_queue(kind, target)
         over = f"{self.stored:,}" if target is self.filled else "the empty store"
+        if not late:  # nothing to rate: say what happened instead of a table built on it
+            raise RuntimeError(
+                f"burst -> {kind} over {over}: nothing delivered within {self.args.timeout + lead + 30:.0f} s of the "
+                f"due time ({row['missing']:,} missing); the pump's sessions: {waits_text(row['pump_waits'])}")
         log(f"burst -> {kind} over {over}: store {store_rate:,.0f} msg/s, pump "
             f"{row.get('pump_rate', 0):,.0f} msg/s, first claim {row.get('first_claim_ms', math.nan):.1f} ms, first "
             f"{row['first_ms']:.1f} ms, last {row['last_ms']:.0f} ms "
