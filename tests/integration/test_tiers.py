@@ -244,7 +244,8 @@ def test_a_store_with_rows_is_split_in_place_while_a_pump_delivers(pg, start):
 def test_later_is_looked_after_apart_from_soon(pg):
     """A vacuum of `_far` (millions of rows) runs for minutes: it has its own check, thread and lock, and the
     check of the tables the claims churn never waits for it. The hours' partitions are checked there too, and
-    vacuumed at far more dead rows than other tables: the move truncates each once its hour is past."""
+    vacuumed at far more dead rows than other tables, the current hour's never: the move truncates each once its hour
+    is past."""
     from airflow_delay_provider.stores.upkeep import Thresholds
 
     store = _store(pg)
@@ -253,7 +254,8 @@ def test_later_is_looked_after_apart_from_soon(pg):
     for start in range(0, 2000, 1000):
         store.store(messages(1000, delay=7200, start=start) + messages(1000, delay=3 * 86400, start=5000 + start))
     store.cancel(Selector(message_ids=[f"m-{i}" for i in (*range(1000), *range(5000, 6000))]))
-    hour = store.tables.hours[tables.hour_tier(to_us(store.clock()) + 7_200_000_000) - tables.FIRST_HOUR].name
+    two_hours_on = store.clock() + timedelta(hours=2)
+    hour = store.tables.hours[tables.hour_tier(to_us(two_hours_on)) - tables.FIRST_HOUR].name
     far = store.tables.far.name
 
     def counters(name: str) -> tuple[int, int]:
@@ -265,8 +267,14 @@ def test_later_is_looked_after_apart_from_soon(pg):
         wait_for(lambda name=name: (c := counters(name))[0] >= 3000 and c[1] >= 1000, 10, f"the counters of {name}")
     assert not {hour, far} & {t for t, _, _ in store.maintenance.run()}
     assert store.later_maintenance.key() != store.maintenance.key()
+    # Two hours on, that hour's partition is the current one: the move empties it, its truncation frees it.
+    store.clock = lambda: two_hours_on
     done = {(t, w) for t, w, _ in store.later_maintenance.run()}
-    assert {(far, "vacuum"), (far, "analyze"), (hour, "analyze")} <= done and (hour, "vacuum") not in done, done
+    assert {(far, "vacuum"), (far, "analyze")} <= done and hour not in {t for t, _ in done}, done
+    assert counters(hour)[1] >= 1000
+    del store.clock
+    done = {(t, w) for t, w, _ in store.later_maintenance.run()}
+    assert (hour, "analyze") in done and (hour, "vacuum") not in done, done
     store.later_maintenance.thresholds = dataclasses.replace(small, emptied_vacuum_base=500,
                                                              emptied_vacuum_fraction=0.0)
     assert (hour, "vacuum") in {(t, w) for t, w, _ in store.later_maintenance.run()}
