@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 #: How often the offset between the database's clock and this host's is measured again.
 _CLOCK_CHECK_SECONDS = 300.0
+#: PostgreSQL's SQLSTATE for a lock not had within `lock_timeout`.
+LOCK_NOT_AVAILABLE = "55P03"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _engines: dict[str, Engine] = {}
 _lock = threading.Lock()

@@ -59,7 +59,7 @@ from sqlalchemy import Select, Table, TextClause, literal_column, select, text
 from sqlalchemy.exc import OperationalError
 
 from airflow_delay_provider.stores.background import BackgroundWork
-from airflow_delay_provider.stores.engine import Database
+from airflow_delay_provider.stores.engine import LOCK_NOT_AVAILABLE, Database
 from airflow_delay_provider.stores.tables import (
     FIRST_HOUR,
     HOUR_US,
@@ -87,8 +87,6 @@ FAR_BATCHES_PER_RUN = 10
 CLEAR_US = SOON_US // 2
 #: How often the look reads `_later`'s due index from its beginning (seconds), at least; see `LaterMessages.look`.
 FULL_LOOK_SECONDS = 60.0
-#: PostgreSQL's SQLSTATE for a lock not had within `lock_timeout`.
-_LOCK_NOT_AVAILABLE = "55P03"
 _COLUMNS = "id, message_id, destination, body, headers, due_at_us, stored_at_us, failures, claim_id"
 
 
@@ -266,7 +264,7 @@ class LaterMessages(BackgroundWork):
                 with conn.begin_nested():
                     conn.execute(text(f"LOCK TABLE {name} IN ACCESS EXCLUSIVE MODE"))
             except OperationalError as exc:
-                if getattr(exc.orig, "sqlstate", None) != _LOCK_NOT_AVAILABLE:
+                if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
                     raise
                 log.debug("truncating %s waits for its readers: at the next move", name)
                 return False

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,9 +27,10 @@ from typing import Any
 
 from sqlalchemy import Table, text
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import OperationalError
 
 from airflow_delay_provider.stores.background import BackgroundWork
-from airflow_delay_provider.stores.engine import Database
+from airflow_delay_provider.stores.engine import LOCK_NOT_AVAILABLE, Database
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,8 @@ HOLDS_BACK_VACUUM = (
     "AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL) "
     "AND backend_type <> 'autovacuum worker' AND NOT (state = 'active' AND ltrim(lower(query)) LIKE 'vacuum%')"
 )
+#: How long after a rebuild gave way to an older transaction the upkeep tries none again (seconds).
+REBUILD_RETRY_SECONDS = 600.0
 #: The sessions named so far, as (pid, start of their transaction): each is named once per process.
 _named_holders: set[tuple[Any, ...]] = set()
 
@@ -115,6 +119,7 @@ class TableUpkeep(BackgroundWork):
         self.left_alone = left_alone
         self.before = before
         self.thresholds = Thresholds()
+        self._rebuild_after = -math.inf
 
     def __repr__(self) -> str:
         return f"TableUpkeep({self.db!r})"
@@ -243,7 +248,9 @@ class TableUpkeep(BackgroundWork):
                 {"t": name}):
             # What an interrupted REINDEX CONCURRENTLY leaves: an invalid copy that writes still maintain.
             conn.exec_driver_sql(f"DROP INDEX CONCURRENTLY IF EXISTS {leftover} /* {name} */")
-        done = []
+        done: list[tuple[str, str, float]] = []
+        if time.monotonic() < self._rebuild_after:
+            return done
         indexes = conn.execute(text(
             # The entries: the last count (VACUUM, ANALYZE), or the live rows now if more (after a bulk load, before
             # its ANALYZE, the index is full, not sparse).
@@ -269,7 +276,19 @@ class TableUpkeep(BackgroundWork):
             if not self.thresholds.rebuild(pages, packed):
                 continue
             started = time.monotonic()
-            conn.exec_driver_sql(f"REINDEX INDEX CONCURRENTLY {index} /* {name} */")
+            try:
+                conn.exec_driver_sql(f"REINDEX INDEX CONCURRENTLY {index} /* {name} */")
+            except OperationalError as exc:
+                if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
+                    raise
+                # At its end a rebuild waits for every transaction of the database older than it (a report, a
+                # backup) and gives up at `lock_timeout`: the old index stays, the copy it built is dropped at the
+                # next check, and the vacuums and analyses of this check go on.
+                conn.rollback()
+                self._rebuild_after = time.monotonic() + REBUILD_RETRY_SECONDS
+                log.info("upkeep: rebuild of index %s gave way to a transaction older than it; again in %.0f s",
+                         index, REBUILD_RETRY_SECONDS)
+                break
             took = time.monotonic() - started
             log.info("upkeep: rebuilt index %s in %.1f s (%d pages, %d when packed)", index, took, pages, packed)
             done.append((index, "reindex", took))

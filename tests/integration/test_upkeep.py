@@ -278,10 +278,9 @@ def _index_pages(store: SqlDelayedMessageStore) -> dict[str, int]:
             "WHERE i.indrelid = to_regclass(:t)"), {"t": _soon(store)}).all())
 
 
-def test_indexes_left_sparse_by_mixed_delays_are_rebuilt(pg):
-    """Ids and default message ids grow with time, and messages due hours later keep a few entries on every page
-    of their indexes after the rest were delivered: the upkeep rebuilds such an index (writes going on), leaves
-    the due index (which empties from its left edge) and the rest alone, and drops an interrupted rebuild's copy."""
+def _sparse_store(pg) -> tuple[SqlDelayedMessageStore, dict[str, int], dict[str, int]]:
+    """A store whose id and message-id indexes a delivery left sparse: 2,000 messages due a day later stay of
+    100,000 sent in order. Returns it and its indexes' pages before and after the delivery."""
     url, schema, table = pg
     store = SqlDelayedMessageStore(url, table=table, schema=schema)
     store.create_schema()
@@ -310,6 +309,14 @@ def test_indexes_left_sparse_by_mixed_delays_are_rebuilt(pg):
         conn.exec_driver_sql(f"VACUUM ANALYZE {name}")
     sparse = _index_pages(store)
     assert f"{store.table_name}_due_ccnew" not in sparse  # dropped by the check above
+    return store, before, sparse
+
+
+def test_indexes_left_sparse_by_mixed_delays_are_rebuilt(pg):
+    """Ids and default message ids grow with time, and messages due hours later keep a few entries on every page
+    of their indexes after the rest were delivered: the upkeep rebuilds such an index (writes going on), leaves
+    the due index (which empties from its left edge) and the rest alone, and drops an interrupted rebuild's copy."""
+    store, before, sparse = _sparse_store(pg)
     rebuilt = {index.split(".")[-1].strip('"'): work for index, work, _ in store.maintenance.run() if work == "reindex"}
     assert rebuilt == {f"{store.table_name}_pkey": "reindex", f"{store.table_name}_message_id_key": "reindex"}
     after = _index_pages(store)
@@ -319,6 +326,35 @@ def test_indexes_left_sparse_by_mixed_delays_are_rebuilt(pg):
     assert after[due_index] == sparse[due_index]  # its empty pages get reused
     assert store.backlog()["totals"]["scheduled"] == 2000
     assert len(store.browse(Selector(destination="orders"), limit=5)["messages"]) == 5
+
+
+def test_a_rebuild_gives_way_to_an_older_transaction_and_the_vacuums_go_on(pg, monkeypatch):
+    """At its end REINDEX CONCURRENTLY waits for every transaction of the database older than it (a report, a
+    backup, another program's long COPY): the upkeep gives up at its lock timeout, keeps the old index, still
+    vacuums and analyses, drops the copy the rebuild left and tries again only later."""
+    store, _, sparse = _sparse_store(pg)
+    store.maintenance.thresholds = Thresholds(rebuild_min_pages=64, vacuum_base=100, vacuum_fraction=0.0,
+                                              analyze_base=100, analyze_fraction=0.0)
+    with store.engine.begin() as conn:
+        conn.execute(text(f"DELETE FROM {store.qualified(store.table_name)} WHERE message_id <= 'm-000000050000'"))
+    wait_for(lambda: (_counters(store)[0] or 0) >= 1000, 30, "the delete counters")
+    soon = _soon(store).split(".")[-1].strip('"')
+    with psycopg.connect(pg[0].replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as report:
+        report.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        report.execute("SELECT 1")  # holds a snapshot, and no lock on the store's tables
+        done = store.maintenance.run()
+        report.execute("COMMIT")
+    assert {(soon, "vacuum"), (soon, "analyze")} <= {(t, w) for t, w, _ in done}, done
+    assert not [w for _, w, _ in done if w == "reindex"]
+    pages = _index_pages(store)
+    assert any(name.endswith("_ccnew") for name in pages), pages  # what the rebuild left
+    pkey = f"{store.table_name}_pkey"
+    assert pages[pkey] == sparse[pkey]
+    assert not [w for _, w, _ in store.maintenance.run() if w == "reindex"]  # not again so soon
+    assert not any(name.endswith("_ccnew") for name in _index_pages(store))
+    monkeypatch.setattr(upkeep, "REBUILD_RETRY_SECONDS", 0.0)
+    store.maintenance._rebuild_after = 0.0
+    assert pkey in {index.split(".")[-1].strip('"') for index, work, _ in store.maintenance.run() if work == "reindex"}
 
 
 def test_an_index_filled_by_a_bulk_load_is_not_taken_for_sparse(pg):
