@@ -180,7 +180,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         # From schema version 9 `_far` and the hours' partitions; those are truncated as they rest (stores/tiers.py),
         # vacuumed only at many dead rows, the current one not at all. Names of tables not there are passed over.
         self.later_maintenance = TableUpkeep(self, kept=lambda: (t.later, t.far, *t.hours), rebuilt=(t.later, t.far),
-                                             emptied=t.hours, left_alone=self.later.left_alone)
+                                             emptied=t.hours, unvacuumed=self.later.unvacuumed)
         self.migrations = SchemaMigrations(self, VersionedTables(
             package=STORE_SCHEMA, kind="delay store", label=f"Delay store {t.where}", versions=t.versions,
             tables=t.of_store(), names=self._template_names(),

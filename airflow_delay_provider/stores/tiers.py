@@ -34,7 +34,7 @@ Within the hour, the dead entries of the rows moved out of the current hour's pa
 due index, where the move and the look read every 5 s. Both start at `start_us` instead (see `look`): the earliest
 row the move could take, or the last look's mark below which no send since can have written; a look from the
 index's beginning, every `FULL_LOOK_SECONDS` and whenever a sweep's lease has run out, finds what else comes below.
-So the upkeep leaves that partition alone until its truncation (`left_alone`).
+So the upkeep does not vacuum that partition before its truncation (`unvacuumed`).
 
 Rows the move and a claim both want are never waited for: each skips the other's locked rows. Rows a sweep holds
 (`claim_id` set) are not moved: the sweep removes them by key later; those it releases when it ends go to the
@@ -138,13 +138,14 @@ class LaterMessages(BackgroundWork):
             "ON CONFLICT DO NOTHING RETURNING 1) "
             "SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM kept)")
 
-    def left_alone(self) -> tuple[Table, ...]:
-        """The partition its upkeep leaves alone: the current hour's (from schema version 9), neither vacuumed nor
-        analysed. The dead rows there are those the move took out, behind `start_us`, where neither the move nor
-        the look reads, and its `TRUNCATE` once the hour is past removes them all at once; a vacuum of it read every
-        page of a partition of over a million rows every few minutes (25-44 s each on a slow disk in a soak), and
-        an analyse every 15 s sampled it for plans that read it by index only. The other hours' partitions take
-        cancels and reschedules, whose space later sends reuse."""
+    def unvacuumed(self) -> tuple[Table, ...]:
+        """The partition its upkeep does not vacuum: the current hour's (from schema version 9). The dead rows there
+        are those the move took out, behind `start_us`, where neither the move nor the look reads, and its
+        `TRUNCATE` once the hour is past removes them all at once; a vacuum of it read every page of a partition of
+        over a million rows every few minutes (25-44 s each on a slow disk in a soak). It is still analysed: the
+        planner's picture of it otherwise keeps the rows of the hour as they were before it began, and a count of
+        the messages due now, which reads every partition's due index up to now, then read all of this one (a
+        parallel sequential scan of 75,000 pages every few seconds, from the fifth minute of the hour in a soak)."""
         return (self.tables.hours[hour_tier(to_us(self.db.clock())) - FIRST_HOUR],)
 
     def interval(self) -> float:

@@ -99,8 +99,8 @@ class TableUpkeep(BackgroundWork):
     :param emptied: those emptied whole another way (the hours' partitions of `_later`, truncated once their hour is
         past): vacuumed only past `Thresholds.emptied_vacuum_base` and `emptied_vacuum_fraction`, so that the dead
         entries their readers pass over stay few without a pass every few thousand rows.
-    :param left_alone: those of them to leave alone at this check (called at each check: the current hour's
-        partition of `_later`, see `LaterMessages.left_alone`).
+    :param unvacuumed: those of them not to vacuum at this check, only to analyse (called at each check: the current
+        hour's partition of `_later`, see `LaterMessages.unvacuumed`).
     :param before: work to do at each check, before the counters are read.
     """
 
@@ -108,7 +108,7 @@ class TableUpkeep(BackgroundWork):
 
     def __init__(self, db: Database, kept: Callable[[], Sequence[Table]], rebuilt: Sequence[Table] = (),
                  analyzed: Sequence[Table] | None = None, emptied: Sequence[Table] = (),
-                 left_alone: Callable[[], Sequence[Table]] = tuple,
+                 unvacuumed: Callable[[], Sequence[Table]] = tuple,
                  before: Callable[[Connection], object] | None = None) -> None:
         super().__init__()
         self.db = db
@@ -116,7 +116,7 @@ class TableUpkeep(BackgroundWork):
         self.rebuilt = tuple(rebuilt)
         self.analyzed = None if analyzed is None else tuple(analyzed)
         self.emptied = tuple(emptied)
-        self.left_alone = left_alone
+        self.unvacuumed = unvacuumed
         self.before = before
         self.thresholds = Thresholds()
         self._rebuild_after = -math.inf
@@ -171,10 +171,8 @@ class TableUpkeep(BackgroundWork):
         for table in self.rebuilt:
             done.extend(self._rebuild_sparse_indexes(conn, table))
         analyzed = self.kept() if self.analyzed is None else self.analyzed
-        left_alone = self.left_alone()
+        unvacuumed = self.unvacuumed()
         for table in self.kept():
-            if table in left_alone:
-                continue
             row = conn.execute(text(
                 "SELECT n_live_tup, n_dead_tup, n_mod_since_analyze FROM pg_stat_user_tables "
                 "WHERE relid = to_regclass(:name)"), {"name": self.db.qualified(table.name)}).first()
@@ -182,7 +180,7 @@ class TableUpkeep(BackgroundWork):
                 continue
             live, dead, modified = row
             for work in self.thresholds.work(live, dead, modified, emptied=table in self.emptied):
-                if work == "analyze" and table not in analyzed:
+                if (work == "analyze" and table not in analyzed) or (work == "vacuum" and table in unvacuumed):
                     continue
                 started = time.monotonic()
                 # Identifiers come from the store's checked names, quoted by the dialect.
