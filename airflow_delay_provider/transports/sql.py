@@ -275,7 +275,10 @@ class SqlTableTransport(SqlDatabase, Transport):
                 )
                 continue
             headers = json.dumps(m.headers, separators=(",", ":")) if m.headers else "{}"
-            rows.append((m.destination, m.message_id, m.body, headers, to_us(m.due_at), now, now))
+            # A due message is enqueued after the claim that found it due on the store's estimate of this clock,
+            # which may lead this object's estimate by the round trip each was measured over: never stamped earlier.
+            enqueued = max(now, to_us(m.due_at))
+            rows.append((m.destination, m.message_id, m.body, headers, to_us(m.due_at), enqueued, enqueued))
         if rows and self.is_postgres:
             copy_rows(conn, self.messages, _COPY_COLUMNS, _COPY_TYPES, rows)
         elif rows:

@@ -202,3 +202,30 @@ def test_a_moved_message_is_visible_at_once_though_this_hosts_estimate_of_the_da
     assert transport.depth("orders") == {"visible": 1, "in_flight": 0}
     assert [m.message_id for m in transport.peek("orders")] == ["m-0"]
     assert [m.message_id for m in transport.receive("orders")] == ["m-0"]
+
+
+def test_a_claimed_message_sent_through_send_is_never_stamped_before_its_due_time(pg):
+    """A pump sends what the move into the queue table left (rows that fell due after it, throttled destinations)
+    with `send`, which stamped the rows with the transport's estimate of the database clock. That estimate may lag
+    the store's, by which the claim found the message due, by the round trip of its measurement: in a soak on a
+    busy machine 1,826 of 19.6 million messages were stamped enqueued before their due time."""
+    url, schema, table = pg
+    store = make_store(url, schema, table)
+    measuring = [True]
+
+    def read_late() -> datetime:
+        if measuring[0]:
+            time.sleep(0.5)
+        return utcnow()
+
+    transport = SqlTableTransport(url, schema=schema, table_prefix=f"{table}_", local_clock=read_late)
+    transport.provision("orders")
+    assert transport.clock() < database_now(transport) - timedelta(seconds=0.4)  # the estimate lags
+    measuring[0] = False
+    store.store(messages(1, delay=-0.2))  # due by the store's clock, not yet by the transport's estimate
+    with store.claim_due(store.clock(), 10) as claim:
+        assert [m.message_id for m in claim.messages] == ["m-0"]
+        assert transport.send(claim.messages) == {}
+        claim.remove(["m-0"])
+    [m] = transport.receive("orders")
+    assert m.enqueued_at >= m.due_at, f"enqueued {(m.due_at - m.enqueued_at).total_seconds():.3f} s before due"
