@@ -145,7 +145,8 @@ class LaterMessages(BackgroundWork):
         over a million rows every few minutes (25-44 s each on a slow disk in a soak). It is still analysed: the
         planner's picture of it otherwise keeps the rows of the hour as they were before it began, and a count of
         the messages due now, which reads every partition's due index up to now, then read all of this one (a
-        parallel sequential scan of 75,000 pages every few seconds, from the fifth minute of the hour in a soak)."""
+        parallel sequential scan of 75,000 pages at every progress report of a pump, from the fifth minute of the
+        hour in a soak)."""
         return (self.tables.hours[hour_tier(to_us(self.db.clock())) - FIRST_HOUR],)
 
     def interval(self) -> float:
