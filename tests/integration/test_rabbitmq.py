@@ -151,23 +151,30 @@ def test_connection_closed_by_server_mid_batch_loses_nothing(rabbit, rabbit_vhos
     total = 20_000
     store.store(messages(total))
     claim_due = store.claim_due
+    claims, counted = [0], threading.Lock()
+    held, closed = threading.Event(), threading.Event()
 
-    def slow_claim(*args, **kwargs):
-        # About 3 s for the run, so that the close lands mid-run: rabbitmqctl takes a second or so to start, and
-        # the pipelined pump on PostgreSQL sometimes had all 20,000 confirmed by then.
-        time.sleep(0.15)
+    def claim_after_the_close(*args, **kwargs):
+        # From the fourth claim on, the pump waits for the close: it lands with a batch claimed and the publisher's
+        # connection not yet found closed, whatever the machine's speed (rabbitmqctl took from one second to many
+        # on a busy machine, by which time a pump with nothing to hold it back had sometimes sent all 20,000).
+        with counted:
+            claims[0] += 1
+            hold = claims[0] >= 4
+        if hold:
+            held.set()
+            assert closed.wait(120), "the close did not come"
         return claim_due(*args, **kwargs)
 
-    store.claim_due = slow_claim
+    store.claim_due = claim_after_the_close
     pump = Pump(store, rabbit, PumpConfig(batch_size=1000))
     assert pump.pipelined == store.is_postgres
     result = {}
     worker = threading.Thread(target=lambda: result.update(r=pump.run(stop_when_idle=True)))
     worker.start()
-    deadline = time.monotonic() + 30
-    while rabbit.depth("orders")["visible"] < 3000 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    assert held.wait(60), "the pump did not reach its fourth claim"
     _rabbitmqctl("close_all_connections", "-p", rabbit_vhost, "test: closed mid-batch")
+    closed.set()
     worker.join(120)
     assert not worker.is_alive()
     stats = result["r"].stats
