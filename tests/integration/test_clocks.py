@@ -179,15 +179,13 @@ def test_the_database_clock_is_never_read_ahead_of_the_database(pg):
         assert estimate <= database_now(store), "the store's clock ran ahead of the database's"
 
 
-def test_a_moved_message_is_visible_at_once_though_this_hosts_estimate_of_the_database_clock_lags(pg):
-    """A move stamps rows with the database's clock; the transport's estimate of that clock may lag it by a whole
-    round trip of its measurement (a busy host), so comparing visibility times with the estimate hid rows just
-    moved until the estimate caught up. Visibility is compared with the database's own clock."""
+def lagging_transport(pg) -> SqlTableTransport:
+    """The SQL transport of a busy host, which read the reply of its clock measurement half a second late: its
+    estimate of the database clock lags the database's (and the store's) by that much until measured again."""
     url, schema, table = pg
-    store = make_store(url, schema, table)
     measuring = [True]
 
-    def read_late() -> datetime:  # a busy host reads the reply of the measurement half a second late
+    def read_late() -> datetime:
         if measuring[0]:
             time.sleep(0.5)
         return utcnow()
@@ -196,6 +194,15 @@ def test_a_moved_message_is_visible_at_once_though_this_hosts_estimate_of_the_da
     transport.provision("orders")
     assert transport.clock() < database_now(transport) - timedelta(seconds=0.4)  # the estimate lags
     measuring[0] = False
+    return transport
+
+
+def test_a_moved_message_is_visible_at_once_though_this_hosts_estimate_of_the_database_clock_lags(pg):
+    """A move stamps rows with the database's clock; the transport's estimate of that clock may lag it by a whole
+    round trip of its measurement (a busy host), so comparing visibility times with the estimate hid rows just
+    moved until the estimate caught up. Visibility is compared with the database's own clock."""
+    store = make_store(*pg)
+    transport = lagging_transport(pg)
     # Due a second ago: the store's own estimate of the database clock may lag the host's by its round trip.
     store.store(messages(1, delay=-1))
     assert [(d, n) for d, _, n in transport.move_due(store, store.clock(), 10)] == [("orders", 1)]
@@ -209,19 +216,8 @@ def test_a_claimed_message_sent_through_send_is_never_stamped_before_its_due_tim
     with `send`, which stamped the rows with the transport's estimate of the database clock. That estimate may lag
     the store's, by which the claim found the message due, by the round trip of its measurement: in a soak on a
     busy machine 1,826 of 19.6 million messages were stamped enqueued before their due time."""
-    url, schema, table = pg
-    store = make_store(url, schema, table)
-    measuring = [True]
-
-    def read_late() -> datetime:
-        if measuring[0]:
-            time.sleep(0.5)
-        return utcnow()
-
-    transport = SqlTableTransport(url, schema=schema, table_prefix=f"{table}_", local_clock=read_late)
-    transport.provision("orders")
-    assert transport.clock() < database_now(transport) - timedelta(seconds=0.4)  # the estimate lags
-    measuring[0] = False
+    store = make_store(*pg)
+    transport = lagging_transport(pg)
     store.store(messages(1, delay=-0.2))  # due by the store's clock, not yet by the transport's estimate
     with store.claim_due(store.clock(), 10) as claim:
         assert [m.message_id for m in claim.messages] == ["m-0"]
