@@ -238,11 +238,17 @@ def sqs_client(aws_conn):
 
 
 _SERVICE_DIRS = ("integration", "faults", "deployment")
+#: The files of minutes each (Airflow's processes, Spark), run first: `make test` hands whole files to its workers
+#: in collection order, and one of these handed out near the end of a run ran on alone for minutes.
+_LONGEST_FILES = ("test_spark.py", "test_spark_cluster.py", "test_delivery.py", "test_dag_runs.py",
+                  "test_dag_run_outage.py", "test_smoke.py", "test_browser.py", "test_backlog_operators.py")
 
 
 def pytest_collection_modifyitems(config, items):
     """Tests under integration/, faults/ and deployment/ need the services: marked, so that
-    `make test-fast` (-m "not services") runs the rest without any."""
+    `make test-fast` (-m "not services") runs the rest without any. The longest files go first (the order within
+    each file is kept)."""
     for item in items:
         if any(part in _SERVICE_DIRS for part in item.path.parts):
             item.add_marker(pytest.mark.services)
+    items.sort(key=lambda item: item.path.name not in _LONGEST_FILES)
