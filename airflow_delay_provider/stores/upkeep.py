@@ -100,7 +100,7 @@ class TableUpkeep(BackgroundWork):
         past): vacuumed only past `Thresholds.emptied_vacuum_base` and `emptied_vacuum_fraction`, so that the dead
         entries their readers pass over stay few without a pass every few thousand rows.
     :param unvacuumed: those of them not to vacuum at this check, only to analyse (called at each check: the current
-        hour's partition of `_later`, see `LaterMessages.unvacuumed`).
+        hour's partition of `_later` and the hour past's, see `LaterMessages.unvacuumed`).
     :param before: work to do at each check, before the counters are read.
     """
 
