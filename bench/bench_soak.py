@@ -26,6 +26,7 @@ be vacuumed, and the minutes show what that costs the pump and the consumer.
     .venv/bin/python bench/bench_soak.py --minutes 130 --plot docs/bench_soak.png  # the README's figures
     .venv/bin/python bench/bench_soak.py                                          # 3 minutes (make bench)
     .venv/bin/python bench/bench_soak.py --minutes 6 --hold-snapshot 2:90         # a snapshot held for 90 s
+    .venv/bin/python bench/bench_soak.py --minutes 96 --explain-over 5000         # plans of statements >= 5 s
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from pathlib import Path
 
 import psutil
 import psycopg
+from sqlalchemy import event
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -142,6 +144,8 @@ class UpkeepRecords(logging.Handler):
 
 def pump(spec: dict) -> None:
     store = SqlDelayedMessageStore(spec["url"], schema=spec["schema"])
+    if spec.get("explain_over_ms"):
+        explain_slow_statements(store.engine, spec["explain_over_ms"])
     transport = SqlTableTransport(spec["url"], schema=spec["schema"], table_prefix=PREFIX)
     upkeep = UpkeepRecords()
     # The upkeep's passes, and the truncation of each hour's partition once its hour is past.
@@ -153,6 +157,20 @@ def pump(spec: dict) -> None:
         deadline=datetime.fromtimestamp(spec["deadline"], UTC))
     print(json.dumps({"dispatched": result.stats.dispatched, "peak_rss_mb": peak_rss_mb(),
                       "upkeep": upkeep.records}), flush=True)
+
+
+def explain_slow_statements(engine, over_ms: float) -> None:
+    """Log the plan of each of the pump's statements that runs `over_ms` or longer into PostgreSQL's server log
+    (auto_explain, loaded in each of the pump's sessions: a superuser's, as the benchmark's is)."""
+
+    @event.listens_for(engine, "connect")
+    def _load(dbapi_connection, _record) -> None:
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute(f"LOAD 'auto_explain'; SET auto_explain.log_min_duration = {float(over_ms)}; "
+                           "SET auto_explain.log_nested_statements = on")
+        dbapi_connection.commit()
+
+    engine.dispose()  # sessions opened before this would not log
 
 
 def consume(spec: dict) -> None:
@@ -236,7 +254,7 @@ class Soak:
         the rate at which messages reached the consumer."""
         deadline = time.time() + seconds
         consumer = self.start(self.spec(role="consume", seconds=seconds, max_ids=8))
-        pumper = self.start(self.spec(role="pump", deadline=deadline))
+        pumper = self.start(self.spec(role="pump", deadline=deadline, explain_over_ms=self.args.explain_over))
         sender = self.start(self.spec(role="send", seconds=seconds, due_now=True, prefix="max-"))
         sent = Children.result(sender, seconds + 120)["sent"]
         Children.result(pumper, seconds + 120)
@@ -378,7 +396,7 @@ class Soak:
         deadline = time.time() + seconds + 5
         sent_max = int(top * (seconds + 60)) + 1000
         consumer = self.start(self.spec(role="consume", seconds=seconds + 30, max_ids=sent_max))
-        pumper = self.start(self.spec(role="pump", deadline=deadline))
+        pumper = self.start(self.spec(role="pump", deadline=deadline, explain_over_ms=self.args.explain_over))
         sender = self.start(self.spec(role="send", rate=top, seconds=seconds))
         minutes = []
         stop_watching = threading.Event()
@@ -577,6 +595,8 @@ def main() -> None:
                         "day of sends, rate x mean delay)")
     parser.add_argument("--hold-snapshot", metavar="MINUTE:SECONDS",
                         help="hold a snapshot in another session from the start of MINUTE for SECONDS")
+    parser.add_argument("--explain-over", metavar="MS", type=float,
+                        help="log the plan of each pump statement that runs MS or longer (PostgreSQL's server log)")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "soak.json")
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--child", help=argparse.SUPPRESS)
