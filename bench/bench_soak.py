@@ -26,7 +26,8 @@ be vacuumed, and the minutes show what that costs the pump and the consumer.
     .venv/bin/python bench/bench_soak.py --minutes 130 --plot docs/bench_soak.png  # the README's figures
     .venv/bin/python bench/bench_soak.py                                          # 3 minutes (make bench)
     .venv/bin/python bench/bench_soak.py --minutes 6 --hold-snapshot 2:90         # a snapshot held for 90 s
-    .venv/bin/python bench/bench_soak.py --minutes 96 --explain-over 5000         # plans of statements >= 5 s
+    .venv/bin/python bench/bench_soak.py --minutes 12 --explain-over 1000         # plans of statements >= 1 s
+                                                           # (started 10 minutes before the hour: its turn)
 """
 
 from __future__ import annotations
@@ -598,7 +599,8 @@ def main() -> None:
     parser.add_argument("--hold-snapshot", metavar="MINUTE:SECONDS",
                         help="hold a snapshot in another session from the start of MINUTE for SECONDS")
     parser.add_argument("--explain-over", metavar="MS", type=float,
-                        help="log the plan of each pump statement that runs MS or longer (PostgreSQL's server log)")
+                        help="log the plan, rows and buffers of each pump statement that runs MS or longer "
+                        "(PostgreSQL's server log)")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "soak.json")
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--child", help=argparse.SUPPRESS)

@@ -154,7 +154,11 @@ class LaterMessages(BackgroundWork):
         waits for a lock, truncated it only after each. One that `rest` cannot empty (a row a sweep holds) is
         vacuumed from the next hour on."""
         hour = to_us(self.db.clock()) // HOUR_US
-        return tuple(self.tables.hours[hour_tier(h * HOUR_US) - FIRST_HOUR] for h in (hour, hour - 1))
+        return self._partition_of(hour), self._partition_of(hour - 1)
+
+    def _partition_of(self, hour: int) -> Table:
+        """The partition of `_later` that holds the messages due in `hour` (µs since the epoch // HOUR_US)."""
+        return self.tables.hours[hour_tier(hour * HOUR_US) - FIRST_HOUR]
 
     def interval(self) -> float:
         return MOVE_EVERY_SECONDS
@@ -259,7 +263,7 @@ class LaterMessages(BackgroundWork):
         hour = to_us(self.db.clock()) // HOUR_US
         if self.rested_hour == hour:
             return False
-        resting = self.tables.hours[hour_tier((hour - 1) * HOUR_US) - FIRST_HOUR]
+        resting = self._partition_of(hour - 1)
         name = self.db.qualified(resting.name)
         # Its due index, not its heap: a read that passes over the dead entries, not a scan of every dead row.
         first = text(f"SELECT 1 FROM {name} ORDER BY due_at_us LIMIT 1")
