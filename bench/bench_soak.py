@@ -162,7 +162,8 @@ def pump(spec: dict) -> None:
 
 def explain_slow_statements(engine, over_ms: float) -> None:
     """Log the plan of each of the pump's statements that runs `over_ms` or longer into PostgreSQL's server log
-    (auto_explain, loaded in each of the pump's sessions: a superuser's, as the benchmark's is)."""
+    (auto_explain, loaded in each of the pump's sessions: a superuser's, as the benchmark's is), and each
+    temporary file they write, with its size and statement."""
 
     @event.listens_for(engine, "connect")
     def _load(dbapi_connection, _record) -> None:
@@ -170,7 +171,8 @@ def explain_slow_statements(engine, over_ms: float) -> None:
             # With the rows and buffers of each node (no timing, which costs every statement more).
             cursor.execute(f"LOAD 'auto_explain'; SET auto_explain.log_min_duration = {float(over_ms)}; "
                            "SET auto_explain.log_nested_statements = on; SET auto_explain.log_analyze = on; "
-                           "SET auto_explain.log_buffers = on; SET auto_explain.log_timing = off")
+                           "SET auto_explain.log_buffers = on; SET auto_explain.log_timing = off; "
+                           "SET log_temp_files = 0")
         dbapi_connection.commit()
 
     engine.dispose()  # sessions opened before this would not log
