@@ -40,6 +40,11 @@ def make_transport(url, schema, table, *queues: str) -> SqlTableTransport:
     return transport
 
 
+def plan_nodes(plan: dict) -> list[dict]:
+    """A node of a JSON plan (EXPLAIN or auto_explain) and all the nodes below it."""
+    return [plan] + [n for child in plan.get("Plans", []) for n in plan_nodes(child)]
+
+
 def messages(n: int, destination: str = "orders", delay: float = 0.0, start: int = 0) -> list[DelayedMessage]:
     due = utcnow() + timedelta(seconds=delay)
     return [DelayedMessage(destination, f"body-{i}".encode(), due, {"n": str(i)}, f"m-{i}")

@@ -17,6 +17,7 @@ from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
 from airflow_delay_provider.stores.tables import to_us
 from airflow_delay_provider.transports.sql import SqlTableTransport
+from tests.helpers import plan_nodes
 
 BATCH = 16
 
@@ -40,12 +41,6 @@ def _store(pg, later: int) -> tuple[SqlDelayedMessageStore, SqlTableTransport]:
     return store, queue
 
 
-def _nodes(plan: dict):
-    yield plan
-    for child in plan.get("Plans", []):
-        yield from _nodes(child)
-
-
 def _rows_scanned(store: SqlDelayedMessageStore, statement) -> int:
     """EXPLAIN ANALYZE (rolled back) of a claim in a transaction set up as the store sets up its claims: the rows
     its scans of the messages table read, other than the look-ups of the claimed rows by key."""
@@ -58,7 +53,7 @@ def _rows_scanned(store: SqlDelayedMessageStore, statement) -> int:
         plan = conn.execute(text("EXPLAIN (ANALYZE, FORMAT JSON) " + sql.replace("%%", "%"))).scalar()[0]["Plan"]
     # The messages are in two partitions (schema version 8); each is looked up by its own primary key.
     partitions = {store.tables.soon.name, store.tables.later.name}
-    scans = [n for n in _nodes(plan) if n.get("Relation Name") in partitions and "Scan" in n["Node Type"]
+    scans = [n for n in plan_nodes(plan) if n.get("Relation Name") in partitions and "Scan" in n["Node Type"]
              and n.get("Index Name") not in (f"{store.table_name}_pkey", f"{store.tables.later.name}_pkey")]
     assert scans, json.dumps(plan)[:2000]
     return sum(n["Actual Rows"] + n.get("Rows Removed by Filter", 0) for n in scans)
@@ -101,8 +96,8 @@ def test_a_receive_reads_only_its_batch_from_a_long_queue(pg, analysed):
     with queue.engine.connect() as conn:
         queue.in_index_order(conn)  # as receive() sets it up
         plan = conn.execute(text("EXPLAIN (ANALYZE, FORMAT JSON) " + sql)).scalar()[0]["Plan"]
-    assert not [n for n in _nodes(plan) if n["Node Type"] == "Sort"], json.dumps(plan)[:2000]
-    scans = [n for n in _nodes(plan) if n.get("Relation Name") == queue.messages.name]
+    assert not [n for n in plan_nodes(plan) if n["Node Type"] == "Sort"], json.dumps(plan)[:2000]
+    scans = [n for n in plan_nodes(plan) if n.get("Relation Name") == queue.messages.name]
     assert sum(n["Actual Rows"] + n.get("Rows Removed by Filter", 0) for n in scans) <= 200 + 10, \
         json.dumps(plan)[:2000]
     assert [m.receive_count for m in queue.receive("orders", max_messages=10)] == [1] * 10
@@ -120,5 +115,5 @@ def test_the_earliest_due_reading_takes_each_partitions_index_from_its_start_not
     with store.engine.connect() as conn:
         store.in_index_order(conn)
         plan = conn.execute(text("EXPLAIN (FORMAT JSON) " + sql.replace("%%", "%"))).scalar()[0]["Plan"]
-    kinds = [node["Node Type"] for node in _nodes(plan)]
+    kinds = [node["Node Type"] for node in plan_nodes(plan)]
     assert "Merge Append" in kinds and "Sort" not in kinds, kinds

@@ -21,7 +21,7 @@ from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
 from airflow_delay_provider.stores.tables import SOON_US, from_us, to_us
 from airflow_delay_provider.testing import InMemoryTransport
 from airflow_delay_provider.transports.sql import SqlTableTransport
-from tests.helpers import drain, messages
+from tests.helpers import drain, messages, plan_nodes
 from tests.waiting import wait_for
 
 
@@ -618,15 +618,10 @@ def _explained(store: SqlDelayedMessageStore) -> list[dict]:
     return plans
 
 
-def _nodes(plan: dict) -> list[dict]:
-    """A JSON plan node and all the nodes below it."""
-    return [plan] + [n for child in plan.get("Plans", []) for n in _nodes(child)]
-
-
 def _deletes(plans: list[dict], starts: str) -> list[dict]:
     """The Delete nodes of the plans of the statements whose text starts with `starts`."""
     return [n for plan in plans if plan["Query Text"].lstrip().startswith(starts)
-            for n in _nodes(plan["Plan"]) if n.get("Operation") == "Delete"]
+            for n in plan_nodes(plan["Plan"]) if n.get("Operation") == "Delete"]
 
 
 def _read_by(deleted: dict) -> tuple[dict[str, str], int]:
@@ -635,8 +630,8 @@ def _read_by(deleted: dict) -> tuple[dict[str, str], int]:
     subqueries = [n for n in deleted.get("Plans", []) if n.get("Parent Relationship") == "InitPlan"]
     subqueries += [n for top in deleted.get("Plans", []) for n in top.get("Plans", [])
                    if n.get("Parent Relationship") == "InitPlan"]
-    inside = {id(n) for top in subqueries for n in _nodes(top)}
-    scans = [n for n in _nodes(deleted) if id(n) not in inside and "Relation Name" in n and n is not deleted]
+    inside = {id(n) for top in subqueries for n in plan_nodes(top)}
+    scans = [n for n in plan_nodes(deleted) if id(n) not in inside and "Relation Name" in n and n is not deleted]
     return ({n["Relation Name"]: n.get("Index Name") or n["Node Type"] for n in scans},
             deleted["Shared Hit Blocks"] + deleted["Shared Read Blocks"]
             - sum(n["Shared Hit Blocks"] + n["Shared Read Blocks"] for n in subqueries))
