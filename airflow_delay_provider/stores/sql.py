@@ -23,9 +23,13 @@ from sqlalchemy import (
     ColumnElement,
     String,
     Table,
+    Text,
     and_,
     any_,
+    bindparam,
+    cast,
     delete,
+    false,
     func,
     insert,
     inspect,
@@ -33,6 +37,7 @@ from sqlalchemy import (
     literal_column,
     or_,
     select,
+    text,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Row
@@ -475,10 +480,12 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
                                            *self._scope).order_by(t.c.due_at_us).limit(1)
 
     def claimed(self, ids: Select[int], soon_only: bool = False) -> ColumnElement[bool]:
-        """The condition on the table's rows whose ids the subquery `ids` gives.
+        """The condition on the table's rows whose ids the subquery `ids` gives, in one statement (`taken` says
+        which to use).
 
         :param soon_only: `ids` reads `_soon` only (`due_ids` with the same `soon_only`), so each row is found by
-            its place in `_soon` (its `ctid`, which the claim's lock keeps); else by its id in every partition.
+            its place in `_soon` (its `ctid`, which the claim's lock keeps); else by its id (SQLite, a store not
+            in partitions).
         """
         # `= ANY(ARRAY(...))` finds each claimed row by its place or key; with `IN (...)` PostgreSQL's planner
         # hash-joins the subquery against a scan of the whole table (measured: 10-30% slower claims).
@@ -494,16 +501,36 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             return and_(self.tables.in_tier(SOON), ctid == any_(func.array(places)))
         return self.table.c.id == any_(func.array(subquery))
 
+    def taken(self, conn: Connection, ids: Select[int], soon_only: bool = False) -> ColumnElement[bool]:
+        """The condition on the table's rows that `ids` selects (a query that locks them: FOR UPDATE), for the
+        statement that takes them on `conn`. From `_soon` alone, `claimed`: one statement. Otherwise (a pump that
+        has just started, a move that has failed for 30 s, a sweep's window) `ids` runs here first, and its rows
+        are found again by their place in their own partition (a TID scan of each), which their lock keeps.
+
+        By id, a claim that read every partition looked each id up in all of them, and in the current hour's, once
+        an analyse had found it all but empty, the planner took its due index for the lookup (id is its second
+        column) and read all of it for each id, as the move of `_later` did (tiers.LaterMessages._moving)."""
+        if soon_only or not self.is_postgres or not self.tiered():
+            return self.claimed(ids, soon_only)
+        picked: dict[int, list[str]] = {}
+        for tier, tid in conn.execute(ids.with_only_columns(self.table.c.tier, cast(literal_column("ctid"), Text))):
+            picked.setdefault(tier, []).append(tid)
+        if not picked:
+            return false()
+        return or_(*(and_(self.tables.in_tier(tier), text(f"ctid = ANY(CAST(:tids_{tier} AS tid[]))")
+                          .bindparams(bindparam(f"tids_{tier}", tids, type_=ARRAY(Text))))
+                     for tier, tids in picked.items()))
+
     @contextmanager
     def claim_due(
         self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = ()
     ) -> Iterator[Claim]:
         t = self.table
         soon_only = self.claims_soon_only(now)
-        claimed = self.claimed(self.due_ids(now, limit, due_before, exclude, soon_only), soon_only)
-        claim_rows = delete(t).where(claimed).returning(*self.tables.row)
+        ids = self.due_ids(now, limit, due_before, exclude, soon_only)
         with self.errors("claim due messages"), self.engine.begin() as conn:
             self.in_index_order(conn)
+            claim_rows = delete(t).where(self.taken(conn, ids, soon_only)).returning(*self.tables.row)
             claim = _SqlClaim(conn, t, conn.execute(claim_rows).all())
             yield claim
             claim.restore_unsettled()

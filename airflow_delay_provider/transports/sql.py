@@ -198,9 +198,10 @@ class SqlTableTransport(SqlDatabase, Transport):
         the send of the pump's exactly-once path, without the rows coming to Python and going back."""
         assert isinstance(store, SqlDelayedMessageStore)
         soon_only = store.claims_soon_only(now)
-        _, counts = self._moving(store, store.due_ids(now, limit, due_before, exclude, soon_only), now, soon_only)
+        ids = self.provisioned(store, store.due_ids(now, limit, due_before, exclude, soon_only))
         with store.errors("move due messages into their queues"), store.engine.begin() as conn:
             store.in_index_order(conn)
+            _, counts = self._moving(store, store.taken(conn, ids, soon_only), now)
             return [(queue, from_us(due_us), n) for queue, due_us, n in conn.execute(counts)]
 
     def move_window(self, store: SqlDelayedMessageStore, claim_id: str, low: int, high: int, limit: int,
@@ -212,31 +213,34 @@ class SqlTableTransport(SqlDatabase, Transport):
         ids = store.leases.leasable_ids(claim_id, low, high, limit, exclude)
         if ids is None:
             return None
-        claimed, counts = self._moving(store, ids, store.clock())
-        total = select(func.count()).select_from(claimed).scalar_subquery()
-        taken = select(func.count()).select_from(claimed).where(claimed.c.claim_id.is_not(None)).scalar_subquery()
-        counted = store.leases.count_leased(claim_id, total, taken).cte("counted")
-        counts = counts.add_columns(select(func.count()).select_from(counted).scalar_subquery(), taken)
         with store.errors("move a sweep's messages into their queues"), store.engine.connect() as conn, \
                 conn.begin() as tx:
+            claimed, counts = self._moving(store, store.taken(conn, self.provisioned(store, ids)), store.clock())
+            total = select(func.count()).select_from(claimed).scalar_subquery()
+            taken = (select(func.count()).select_from(claimed).where(claimed.c.claim_id.is_not(None))
+                     .scalar_subquery())
+            counted = store.leases.count_leased(claim_id, total, taken).cte("counted")
+            counts = counts.add_columns(select(func.count()).select_from(counted).scalar_subquery(), taken)
             rows = conn.execute(counts).all()
             if rows and rows[0][3] == 0:  # the sweep finished meanwhile: its window is no longer its to move
                 tx.rollback()
                 return None
         return [(queue, from_us(due_us), n) for queue, due_us, n, _, _ in rows], (rows[0][4] if rows else 0)
 
-    def _moving(
-        self, store: SqlDelayedMessageStore, ids: Select[int], now: datetime, soon_only: bool = False
-    ) -> tuple[CTE, Rows]:
-        """The move of the rows `ids` selects (those of provisioned queues; `soon_only`: from `_soon` alone): the
-        CTE of the rows deleted from the store, and the statement inserting them into the queue table that
-        returns (queue, due time, count)."""
+    def provisioned(self, store: SqlDelayedMessageStore, ids: Select[int]) -> Select[int]:
+        """`ids` less the rows of destinations that have no queue here: a claim dead-letters those."""
+        # `= ANY(ARRAY(...))` is a filter on the due index's ordered scan; with `IN (SELECT ...)` the planner may
+        # hash-join every due row and sort them all for a batch of 16, which it did with statistics gathered
+        # before the due rows were stored.
+        t = store.tables.messages
+        return ids.where(t.c.destination == any_(func.array(select(self.queues.c.name).scalar_subquery())))
+
+    def _moving(self, store: SqlDelayedMessageStore, taken: ColumnElement[bool], now: datetime) -> tuple[CTE, Rows]:
+        """The move of the rows `taken` finds (`store.taken` of `provisioned` ids): the CTE of the rows deleted
+        from the store, and the statement inserting them into the queue table that returns (queue, due time,
+        count)."""
         t, q = store.tables.messages, self.messages
-        # Other destinations are dead-lettered by a claim. `= ANY(ARRAY(...))` is a filter on the due index's
-        # ordered scan; with `IN (SELECT ...)` the planner may hash-join every due row and sort them all for a
-        # batch of 16, which it did with statistics gathered before the due rows were stored.
-        ids = ids.where(t.c.destination == any_(func.array(select(self.queues.c.name).scalar_subquery())))
-        claimed = (delete(t).where(store.claimed(ids, soon_only))
+        claimed = (delete(t).where(taken)
                    .returning(t.c.id, t.c.destination, t.c.message_id, t.c.body, t.c.headers, t.c.due_at_us,
                               t.c.claim_id)
                    .cte("claimed"))

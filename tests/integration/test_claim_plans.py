@@ -43,7 +43,7 @@ def _store(pg, later: int) -> tuple[SqlDelayedMessageStore, SqlTableTransport]:
 
 def _rows_scanned(store: SqlDelayedMessageStore, statement) -> int:
     """EXPLAIN ANALYZE (rolled back) of a claim in a transaction set up as the store sets up its claims: the rows
-    its scans of the messages table read, other than the look-ups of the claimed rows by key."""
+    its scans of the messages table read, other than the look-ups of the claimed rows by key or place."""
     sql = str(statement.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))
     with store.engine.connect() as conn:
         store.in_index_order(conn)
@@ -51,27 +51,35 @@ def _rows_scanned(store: SqlDelayedMessageStore, statement) -> int:
         # with the queues (and sorts them all for a batch): whatever join it would pick, only the batch is read.
         conn.execute(text("SET LOCAL enable_nestloop = off"))
         plan = conn.execute(text("EXPLAIN (ANALYZE, FORMAT JSON) " + sql.replace("%%", "%"))).scalar()[0]["Plan"]
-    # The messages are in two partitions (schema version 8); each is looked up by its own primary key.
-    partitions = {store.tables.soon.name, store.tables.later.name}
+    # The messages are in partitions (`_soon`, and `_later`'s: `_far` and an hour's each, schema version 9).
+    tables = store.tables
+    partitions = {t.name for t in (tables.soon, tables.later, tables.far, *tables.hours)}
     scans = [n for n in plan_nodes(plan) if n.get("Relation Name") in partitions and "Scan" in n["Node Type"]
-             and n.get("Index Name") not in (f"{store.table_name}_pkey", f"{store.tables.later.name}_pkey")]
+             and n["Node Type"] != "Tid Scan" and not n.get("Index Name", "").endswith("_pkey")]
     assert scans, json.dumps(plan)[:2000]
     return sum(n["Actual Rows"] + n.get("Rows Removed by Filter", 0) for n in scans)
 
 
-def _move(store, queue):
-    return queue._moving(store, store.due_ids(store.clock(), BATCH), store.clock())[1]
+def _move(store, queue, soon_only):
+    """The statement of a move into SQL queues that reads the due rows: of `_soon` alone, the move itself; of every
+    partition, the locking read of its rows' places before it (`SqlDelayedMessageStore.taken`)."""
+    ids = queue.provisioned(store, store.due_ids(store.clock(), BATCH, soon_only=soon_only))
+    return queue._moving(store, store.claimed(ids, soon_only=True), store.clock())[1] if soon_only else ids
 
 
-def _claim(store, _queue):
-    return delete(store.table).where(store.claimed(store.due_ids(store.clock(), BATCH))).returning(store.table.c.id)
+def _claim(store, _queue, soon_only):
+    """The same for a claim."""
+    ids = store.due_ids(store.clock(), BATCH, soon_only=soon_only)
+    return delete(store.table).where(store.claimed(ids, soon_only=True)).returning(store.table.c.id) \
+        if soon_only else ids
 
 
 @pytest.mark.parametrize("later", [0, 100_000], ids=["analysed-empty", "analysed-with-later-rows"])
+@pytest.mark.parametrize("soon_only", [True, False], ids=["of-soon", "of-every-partition"])
 @pytest.mark.parametrize("statement", [_move, _claim], ids=["move-into-sql-queues", "claim"])
-def test_a_claim_reads_only_its_batch(pg, later, statement):
+def test_a_claim_reads_only_its_batch(pg, later, soon_only, statement):
     store, queue = _store(pg, later)
-    assert _rows_scanned(store, statement(store, queue)) <= BATCH
+    assert _rows_scanned(store, statement(store, queue, soon_only)) <= BATCH
 
 
 @pytest.mark.parametrize("analysed", [False, True], ids=["never-analysed", "analysed"])

@@ -181,7 +181,10 @@ def test_a_store_failure_in_the_worker_thread_counts_as_a_failed_claim_and_loses
 
 
 class CountFails(InMemoryStore):
-    """A store whose count_scheduled (read only by the progress report) fails while `down`."""
+    """A store whose count_scheduled (read only by the progress report) fails while `down`; not threaded, so the
+    count runs in the pump's loop and every report meets the failure."""
+
+    threaded_claims = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -205,6 +208,36 @@ def test_a_store_error_in_the_progress_report_is_ridden_out():
     assert sorted(m.message_id for m in received(transport, "orders")) == sorted(f"m-{i}" for i in range(300))
     store.down = False
     assert store.count_scheduled() == {}
+
+
+class CountHeld(InMemoryStore):
+    """A store whose first count (the progress report's) is held until let through, as a count of millions of
+    rows is slow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counting, self.go = threading.Event(), threading.Event()
+        self.counted = 0
+
+    def count_scheduled(self, due_before=None):
+        if not self.counting.is_set():
+            self.counting.set()
+            self.go.wait(30)
+        self.counted += 1
+        return super().count_scheduled(due_before)
+
+
+def test_a_slow_count_for_the_progress_report_holds_up_no_claim():
+    transport = InMemoryTransport()
+    store = setup(transport, 300, store=CountHeld())
+    result = Pump(store, transport, PumpConfig(batch_size=50, progress_interval_seconds=0)).run(stop_when_idle=True)
+    counted_meanwhile = store.counted
+    store.go.set()
+    assert store.counting.is_set()  # a report did start a count
+    assert result.reason == "drained" and result.stats.dispatched == 300
+    # The pump drained the store while the count was held, and started no other count beside it.
+    assert counted_meanwhile == 0
+    assert len({m.message_id for m in received(transport, "orders")}) == 300
 
 
 class Gate(InMemoryTransport):
