@@ -322,7 +322,11 @@ class Soak:
             "SELECT pg_current_wal_lsn() - '0/0'::pg_lsn, checkpoints_timed + checkpoints_req, "
             "(SELECT wal_fpi FROM pg_stat_wal) FROM pg_stat_bgwriter").fetchone()
         cpu = psutil.cpu_times()
-        return {"heap_read": io_[0], "heap_hit": io_[1], "idx_read": io_[2], "idx_hit": io_[3], "wal": float(wal),
+        # What reached the disk (reads the page cache did not serve), and how much memory the page cache had.
+        disk = psutil.disk_io_counters()
+        return {"disk_read": disk.read_bytes, "disk_written": disk.write_bytes,
+                "page_cache_gb": getattr(psutil.virtual_memory(), "cached", 0) / 2**30,
+                "heap_read": io_[0], "heap_hit": io_[1], "idx_read": io_[2], "idx_hit": io_[3], "wal": float(wal),
                 "checkpoints": checkpoints, "fpi": fpi, "cpu_idle": cpu.idle, "cpu_iowait": getattr(cpu, "iowait", 0.0),
                 "cpu_total": sum(cpu),
                 "rows": row[0], "dead": row[1], "vacuums": row[2], "analyses": row[3], "size_mb": row[4] / 2**20,
@@ -343,6 +347,8 @@ class Soak:
                 "heap_hits_per_k": (after["heap_hit"] - before["heap_hit"]) / claimed,
                 "idx_hits_per_k": (after["idx_hit"] - before["idx_hit"]) / claimed,
                 "wal_mb": (after["wal"] - before["wal"]) / 2**20,
+                "disk_read_mb": (after["disk_read"] - before["disk_read"]) / 2**20,
+                "disk_written_mb": (after["disk_written"] - before["disk_written"]) / 2**20,
                 "checkpoints_in_minute": after["checkpoints"] - before["checkpoints"],
                 "fpi_per_k": (after["fpi"] - before["fpi"]) / claimed,
                 "cpu_busy": 1 - (after["cpu_idle"] - before["cpu_idle"] + after["cpu_iowait"] - before["cpu_iowait"])
@@ -375,6 +381,8 @@ class Soak:
                  # A commit names no table: one that waits is the WAL's flush (a checkpoint's writes beside it).
                  "OR ltrim(upper(query)) LIKE 'COMMIT%%') "
                  "AND now() - query_start > make_interval(secs => %s)")
+        holder = ("SELECT coalesce(nullif(application_name, ''), backend_type), state, "
+                  "left(regexp_replace(query, '\\s+', ' ', 'g'), 160) FROM pg_stat_activity WHERE pid = %s")
         with psycopg.connect(libpq(self.args.pg_url), autocommit=True) as conn:
             while not stop.wait(0.1):
                 with contextlib.suppress(psycopg.Error):
@@ -388,6 +396,10 @@ class Soak:
                         for blocker in blockers or ():
                             if blocker not in entry["blocked_by"]:
                                 entry["blocked_by"].append(blocker)
+                                # Who holds the lock, and at what: the blocker's statement as it is now.
+                                held = conn.execute(holder, [blocker]).fetchone() or (None, None, None)
+                                entry.setdefault("blockers", []).append(
+                                    {"pid": blocker, **dict(zip(("application", "state", "query"), held, strict=True))})
         self.r["slow_statements"] = sorted(seen.values(), key=lambda e: e["start"])
 
     def run(self) -> None:
@@ -432,8 +444,9 @@ class Soak:
                 f"MB; ids {row['ids_mb']:,.0f} MB; oldest snapshot {row['oldest_snapshot_s']:.0f} s; per 1,000 "
                 f"claimed: {row['heap_reads_per_k']:.0f} heap and {row['idx_reads_per_k']:.0f} index blocks read "
                 f"from outside shared buffers; WAL {row['wal_mb']:,.0f} MB, {row['fpi_per_k']:.0f} full page images "
-                f"per 1,000 claimed; {row['checkpoints_in_minute']} checkpoints; CPU {row['cpu_busy'] * 100:.0f}% "
-                f"busy, {row['cpu_iowait_share'] * 100:.1f}% iowait")
+                f"per 1,000 claimed; {row['checkpoints_in_minute']} checkpoints; disk {row['disk_read_mb']:,.0f} MB "
+                f"read, {row['disk_written_mb']:,.0f} MB written, page cache {row['page_cache_gb']:.1f} GB; CPU "
+                f"{row['cpu_busy'] * 100:.0f}% busy, {row['cpu_iowait_share'] * 100:.1f}% iowait")
         stop_watching.set()
         watcher.join(10)
         sent = Children.result(sender, 120)["sent"]
@@ -556,6 +569,9 @@ def report(r: dict) -> None:
         for e in slow:
             print(f"- {e['start']} {e['ms']:,.0f} ms pid {e['pid']} {e['waits'] or '-'} {e['blocked_by'] or '-'}: "
                   f"{e['query'][:100]}")
+            for b in e.get("blockers", ()):
+                print(f"  - blocked by pid {b['pid']} ({b.get('application') or 'gone'}, {b.get('state') or '-'}): "
+                      f"{(b.get('query') or '')[:100]}")
     print(f"\nsent {r['sent']:,}; lost {r['lost']}, duplicates {r['duplicates']}, early {r['early']}; "
           f"{r['stored_at_end']:,} still stored (not due), {r['queued_at_end']:,} in the queue at the end; "
           f"pump peak RSS {r['pump_peak_rss_mb']:.0f} MB")

@@ -184,9 +184,11 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         # `_later` holds millions, and a vacuum of it runs for minutes (102 s at 8.9 million in the soak): in a
         # thread and under a lock of its own, so that `_soon`, which the claims churn, is never left waiting for it.
         # From schema version 9 `_far` and the hours' partitions; those are truncated as they rest (stores/tiers.py),
-        # vacuumed only at many dead rows, the current one not at all. Names of tables not there are passed over.
+        # vacuumed only at many dead rows, the current one not at all, and those of the hours to come, which only take
+        # inserts until then, analysed less often. Names of tables not there are passed over.
         self.later_maintenance = TableUpkeep(self, kept=lambda: (t.later, t.far, *t.hours), rebuilt=(t.later, t.far),
-                                             emptied=t.hours, unvacuumed=self.later.unvacuumed)
+                                             emptied=t.hours, unvacuumed=self.later.unvacuumed,
+                                             growing=self.later.growing)
         self.migrations = SchemaMigrations(self, VersionedTables(
             package=STORE_SCHEMA, kind="delay store", label=f"Delay store {t.where}", versions=t.versions,
             tables=t.of_store(), names=self._template_names(),

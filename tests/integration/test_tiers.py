@@ -286,6 +286,30 @@ def test_later_is_looked_after_apart_from_soon(pg):
     assert (hour, "vacuum") in {(t, w) for t, w, _ in store.later_maintenance.run()}
 
 
+def test_the_partitions_of_the_hours_to_come_are_analysed_less_often_until_their_hour(pg):
+    """They only take inserts until their hour: analysed at a fraction of their rows changed ten times (here,
+    beyond reach) the other tables', and like the others once their hour has come."""
+    from airflow_delay_provider.stores.upkeep import Thresholds
+
+    store = _store(pg)
+    store.later_maintenance.thresholds = Thresholds(analyze_base=0, analyze_fraction=0.0, growing_analyze_fraction=2.0)
+    store.store(messages(1000, delay=7200))
+    two_hours_on = store.clock() + timedelta(hours=2)
+    hour = store.tables.hours[tables.hour_tier(to_us(two_hours_on)) - tables.FIRST_HOUR]
+    assert hour in store.later.growing() and len(store.later.growing()) == tables.RING_HOURS - 2
+
+    def changed() -> int:  # a transaction of its own each time: one keeps the counters it read first
+        with store.engine.connect() as conn:
+            return conn.execute(text("SELECT n_mod_since_analyze FROM pg_stat_user_tables WHERE relid = "
+                                     "to_regclass(:t)"), {"t": store.qualified(hour.name)}).scalar()
+
+    wait_for(lambda: changed() == 1000, 30, f"the counters of {hour.name}")  # an idle session's come within 10 s
+    assert (hour.name, "analyze") not in {(t, w) for t, w, _ in store.later_maintenance.run()}
+    store.clock = lambda: two_hours_on
+    assert hour not in store.later.growing()
+    assert (hour.name, "analyze") in {(t, w) for t, w, _ in store.later_maintenance.run()}
+
+
 def _claim_plan(store: SqlDelayedMessageStore) -> tuple[list[str], str]:
     """The ids a claim took now (handed back), and the plans its statements that read the due rows ran with
     (replayed, explained): the claim's DELETE, and the locking read before it where there is one."""
@@ -724,3 +748,31 @@ def test_a_claim_of_every_partition_reads_only_the_rows_it_takes_whatever_the_st
     scanned, read = _read_by(deletes[0])
     assert len(scanned) == 1 and emptied.name not in scanned and set(scanned.values()) == {"Tid Scan"}, scanned
     assert read <= 10 * deletes[0]["Actual Rows"] + 10, (read, deletes[0]["Actual Rows"])
+
+
+def test_the_next_hours_partition_is_read_in_order_of_its_pages_in_pieces_before_the_move_reaches_it(pg):
+    """From `WARM_AHEAD_SECONDS` before the move reaches the next hour's partition, each run reads the same share of
+    what is left of its pages by a TID range scan, so that all of it has been read once, in pieces, by then: the
+    move's reads of it in due order, all over its pages, then find them in memory, not on the disk."""
+    store = _store(pg)
+    hour = to_us(store.clock()) // tables.HOUR_US + 2
+    _insert_due(store, hour * tables.HOUR_US, 20_000, 0)
+    name = store.tables.hours[tables.hour_tier(hour * tables.HOUR_US) - tables.FIRST_HOUR].name
+    with store.engine.connect() as conn:
+        pages = conn.execute(text("SELECT pg_relation_size(:t) / 8192"), {"t": store.qualified(name)}).scalar()
+    assert pages > 100
+    plans = _explained(store)
+    reaches = hour * tables.HOUR_US - SOON_US
+    ahead = int(tiers.WARM_AHEAD_SECONDS * 1_000_000)
+    step = int(tiers.MOVE_EVERY_SECONDS * 1_000_000)
+    read = {now: store.later.warm(now) for now in range(reaches - ahead - 3 * step, reaches + 3 * step, step)}
+    pieces = [r for r in read.values() if r is not None]
+    assert all(r is None for now, r in read.items() if not reaches - ahead <= now < reaches), read
+    assert [first for first, _ in pieces] == [0] + [end for _, end in pieces[:-1]] and pieces[-1][1] == pages
+    runs = ahead // step
+    assert len(pieces) >= runs - 1 and max(end - first for first, end in pieces) <= pages / (runs - 1) + 1, pieces
+    scans = [n for plan in plans if "ctid >=" in plan["Query Text"] for n in plan_nodes(plan["Plan"])
+             if n.get("Relation Name") == name]
+    assert {n["Node Type"] for n in scans} == {"Tid Range Scan"} and len(scans) == len(pieces)
+    assert sum(n["Shared Hit Blocks"] + n["Shared Read Blocks"] for n in scans) >= pages
+    assert store.later.warm(reaches - step) is None  # read once an hour
