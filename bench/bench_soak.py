@@ -514,6 +514,8 @@ def compared(rows: list[dict], span: int = 10) -> tuple[list[dict], list[dict], 
 
 def report(r: dict) -> None:
     print(f"\n{describe(r['machine'])}")
+    # This machine's PostgreSQL runs with autovacuum off (the store's upkeep does it); any other change is named.
+    tuned = {k: v for k, v in r["machine"].get("postgresql_settings", {}).items() if k != "autovacuum"}
     rows = r["minutes_table"]
     print(f"{r['minutes']} minutes; sends at {r['rate']:,.0f} msg/s"
           + (f" (half the maximum that a sender, the pump and the consumer carried through together on this machine, "
@@ -521,7 +523,7 @@ def report(r: dict) -> None:
              if "max_rate" in r else "")
           + f"; delays 80% 1-60 s, 15% 1-60 min, 5% 1 h-1 day (mean {r['mean_delay_s']:,.0f} s); store prefilled "
           f"with {r['prefilled']:,} messages (the backlog of a day of such sends: rate x mean delay, unless --prefill "
-          "said otherwise); PostgreSQL as shipped"
+          "said otherwise); PostgreSQL " + (", ".join(f"{k}={v}" for k, v in tuned.items()) or "as shipped")
           + (f"; a snapshot held for {r['held_snapshot']['seconds']:.0f} s from the start of minute "
              f"{r['held_snapshot']['minute']:.0f}" if r.get("held_snapshot") else "") + ".\n")
     print("| minute | claimed msg/s | received msg/s | lateness p50 | p99 | rows | dead rows | table + indexes | "
