@@ -17,77 +17,25 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import Enum
-from functools import partial
 from typing import Any
 
 from airflow_delay_provider.core.breakers import CircuitBreaker, RateBreaker
-from airflow_delay_provider.core.checks import check_int, check_number
-from airflow_delay_provider.core.delays import UTC, utcnow
-from airflow_delay_provider.core.errors import (
-    CriticalError,
-    DestinationNotFoundError,
-    InvalidInputError,
-    UnavailableError,
-)
-from airflow_delay_provider.core.message import (
-    HEADER_FAILED_DESTINATION,
-    DelayedMessage,
-    check_destination,
-)
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.errors import CriticalError, DestinationNotFoundError, UnavailableError
+from airflow_delay_provider.core.message import HEADER_FAILED_DESTINATION, DelayedMessage
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore, Transport
-from airflow_delay_provider.core.retry_policy import DeliveryPolicy, PolicyError
+from airflow_delay_provider.core.progress import ProgressReport
+from airflow_delay_provider.core.pump_config import END_OF_TIME, PumpConfig, PumpResult
+from airflow_delay_provider.core.pump_policies import DestinationPolicies
+from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.core.settlement import FailedBatch, settle_failure
-from airflow_delay_provider.core.stats import PumpStats
-from airflow_delay_provider.core.throttle import SharedBucket, TokenBucket
+from airflow_delay_provider.core.stats import PumpStats, moved_stats
 
 log = logging.getLogger(__name__)
 
 #: While the only due rows are held elsewhere, the pump looks again after this long, doubling each time.
 MIN_HELD_BACKOFF_SECONDS = 0.005
 MAX_HELD_BACKOFF_SECONDS = 1.0
-
-
-@dataclass
-class PumpConfig:
-    batch_size: int = 1000
-    #: The first claim after the pump wakes from waiting for a due time takes this many messages, and each
-    #: next one twice as many up to batch_size: the head of a burst is delivered within milliseconds of its
-    #: due time instead of after a whole batch has been claimed, sent and committed.
-    first_batch_size: int = 16
-    number_of_retries: int = 0
-    error_queue: str = "error"
-    #: Longest sleep while idle; a sooner message wakes the pump earlier where the store can tell.
-    max_idle_seconds: float = 60.0
-    time_to_trigger_fetch_circuit_breaker: float = 30.0
-    time_to_trigger_dispatch_circuit_breaker: float = 30.0
-    maximum_recovery_failures_per_second: float = 1.0
-    progress_interval_seconds: float = 10.0
-    #: Each retry's delay is spread by up to +/- this fraction (within the policy's bounds), so a burst
-    #: that failed together does not retry together.
-    retry_jitter: float = 0.1
-
-    def __post_init__(self) -> None:
-        check_int("batch_size", self.batch_size, 1, 10_000)
-        check_int("first_batch_size", self.first_batch_size, 1)
-        check_int("number_of_retries", self.number_of_retries, 0, 100)
-        try:
-            check_destination(self.error_queue)
-        except InvalidInputError as exc:
-            raise InvalidInputError(f"error_queue: {exc}") from None
-        check_number("retry_jitter", self.retry_jitter, 0, 1, what="a fraction")
-        for name in ("max_idle_seconds", "time_to_trigger_fetch_circuit_breaker",
-                     "time_to_trigger_dispatch_circuit_breaker", "maximum_recovery_failures_per_second"):
-            check_number(name, getattr(self, name), above=0)
-
-
-@dataclass
-class PumpResult:
-    """Why a run stopped: `deadline`, `max_messages`, `drained` (nothing left in the window), `idle` or
-    `stopped` (`Pump.stop()` was called)."""
-
-    stats: PumpStats
-    reason: str
-    next_due: datetime | None = None
 
 
 @dataclass
@@ -116,6 +64,11 @@ def _outage(messages: list[DelayedMessage], exc: Exception) -> dict[str, Excepti
 
 
 class Pump:
+    """Claims due messages from a store in batches and sends them through a transport, until told to stop (`run`).
+
+    Per-destination policies and throttles are `by_destination` (core/pump_policies.py); the progress line is
+    `progress` (core/progress.py); a failed delivery is settled by core/settlement.py."""
+
     def __init__(
         self,
         store: DelayedMessageStore,
@@ -128,17 +81,15 @@ class Pump:
         throttle_share: float = 1.0,
     ) -> None:
         self.store = store
-        # Several pumps splitting one destination's rate (a sweep's partitions) each take a share, where
-        # the store cannot keep one bucket for all of them (SQLite); on PostgreSQL they share its bucket.
-        self.throttle_share = throttle_share
         self.transport = transport
         self.config = config or PumpConfig()
-        # The flat number_of_retries is the shorthand for that many immediate retries.
-        self.policy = policy or DeliveryPolicy.immediate(self.config.number_of_retries)
-        self.policies = dict(policies or {})
-        self._stored_policies: dict[str, DeliveryPolicy] = {}
-        self._buckets: dict[str, TokenBucket | SharedBucket] = {}
         self._clock = clock or store.clock  # due times are compared on the store's clock
+        # The flat number_of_retries is the shorthand for that many immediate retries. Several pumps splitting one
+        # destination's rate (a sweep's partitions) each take a share, where the store cannot keep one bucket for
+        # all of them (SQLite); on PostgreSQL they share its bucket.
+        self.by_destination = DestinationPolicies(
+            store, policy or DeliveryPolicy.immediate(self.config.number_of_retries), policies or {}, self._clock,
+            throttle_share)
         self._stopping = threading.Event()
         transport.use_clock(self._clock)  # and a native delay (a retry's, a sweep's) counts from it too
         self.exactly_once = transport.joins(store)
@@ -158,7 +109,7 @@ class Pump:
         self._moves = False
         self._exclusions: set[str] | None = None
         self._inflight: _InFlight | None = None
-        self._counter: threading.Thread | None = None  # the progress report's count, on a threaded store
+        self.progress = ProgressReport(store, self._clock)
 
     def from_host_time(self, moment: datetime) -> datetime:
         """A time on this host's clock (a task's deadline) as a time on the pump's (the store's) clock."""
@@ -166,62 +117,11 @@ class Pump:
 
     def policy_for(self, destination: str) -> DeliveryPolicy:
         """The task's policy for the destination, else the one stored for it, else the task's default."""
-        return self.policies.get(destination) or self._stored_policies.get(destination, self.policy)
-
-    def _load_stored_policies(self) -> None:
-        try:
-            stored = self.store.policies()
-        except Exception as exc:  # the claims will meet the same problem, under the fetch breaker
-            log.warning("could not read stored delivery policies: %s", exc)
-            return
-        self._stored_policies = {}
-        for destination, data in stored.items():
-            try:
-                self._stored_policies[destination] = DeliveryPolicy.from_dict(data)
-            except PolicyError as exc:
-                log.error("ignoring the stored delivery policy of %s: %s", destination, exc)
+        return self.by_destination.policy_for(destination)
 
     def move_exclusions(self) -> set[str] | None:
-        """The destinations a transport's move must leave to claims, read with the store's policies: the throttled
-        ones, which go at their rate. None when the default policy is throttled: nothing may be moved."""
-        self._load_stored_policies()
-        if self.policy.max_receives_per_second is not None:
-            return None
-        policies = {**self._stored_policies, **self.policies}
-        return {d for d, p in policies.items() if p.max_receives_per_second is not None}
-
-    def _bucket(self, destination: str) -> TokenBucket | SharedBucket | None:
-        rate = self.policy_for(destination).max_receives_per_second
-        if rate is None:
-            return None
-        if destination not in self._buckets:
-            if self.store.shared_throttle:  # every pump of the store takes from one bucket
-                take = partial(self.store.take_tokens, destination, rate)
-                self._buckets[destination] = SharedBucket(rate, take)
-            else:  # this pump's own share of the rate
-                self._buckets[destination] = TokenBucket(rate * self.throttle_share,
-                                                         clock=lambda: self._clock().timestamp())
-        return self._buckets[destination]
-
-    def _throttled_out(self) -> set[str]:
-        """Destinations with no token left: not even claimed until their bucket refills."""
-        return {d for d, bucket in self._buckets.items() if bucket.empty()}
-
-    def _within_throttle(self, messages: list[DelayedMessage]) -> list[DelayedMessage]:
-        """The messages that may go now; the rest stay in the claim unsettled and are restored."""
-        allowed: dict[str, int] = {}
-        wanted: dict[str, int] = {}
-        for m in messages:
-            wanted[m.destination] = wanted.get(m.destination, 0) + 1
-        for destination, n in wanted.items():
-            bucket = self._bucket(destination)
-            allowed[destination] = n if bucket is None else bucket.take_up_to(n)
-        sendable = []
-        for m in messages:
-            if allowed[m.destination] > 0:
-                allowed[m.destination] -= 1
-                sendable.append(m)
-        return sendable
+        """The destinations a transport's move must leave to claims (core/pump_policies.py)."""
+        return self.by_destination.move_exclusions()
 
     # -- one batch -------------------------------------------------------------------------
     def dispatch_batch(self, limit: int | None = None, due_before: datetime | None = None) -> PumpStats | None:
@@ -246,7 +146,8 @@ class Pump:
     def _claim_ahead(self, due_before: datetime | None) -> None:
         """Start claiming the next full batch in the worker thread (see `claims_ahead`)."""
         if self._claimer is not None and self._ahead is None:
-            self._ahead = self._claimer.submit(self._claim, self.config.batch_size, due_before, self._throttled_out())
+            self._ahead = self._claimer.submit(self._claim, self.config.batch_size, due_before,
+                                               self.by_destination.throttled_out())
 
     def _release_ahead(self) -> None:
         """Hand back a batch claimed ahead and not sent: rolled back, its rows stay stored untouched."""
@@ -265,12 +166,12 @@ class Pump:
             if ahead is not None:
                 stack, claim = ahead.result()
             else:
-                stack, claim = self._claim(limit, due_before, self._throttled_out())
+                stack, claim = self._claim(limit, due_before, self.by_destination.throttled_out())
             if not claim.messages:
                 stack.close()
                 self.fetch_breaker.success()
                 return None
-            sending = self._within_throttle(claim.messages)
+            sending = self.by_destination.within_throttle(claim.messages)
             connection = claim.connection if self.exactly_once else None
             return _InFlight(stack, claim, sending, self._start_send(sending, connection))
         except BaseException as exc:
@@ -498,7 +399,7 @@ class Pump:
             ramp = min(2 * ramp, self.config.batch_size)
             if time.monotonic() - last_report >= self.config.progress_interval_seconds:
                 last_report = time.monotonic()
-                self._report(stats, started, due_before)
+                self.progress.report(stats, started, due_before)
             if batch.batches or self._inflight is not None:
                 held_backoff = MIN_HELD_BACKOFF_SECONDS
                 continue
@@ -550,55 +451,5 @@ class Pump:
             log.warning("could not read the next due time: %s", exc)
             return None
 
-    def _report(self, stats: PumpStats, started: float, due_before: datetime | None) -> None:
-        """A progress line during a long run: totals, rate, what is still due and when that clears.
 
-        On a store that allows it the count runs in a thread of its own and the line is logged when it ends: in
-        an hour-long soak of a store of 12 million the count of what is due grew from 44 to 151 ms over the hour
-        (it reads the due index over the dead entries of every row moved out since the hour began), and every
-        claim due behind it, every 10 s, waited for it. At most one count runs at a time; a report due meanwhile
-        is left out."""
-        if not (stats.dispatched or stats.dead_lettered or stats.retried):
-            return
-        elapsed = max(time.monotonic() - started, 1e-9)
-        line = (stats.dispatched, stats.dispatched / elapsed, stats.retried, stats.dead_lettered)
-        due_by = min(self._clock(), due_before or END_OF_TIME)
-        if not self.store.threaded_claims:
-            self._count_and_log(line, due_by, raise_critical=True)
-        elif self._counter is None or not self._counter.is_alive():
-            self._counter = threading.Thread(target=self._count_and_log, args=(line, due_by),
-                                             name="pump-progress", daemon=True)
-            self._counter.start()
-
-    def _count_and_log(self, line: tuple[int, float, int, int], due_by: datetime, raise_critical: bool = False) -> None:
-        dispatched, rate, retried, dead_lettered = line
-        try:
-            backlog = sum(self.store.count_scheduled(due_before=due_by).values())
-        except CriticalError:
-            if raise_critical:  # in a thread of its own, the claims meet the same error and stop the pump
-                raise
-            log.exception("could not count what is due now")
-            return
-        except Exception as exc:
-            # Only the report needs the count: an outage is the claims' to ride out, under the fetch breaker.
-            log.info("dispatched %d (%.0f msg/s), retrying %d, dead-lettered %d; could not count what is due "
-                     "now: %s", dispatched, rate, retried, dead_lettered, exc)
-            return
-        eta = f", ETA {backlog / rate:.0f} s" if backlog and rate > 0 else ""
-        log.info("dispatched %d (%.0f msg/s), retrying %d, dead-lettered %d; %d due now%s",
-                 dispatched, rate, retried, dead_lettered, backlog, eta)
-
-
-def moved_stats(moved: list[tuple[str, datetime, int]], sent_at: datetime) -> PumpStats:
-    """The counts of a batch a transport moved itself ((destination, due time, how many) per group)."""
-    stats = PumpStats(batches=1 if moved else 0)
-    for destination, due_at, n in moved:
-        stats.dispatched += n
-        stats.count(destination, "dispatched", n)
-        stats.lateness.add((sent_at - due_at).total_seconds(), n)
-    return stats
-
-
-#: Later than any due time: claiming "due by then" claims everything stored.
-END_OF_TIME = datetime(9999, 1, 1, tzinfo=UTC)
-
+__all__ = ["END_OF_TIME", "Pump", "PumpConfig", "PumpResult", "moved_stats"]  # the names others import from here

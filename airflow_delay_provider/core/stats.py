@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 # Log-spaced buckets: bucket k holds lateness in [R**(k-1), R**k) milliseconds; 1% resolution
@@ -122,3 +123,13 @@ class PumpStats:
             lateness=LatenessHistogram.from_dict(data.get("lateness")),
             destinations={d: dict(o) for d, o in (data.get("destinations") or {}).items()},
         )
+
+
+def moved_stats(moved: list[tuple[str, datetime, int]], sent_at: datetime) -> PumpStats:
+    """The counts of a batch a transport moved itself ((destination, due time, how many) per group)."""
+    stats = PumpStats(batches=1 if moved else 0)
+    for destination, due_at, n in moved:
+        stats.dispatched += n
+        stats.count(destination, "dispatched", n)
+        stats.lateness.add((sent_at - due_at).total_seconds(), n)
+    return stats

@@ -1,58 +1,38 @@
 """The SQL delayed-message store (an external store of delayed messages, claimed in batches): SQLite and PostgreSQL.
 
-The store's messages and claims are here. It is composed of parts that each get its database and tables:
+The store is composed of parts that each get its database and tables: storing (writes.py), claiming (claims.py),
 per-destination settings (destinations.py), bulk-sweep leases (leases.py), event claims (event_leases.py),
-backlog controls (backlog.py), de-duplication (dedup.py), waiting for the next due time (listener.py), upkeep
-(upkeep.py) and migrations (migrations.py). The tables are declared in tables.py.
+backlog controls (backlog.py), de-duplication (dedup.py), waiting for the next due time (listener.py), the move
+between partitions (tiers.py), upkeep (upkeep.py) and migrations (migrations.py). The tables are declared in
+tables.py. Here: the parts put together, the schema, and the store's public methods.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import (
-    ARRAY,
-    ColumnElement,
-    String,
-    Table,
-    Text,
-    and_,
-    any_,
-    bindparam,
-    cast,
-    delete,
-    false,
-    func,
-    insert,
-    inspect,
-    literal,
-    literal_column,
-    or_,
-    select,
-    text,
-)
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import URL, Connection, Row
+from sqlalchemy import ColumnElement, Table, func, inspect, or_, select
+from sqlalchemy.engine import URL, Connection
 from sqlalchemy.sql import Select
 
 from airflow_delay_provider.core.backlog import BODY_PREVIEW_BYTES, Selector
 from airflow_delay_provider.core.checks import check_number
 from airflow_delay_provider.core.delays import utcnow
-from airflow_delay_provider.core.errors import DelayProviderError, InvalidMessageError
+from airflow_delay_provider.core.errors import DelayProviderError
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
 from airflow_delay_provider.stores.backlog import BacklogControls
+from airflow_delay_provider.stores.claims import DueClaims
 from airflow_delay_provider.stores.dedup import DEFAULT_DEDUP_WINDOW_SECONDS, AcceptedIds
 from airflow_delay_provider.stores.destinations import DestinationSettings
-from airflow_delay_provider.stores.engine import IndexStart, SqlDatabase, copy_rows, safe_url
+from airflow_delay_provider.stores.engine import SqlDatabase, safe_url
 from airflow_delay_provider.stores.event_leases import EventLeases
 from airflow_delay_provider.stores.leases import LeasedRows, SweepLeases
 from airflow_delay_provider.stores.listener import StoreWaiting
@@ -60,25 +40,20 @@ from airflow_delay_provider.stores.migrations import STORE_SCHEMA, SchemaMigrati
 from airflow_delay_provider.stores.tables import (
     DEFAULT_TABLE,
     MAX_TABLE_NAME,
-    SOON,
     SWEEP_COLUMNS,
     StoreTables,
     _message,
     check_claim_id,
     check_store_table,
     from_us,
-    tier_of,
     to_us,
 )
 from airflow_delay_provider.stores.tiers import LaterMessages
 from airflow_delay_provider.stores.upkeep import TableUpkeep
+from airflow_delay_provider.stores.writes import MessageWrites
 
 log = logging.getLogger(__name__)
 
-#: A send to more destinations than this wakes every waiting pump with one notification, naming none.
-_NAMED_WAKEUPS = 16
-#: How far before its clock a reading of where claims start marks the due times of rows written after it.
-_START_MARGIN_US = 1_000_000
 #: How often a store object looks again whether its store has been migrated to the two partitions.
 _TIERS_CHECK_SECONDS = 30.0
 
@@ -93,43 +68,6 @@ __all__ = [  # the names other modules import from here
 ]
 
 
-
-class _SqlClaim(Claim):
-    """Claimed rows are deleted by the claiming statement itself, inside the claim's transaction.
-
-    Delivered messages then cost no further statement; retried ones are written back with their new
-    due time; anything left unsettled is restored before commit; an error rolls all of it back.
-    """
-
-    def __init__(self, conn: Connection, table: Table, rows: Iterable[Row[Any]]) -> None:
-        self.connection = conn
-        self._table = table
-        rows = sorted(rows, key=lambda r: (r.due_at_us, r.id))  # RETURNING has no order
-        self._rows = {row.message_id: row for row in rows}
-        self._unsettled = set(self._rows)
-        self.messages = [_message(row) for row in rows]
-
-    def remove(self, message_ids: Iterable[str]) -> int:
-        before = len(self._unsettled)
-        self._unsettled.difference_update(message_ids)
-        return before - len(self._unsettled)
-
-    def retry(self, next_due: Mapping[str, datetime], headers: Mapping[str, dict[str, str]] | None = None) -> None:
-        changes = {m: {"failures": self._rows[m].failures + 1, "due_at_us": to_us(d)} for m, d in next_due.items()}
-        for m, h in (headers or {}).items():
-            changes[m]["headers"] = json.dumps(h, separators=(",", ":"))
-        self._write_back(changes)
-
-    def restore_unsettled(self) -> None:
-        if self._unsettled:
-            self._write_back({m: {} for m in self._unsettled})
-
-    def _write_back(self, changes: Mapping[str, dict[str, Any]]) -> None:
-        rows = [{**self._rows[m]._asdict(), "claim_id": None, **change} for m, change in changes.items()]
-        self.connection.execute(insert(self._table), rows)
-        self._unsettled.difference_update(changes)
-
-
 class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     """Delayed messages in one table (on PostgreSQL in two partitions, `_soon` and `_later`: stores/tiers.py); claims
     lock rows (`FOR UPDATE SKIP LOCKED` on PostgreSQL).
@@ -138,8 +76,8 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     each work on those two: `settings` (destinations, pauses, policies, queue delays, throttles), `leases` (bulk
     sweeps), `events` (event claims), `controls` (browse, count, cancel, reschedule, purge), `accepted`
     (de-duplication), `waiting`, `maintenance` and `later_maintenance` (vacuum and analyse), `later` (the move from
-    `_later` to `_soon`) and `migrations`. Storing and claiming are
-    the store's own; the parts' public methods are the store's too.
+    `_later` to `_soon`), `writes` (storing, stores/writes.py), `claims` (claiming, stores/claims.py) and
+    `migrations`. The parts' public methods are the store's.
     """
 
     def __init__(
@@ -161,7 +99,6 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         self.shared_throttle = self.is_postgres
         self._scope: list[ColumnElement[bool]] = []  # conditions every claim and read of this store object adds
         self._wants: Callable[[str], bool] | None = None  # the destinations it serves, when restricted
-        self._due_start = IndexStart()  # where this object's claims start reading the due index
         self.waiting = StoreWaiting(self, self.tables.channel, lambda: self._wants)
         self.settings = DestinationSettings(self, self.tables)
         self.leases = SweepLeases(self, self.tables, self.tiered, self.ringed)
@@ -169,8 +106,9 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         self.controls = BacklogControls(self, self.tables, self.settings, lambda: self._scope, self.tiered,
                                        self.ringed)
         t = self.tables
-        self.later = LaterMessages(self, self.tables, self._earliest_due, self.ringed)
-        self._start_soon_only = False  # whether `_due_start` is `_soon`'s alone (read apart from both partitions')
+        self.writes = MessageWrites(self, t, self.accepted, self.settings, self.tiered, self.ringed)
+        self.claims = DueClaims(self, t, lambda: self._scope, self.tiered, lambda: self.later.clear_until_us)
+        self.later = LaterMessages(self, t, self.claims.earliest_due, self.ringed)
         self._tiered: bool | None = None
         self._ringed = False
         self._tiered_checked = -math.inf
@@ -216,7 +154,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         so one store can serve several teams' dispatchers, or a sweep its window. Returns self."""
         t = self.table
         self._scope = []
-        self._due_start = IndexStart()
+        self.claims.restart()
         wanted: list[ColumnElement[bool]] = []
         names = frozenset(destinations or ())
         if names:
@@ -324,96 +262,9 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         with self.errors("inspect the delay store"), self.engine.connect() as conn:
             return inspect(conn).has_table(self.table_name, schema=self.schema)
 
-    # -- writes -----------------------------------------------------------------------------------
+    # -- writes (stores/writes.py) -----------------------------------------------------------------
     def store(self, messages: Sequence[DelayedMessage], deduplicate: bool = True) -> int:
-        """Store messages atomically; ids already stored, or accepted within the de-duplication window,
-        are skipped. Returns how many were new. `deduplicate=False` (a migration moving messages that
-        were accepted before) skips only ids that are stored right now."""
-        if not messages:
-            return 0
-        wrong = next((m for m in messages if not isinstance(m, DelayedMessage)), None)
-        if wrong is not None:
-            raise InvalidMessageError(f"messages must be DelayedMessage objects (each checked when it is built), "
-                                      f"got {type(wrong).__name__}")
-        now = to_us(self.clock())
-        tiered, ring = self.tiered(), self.ringed()
-        rows: list[dict[str, Any]] = [
-            {
-                "message_id": m.message_id,
-                "destination": m.destination,
-                "body": m.body,
-                "headers": json.dumps(m.headers, separators=(",", ":")),
-                "due_at_us": to_us(m.due_at),
-                "stored_at_us": now,
-                "failures": m.failures,
-            }
-            for m in messages
-        ]
-        if tiered:
-            for r in rows:
-                r["tier"] = tier_of(r["due_at_us"], now, ring)
-        remember = deduplicate and self.dedup_window_us > 0
-        with self.errors("store delayed messages"), self.engine.begin() as conn:
-            if remember:
-                self.accepted.expire(conn, now)
-            stored = self._insert_new(conn, rows, now if remember else None, tiered)
-            if stored:
-                self.settings.register(conn, {r["destination"] for r in rows}, now)
-            if self.is_postgres and stored:
-                # Delivered at commit; wakes idle pumps that sleep past this due time. Each destination's
-                # soonest, for a few: dispatchers restricted to other destinations sleep on.
-                soonest: dict[str, int] = {}
-                for r in rows:
-                    soonest[r["destination"]] = min(r["due_at_us"], soonest.get(r["destination"], r["due_at_us"]))
-                if len(soonest) > _NAMED_WAKEUPS:
-                    payloads = [str(min(soonest.values()))]
-                else:
-                    payloads = [f"{due} {destination}" for destination, due in soonest.items()]
-                for payload in payloads:
-                    conn.execute(select(func.pg_notify(self.channel, payload)))
-        return stored
-
-    _COPY_COLUMNS = ("message_id", "destination", "body", "headers", "due_at_us", "stored_at_us", "failures")
-    _COPY_TYPES = ("text", "text", "bytea", "text", "int8", "int8", "int4")
-
-    def _insert_new(self, conn: Connection, rows: list[dict[str, Any]], seen_at_us: int | None,
-                    tiered: bool = False) -> int:
-        """Insert the rows whose message id is new (a retried task stores nothing twice); returns how many.
-        With `seen_at_us`, their ids are remembered in the ids table and ids found there are skipped."""
-        if tiered and seen_at_us is None:
-            # Each partition's unique index sees its own rows only: without the ids table, look in both.
-            t = self.table
-            stored = set(conn.execute(select(t.c.message_id).where(
-                t.c.message_id == any_(literal([r["message_id"] for r in rows], ARRAY(String))))).scalars())
-            rows = [r for r in rows if r["message_id"] not in stored]
-            if not rows:
-                return 0
-        if self.is_postgres:
-            from psycopg.errors import UniqueViolation
-
-            columns: tuple[str, ...] = self._COPY_COLUMNS
-            types: tuple[str, ...] = self._COPY_TYPES
-            if tiered:
-                columns, types = (*columns, "tier"), (*types, "int2")
-            try:
-                with conn.begin_nested():  # COPY is the fast way, for the usual case of all-new ids
-                    if seen_at_us is not None:
-                        copy_rows(conn, self.tables.ids, ("message_id", "seen_at_us"), ("text", "int8"),
-                                  ((r["message_id"], seen_at_us) for r in rows))
-                    copy_rows(conn, self.table, columns, types, ([r[c] for c in columns] for r in rows))
-                return len(rows)
-            except UniqueViolation:
-                pass
-        if seen_at_us is not None:
-            fresh = set(self.accepted.remember(conn, [r["message_id"] for r in rows], seen_at_us))
-            rows = [r for r in rows if r["message_id"] in fresh]
-            if not rows:
-                return 0
-        insert = (postgresql.insert if self.is_postgres else sqlite.insert)(self.table)
-        # The partitioned table has no unique index of its own: the partition a row goes to checks its keys.
-        stmt = (insert.on_conflict_do_nothing() if tiered else insert.on_conflict_do_nothing(
-            index_elements=["message_id"])).returning(self.table.c.id)
-        return len(conn.execute(stmt, rows).all())
+        return self.writes.store(messages, deduplicate)
 
     def unseen(self, message_ids: Sequence[str]) -> list[str]:
         """The ids not accepted within the de-duplication window: what a native send may still send."""
@@ -423,121 +274,28 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         """Record ids a broker confirmed (a native send), so a retried send skips them."""
         self.accepted.remember_sent(message_ids)
 
-    def due_ids(
-        self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = (),
-        soon_only: bool | None = None,
-    ) -> Select[int]:
-        """The query of the ids a claim takes: due, not leased, paused or an event destination; oldest first;
-        rows another claim holds are skipped, never waited for or handed out twice.
-
-        :param soon_only: read `_soon` only (see `claims_soon_only`; by default, what it says at `now`). Pass the
-            same to `claimed`.
-        """
-        t, tables = self.table, self.tables
-        due = select(t.c.id).where(t.c.due_at_us <= to_us(now), tables.unleased(to_us(now)), tables.not_paused(),
-                                   tables.dispatchable(), *self._scope)
-        if soon_only is None:
-            soon_only = self.claims_soon_only(now)
-        if soon_only:
-            due = due.where(self.tables.in_tier(SOON))
-        if soon_only != self._start_soon_only:  # the other partitions' start was never read: read it afresh
-            self._start_soon_only, self._due_start = soon_only, IndexStart()
-        if self.is_postgres and (start := self._claims_start(now, soon_only)):
-            due = due.where(t.c.due_at_us >= start)
-        if due_before is not None:
-            due = due.where(t.c.due_at_us < to_us(due_before))
-        if exclude:
-            due = due.where(t.c.destination.not_in(list(exclude)))
-        return due.order_by(t.c.due_at_us, t.c.id).limit(limit).with_for_update(skip_locked=True)
+    # -- claims (stores/claims.py) -----------------------------------------------------------------
+    def due_ids(self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = (),
+                soon_only: bool | None = None) -> Select[int]:
+        return self.claims.due_ids(now, limit, due_before, exclude, soon_only)
 
     def claims_soon_only(self, now: datetime) -> bool:
-        """Whether claims at `now` may read `_soon` only: `_later` holds nothing they could take until its last
-        look's bound (stores/tiers.py). Never on SQLite or a store not migrated to the two partitions. The move
-        renews the bound in another thread, so a claim asks once and builds `due_ids` and `claimed` from that."""
-        return to_us(now) < self.later.clear_until_us
-
-    def _claims_start(self, now: datetime, soon_only: bool = False) -> int:
-        """Where claims start reading the due index (engine.IndexStart): the earliest due time a claim could take
-        (future ones too), and as the mark this clock's time less `_START_MARGIN_US` (senders' due times are never
-        before their own clock, which lags the database's by at most a round trip)."""
-        def read(walk_from: int, _look_ahead: float) -> tuple[int | None, int]:
-            # Due rows stay due: what a claim could take later is in the earliest due time already.
-            first = self._earliest_due(to_us(now)).where(self.table.c.due_at_us >= walk_from)
-            if soon_only:
-                first = first.where(self.tables.in_tier(SOON))
-            with self.errors("read where claims start"), self.engine.begin() as conn:
-                self.in_index_order(conn)
-                return conn.execute(first).scalar(), to_us(self.clock()) - _START_MARGIN_US
-
-        return self._due_start.current(read)
-
-    def _earliest_due(self, now_us: int) -> Select[int]:
-        """The earliest due time of the messages a claim of this object could take, now or later.
-
-        The first row in due order, not `min(due_at_us)`: under `in_index_order` (the claims' reading) the planner
-        priced out the plan that stops at the first row and read the whole due index instead, 7-10 s on a store of
-        9,000,000, so a pump fell behind by a minute each minute."""
-        t, tables = self.table, self.tables
-        return select(t.c.due_at_us).where(tables.unleased(now_us), tables.not_paused(), tables.dispatchable(),
-                                           *self._scope).order_by(t.c.due_at_us).limit(1)
+        return self.claims.claims_soon_only(now)
 
     def claimed(self, ids: Select[int], soon_only: bool = False) -> ColumnElement[bool]:
-        """The condition on the table's rows whose ids the subquery `ids` gives, in one statement (`taken` says
-        which to use).
-
-        :param soon_only: `ids` reads `_soon` only (`due_ids` with the same `soon_only`), so each row is found by
-            its place in `_soon` (its `ctid`, which the claim's lock keeps); else by its id (SQLite, a store not
-            in partitions).
-        """
-        # `= ANY(ARRAY(...))` finds each claimed row by its place or key; with `IN (...)` PostgreSQL's planner
-        # hash-joins the subquery against a scan of the whole table (measured: 10-30% slower claims).
-        subquery = ids.scalar_subquery()
-        if not self.is_postgres:
-            return self.table.c.id.in_(subquery)
-        if soon_only:
-            # By place, a TID scan of the one partition: no index for the planner to choose from statistics. By
-            # id, a partition analysed when all but empty had each id looked up through its due index (id is its
-            # second column), read in full for each (tiers.LaterMessages._moving).
-            ctid: ColumnElement[Any] = literal_column("ctid")
-            places = ids.with_only_columns(ctid).scalar_subquery()
-            return and_(self.tables.in_tier(SOON), ctid == any_(func.array(places)))
-        return self.table.c.id == any_(func.array(subquery))
+        return self.claims.claimed(ids, soon_only)
 
     def taken(self, conn: Connection, ids: Select[int], soon_only: bool = False) -> ColumnElement[bool]:
-        """The condition on the table's rows that `ids` selects (a query that locks them: FOR UPDATE), for the
-        statement that takes them on `conn`. From `_soon` alone, `claimed`: one statement. Otherwise (a pump that
-        has just started, a move that has failed for 30 s, a sweep's window) `ids` runs here first, and its rows
-        are found again by their place in their own partition (a TID scan of each), which their lock keeps.
+        return self.claims.taken(conn, ids, soon_only)
 
-        By id, a claim that read every partition looked each id up in all of them, and in the current hour's, once
-        an analyse had found it all but empty, the planner took its due index for the lookup (id is its second
-        column) and read all of it for each id, as the move of `_later` did (tiers.LaterMessages._moving)."""
-        if soon_only or not self.is_postgres or not self.tiered():
-            return self.claimed(ids, soon_only)
-        picked: dict[int, list[str]] = {}
-        for tier, tid in conn.execute(ids.with_only_columns(self.table.c.tier, cast(literal_column("ctid"), Text))):
-            picked.setdefault(tier, []).append(tid)
-        if not picked:
-            return false()
-        return or_(*(and_(self.tables.in_tier(tier), text(f"ctid = ANY(CAST(:tids_{tier} AS tid[]))")
-                          .bindparams(bindparam(f"tids_{tier}", tids, type_=ARRAY(Text))))
-                     for tier, tids in picked.items()))
+    def claim_due(self, now: datetime, limit: int, due_before: datetime | None = None,
+                  exclude: Collection[str] = ()) -> AbstractContextManager[Claim]:
+        return self.claims.claim_due(now, limit, due_before, exclude)
 
-    @contextmanager
-    def claim_due(
-        self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = ()
-    ) -> Iterator[Claim]:
-        t = self.table
-        soon_only = self.claims_soon_only(now)
-        ids = self.due_ids(now, limit, due_before, exclude, soon_only)
-        with self.errors("claim due messages"), self.engine.begin() as conn:
-            self.in_index_order(conn)
-            claim_rows = delete(t).where(self.taken(conn, ids, soon_only)).returning(*self.tables.row)
-            claim = _SqlClaim(conn, t, conn.execute(claim_rows).all())
-            yield claim
-            claim.restore_unsettled()
+    def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:
+        return self.claims.next_due(destination, due_before)
 
-    # -- the parts' methods, the store's public API --------------------------------------------------
+    # -- the other parts' methods ------------------------------------------------------------------
     # destinations (stores/destinations.py)
     def register_destinations(self, destinations: Collection[str]) -> None:
         self.settings.register_destinations(destinations)
@@ -654,29 +412,6 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         return self.events.lease_expiry(destination)
 
     # -- reads -----------------------------------------------------------------------------------
-    def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:
-        t = self.table
-        now = self.clock()
-        query = self._earliest_due(to_us(now))
-        if destination is not None:
-            query = query.where(t.c.destination == destination)
-        if due_before is not None:
-            query = query.where(t.c.due_at_us < to_us(due_before))
-        with self.errors("read the next due time"), self.engine.connect() as conn:
-            value = None
-            if self.claims_soon_only(now):  # `_later` only when `_soon` has nothing before its bound
-                value = conn.execute(query.where(self.tables.in_tier(SOON))).scalar()
-                if value is not None and value >= self.later.clear_until_us:
-                    value = None
-            if value is None:
-                value = conn.execute(query).scalar()
-        if value is None:
-            return None
-        # Read from the beginning: a message made due before where claims start (rescheduled, resumed) is taken
-        # at the pump's next claim, not the next full reading.
-        self._due_start.lower(value)
-        return from_us(value)
-
     def count_scheduled(self, due_before: datetime | None = None, destination: str | None = None) -> dict[str, int]:
         t = self.table
         query = select(t.c.destination, func.count()).where(*self._scope).group_by(t.c.destination)

@@ -118,7 +118,7 @@ def test_the_earliest_due_reading_takes_each_partitions_index_from_its_start_not
     a fill of 10,000,000 a pump's reading of where its claims start ran for minutes. `in_index_order` prices
     sorts out too."""
     store, _ = _store(pg, 20_000)
-    query = store._earliest_due(to_us(store.clock())).where(store.table.c.due_at_us >= 0)
+    query = store.claims.earliest_due(to_us(store.clock())).where(store.table.c.due_at_us >= 0)
     sql = str(query.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))
     with store.engine.connect() as conn:
         store.in_index_order(conn)

@@ -182,7 +182,7 @@ def test_a_claim_passes_the_dead_entries_a_held_snapshot_keeps(store, clock, pg)
         _store_due_now(store, 10, "new")
         clock.reading_due()
         started = _claim_reads(store)  # a reading: the start passes the 5,000 claimed
-        store._due_start.value = 0
+        store.claims.due_start.value = 0
         from_beginning = _claim_reads(store)
         assert from_beginning > 5000  # the case this guards against: every dead entry read
         assert started < 100
@@ -207,7 +207,7 @@ def test_a_destination_resumed_below_the_start_is_claimed_after_the_next_due_tim
 def test_a_message_stored_by_a_transaction_that_commits_late_is_claimed_at_the_next_full_reading(store, clock):
     store.next_due()  # nothing stored: no effect
     _claim(store)  # the first (full) reading
-    store._due_start._full_every = 3600
+    store.claims.due_start._full_every = 3600
     with store.engine.connect() as conn, conn.begin():
         conn.execute(text(f"INSERT INTO {store.qualified(store.table_name)} (message_id, destination, body, headers, "
                           "due_at_us, stored_at_us) VALUES ('slow', 'orders', '\\x00', '{}', :due, :due)"),
@@ -229,5 +229,5 @@ def test_a_reading_of_where_claims_start_stops_at_the_first_row(store):
     `min(due_at_us)` did under the claims' planner settings: on a soak's store of 9,000,000 every reading took 7-10
     s, and the pump fell behind by a minute each minute)."""
     _store_due_now(store, 5000, "later", ago=-3600)
-    reading = store._earliest_due(to_us(store.clock())).where(store.table.c.due_at_us >= 0)
+    reading = store.claims.earliest_due(to_us(store.clock())).where(store.table.c.due_at_us >= 0)
     assert _entries_read(store, store.table_name, reading) < 10
