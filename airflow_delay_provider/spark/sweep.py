@@ -47,6 +47,7 @@ from airflow_delay_provider.core.pump import Pump, PumpConfig, moved_stats
 from airflow_delay_provider.core.requests import parse_moment
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.core.stats import PumpStats
+from airflow_delay_provider.spark import jdbc
 from airflow_delay_provider.stores.sql import (
     DEFAULT_TABLE,
     SWEEP_COLUMNS,
@@ -163,30 +164,13 @@ def _data_source():
     return DelayStoreDataSource
 
 
-def jdbc_url(url) -> str:
-    """The JDBC URL of a PostgreSQL store's SQLAlchemy URL. JDBC connects over TCP only: a URL without a
-    host (a Unix socket) is refused rather than read as localhost, which an executor elsewhere is not."""
-    if not url.host:
-        raise InvalidInputError(
-            "the store's URL has no host (it connects through a Unix socket), and the JDBC reader connects over "
-            "TCP from every executor: give the store's connection a host name the executors can reach, or use "
-            "reader='direct'")
-    return f"jdbc:postgresql://{url.host}:{url.port or 5432}/{url.database}"
-
-
 def read_claim(spark, store: SqlDelayedMessageStore, claim_id: str, ranges: list[tuple[int, int]], reader: str,
                secret_file: str | None = None):
     """The claimed rows as a DataFrame with one partition per id range."""
     if reader == "jdbc":
-        url = store.url
         table = ".".join(f'"{part}"' for part in filter(None, (store.schema, store.table_name)))  # checked identifiers
         predicates = [f"claim_id = '{claim_id}' AND id >= {low} AND id <= {high}" for low, high in ranges]
-        properties = {"driver": "org.postgresql.Driver", "fetchsize": "10000"}
-        if url.username:
-            properties["user"] = url.username
-        if url.password:
-            properties["password"] = str(url.password)
-        frame = spark.read.jdbc(jdbc_url(url), table, predicates=predicates, properties=properties)
+        frame = jdbc.read(spark, store.url, table, predicates)  # with the store's TLS settings
         return frame.select(*SWEEP_COLUMNS)
     spark.dataSource.register(_data_source())
     reading = spark.read.format(DATA_SOURCE).option("claim_id", claim_id).option("ranges", json.dumps(ranges))
@@ -481,6 +465,8 @@ def resolve_reader(reader: str, store: SqlDelayedMessageStore) -> str:
         raise InvalidInputError(f"reader {reader!r} is not supported; choose one of {list(READERS)}")
     if reader == "jdbc" and not store.is_postgres:
         raise InvalidInputError("reader 'jdbc' needs a PostgreSQL store; use 'direct' or 'python' for SQLite")
+    if reader == "jdbc":
+        jdbc.connection(store.url)  # a store URL pgjdbc cannot honour fails here, before anything is leased
     return "direct" if reader == "auto" else reader
 
 

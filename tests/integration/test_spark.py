@@ -349,3 +349,51 @@ def _capture(errors: list, call, *args) -> None:
         call(*args)
     except BaseException as exc:  # noqa: BLE001 - the test inspects it
         errors.append(exc)
+
+
+#: Reads the claim through the JDBC reader once per store spec (a JSON file) and prints what each gave.
+_JDBC_READS = """
+import json, sys
+from pyspark.sql import SparkSession
+from airflow_delay_provider.spark.sweep import read_claim, store_from_spec
+with open(sys.argv[1]) as f:
+    job = json.load(f)
+spark = SparkSession.builder.getOrCreate()
+got = {}
+for name, spec in job["stores"].items():
+    try:
+        got[name] = read_claim(spark, store_from_spec(spec), job["claim_id"], job["ranges"], "jdbc").count()
+    except Exception as exc:
+        got[name] = "failed: " + str(exc)
+spark.stop()
+print("READS " + json.dumps(got))
+"""
+
+
+def test_the_jdbc_reader_connects_with_the_stores_sslmode(spark_ready, pg, tmp_path):
+    """This server has no TLS: a store URL asking for it must fail the JDBC read as it fails psycopg, and one
+    that disables or only prefers it must read. Without the URL's sslmode pgjdbc would prefer TLS and read."""
+    url, schema, table = pg
+    store = make_store(*pg)
+    store.store(due_messages(50, "orders"))
+    store.start_sweep("tls", utcnow() + timedelta(minutes=1), lease_seconds=600)
+    low, high, _ = store.claimed_range("tls")
+    key_password = f"kp-{uuid.uuid4().hex}"
+    stores = {mode: {"url": f"{url}?sslmode={mode}&lock_timeout=10s" + (f"&sslpassword={key_password}"
+                                                                        if mode == "require" else ""),
+                     "table": table, "schema": schema} for mode in ("disable", "prefer", "require")}
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"stores": stores, "claim_id": "tls", "ranges": [[low, high]]}))
+    job.chmod(0o600)
+    script = tmp_path / "jdbc_reads.py"
+    script.write_text(_JDBC_READS)
+    ran = subprocess.run([str(SPARK_SUBMIT), "--master", "local[1]", "--jars", sweep_app.DEFAULT_JDBC_JAR,
+                          "--conf", "spark.ui.enabled=false", str(script), str(job)],
+                         env=dict(os.environ, SPARK_LOCAL_IP="127.0.0.1"), capture_output=True, text=True, timeout=300)
+    reads = [line[len("READS "):] for line in ran.stdout.splitlines() if line.startswith("READS ")]
+    assert ran.returncode == 0 and reads, ran.stdout[-3000:] + ran.stderr[-3000:]
+    got = json.loads(reads[-1])
+    assert got["disable"] == 50 and got["prefer"] == 50, got
+    assert got["require"].startswith("failed: the JDBC reader could not read the store at jdbc:postgresql://") \
+        and "(sslmode: require)" in got["require"] and "The server does not support SSL" in got["require"], got
+    assert key_password not in ran.stdout + ran.stderr  # nor in Spark's log

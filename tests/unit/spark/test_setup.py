@@ -220,13 +220,3 @@ def test_the_outcome_is_the_records_summary_only_when_the_sweep_finished():
         with pytest.raises(DelayProviderError, match="did not finish"):
             setup.finished_summary(record, "c", None)
 
-
-def test_the_jdbc_reader_never_reads_a_host_less_url_as_localhost():
-    from sqlalchemy.engine import make_url
-
-    from airflow_delay_provider.core.errors import InvalidInputError
-    from airflow_delay_provider.spark.sweep import jdbc_url
-
-    assert jdbc_url(make_url("postgresql+psycopg://u:pw@db.internal/store")) == "jdbc:postgresql://db.internal:5432/store"
-    with pytest.raises(InvalidInputError, match="no host .*Unix socket.*reader='direct'"):
-        jdbc_url(make_url("postgresql+psycopg://u@/store"))
