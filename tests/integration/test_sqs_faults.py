@@ -1,11 +1,12 @@
 """Amazon SQS against moto's server: queue-level defaults, duplicates, large bodies, retention, batches SQS
-refuses in part or whole, and clocks."""
+refuses in part or whole, clocks, and requests SQS throttles."""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
+from collections import Counter
 from datetime import timedelta
 
 import pytest
@@ -392,3 +393,143 @@ def test_a_redelivered_message_is_not_handed_over_early_when_the_host_clock_runs
         assert time.monotonic() < deadline + 25
     [(arrived, m)] = got
     assert m.message_id == "skew-1" and arrived >= due
+
+
+# -- throttling: retried where it would duplicate or hide messages, else the package's error ----------
+class Throttling:
+    """The real moto client, remembering every entry sent and to which queue, whose calls named in `times`
+    SQS throttles: that many times each, or every time (None)."""
+
+    def __init__(self, client, **times):
+        self._client = client
+        self.times = times
+        self.throttled = Counter()
+        self.sent = []
+
+    def __getattr__(self, name):
+        call = getattr(self._client, name)
+        if name not in self.times:
+            return call
+
+        def throttled(**kwargs):
+            left = self.times[name]
+            if left is None or left > 0:
+                self.times[name] = None if left is None else left - 1
+                self.throttled[name] += 1
+                raise ClientError({"Error": {"Code": "Throttling", "Message": "Rate exceeded"},
+                                   "ResponseMetadata": {"HTTPStatusCode": 400}},
+                                  "".join(part.title() for part in name.split("_")))
+            return call(**kwargs)
+
+        return throttled
+
+    def send_message_batch(self, QueueUrl, Entries):
+        self.sent.extend((QueueUrl, entry) for entry in Entries)
+        return self._client.send_message_batch(QueueUrl=QueueUrl, Entries=Entries)
+
+
+def no_credentials_in(sqs_client, *texts: str) -> None:
+    secrets = sqs_client._request_signer._credentials.get_frozen_credentials()
+    for text in texts:
+        assert secrets.access_key not in text and secrets.secret_key not in text, text
+
+
+def relay_all(t: SqsTransport, endpoint: str, timeout: float = 30) -> RelayCounts:
+    """Relay until the delay queue is empty (nothing delayed, visible or in flight there)."""
+    totals = RelayCounts()
+
+    def emptied() -> bool:
+        if total(t, endpoint, delay_queue=True):
+            totals.add(t.relay_once(endpoint, 1, visibility_timeout=2))
+            return False
+        return True
+
+    wait_until(emptied, timeout, f"the delay queue of {endpoint!r} to empty")
+    return totals
+
+
+def test_a_delete_throttled_after_the_sends_is_retried_within_the_pass(sqs_client):
+    make(sqs_client, 1, "orders")
+    client = Throttling(sqs_client, delete_message_batch=3)
+    t = SqsTransport(client, queue_delay=1)
+    ids = [f"t-{i}" for i in range(5)]
+    assert t.send([DelayedMessage("orders", b"x", utcnow() + timedelta(seconds=2), {}, i) for i in ids]) == {}
+    totals = relay_all(t, "orders")
+    # A delete comes only after a pass's sends: these struck after SQS had taken them.
+    assert client.throttled["delete_message_batch"] == 3
+    assert (totals.handed_over, totals.failed) == (5, 0)
+    assert sorted(received_ids(t, "orders", 5)) == ids  # each once: the retried delete left no copy behind
+
+
+def test_a_delete_throttled_for_good_fails_the_pass_unavailable_and_loses_nothing(sqs_client, caplog):
+    from airflow_delay_provider.core.errors import UnavailableError
+
+    make(sqs_client, 1, "orders")
+    client = Throttling(sqs_client, delete_message_batch=None, delete_message=None)
+    t = SqsTransport(client, queue_delay=1)
+    ids = [f"g-{i}" for i in range(5)]
+    assert t.send([DelayedMessage("orders", b"x", utcnow() + timedelta(seconds=2), {}, i) for i in ids]) == {}
+    deadline = time.monotonic() + 20
+    with caplog.at_level(logging.DEBUG, logger="airflow_delay_provider"), pytest.raises(UnavailableError) as failed:
+        while time.monotonic() < deadline:
+            t.relay_once("orders", 1, visibility_timeout=2)
+    message = str(failed.value)
+    assert "'orders-delay.fifo'" in message and "Throttling" in message, message
+    no_credentials_in(sqs_client, message, caplog.text)
+    assert client.throttled["delete_message_batch"] > 1  # retried with backoff before it gave up
+    handed = {e["MessageAttributes"]["x-message-id"]["StringValue"]
+              for url, e in client.sent if url.endswith("/orders")}
+    assert handed  # the failed pass had sent these on before its delete
+    # Not deleted, they come back after their visibility timeout and go again: the only duplicates.
+    survivor = SqsTransport(sqs_client, queue_delay=1)
+    relay_all(survivor, "orders")
+    got = Counter(received_ids(survivor, "orders", len(ids) + len(handed), timeout=30))
+    assert got == {i: 2 if i in handed else 1 for i in ids}
+    assert sum(got.values()) - len(ids) == len(handed)
+
+
+@pytest.mark.parametrize("why", ["send outage", "held"])
+def test_a_throttled_visibility_change_neither_fails_the_pass_nor_loses_the_message(sqs_client, caplog, why):
+    from airflow_delay_provider.core.throttle import TokenBucket
+
+    make(sqs_client, 1, "orders")
+    # A send outage makes its messages visible at once; a held one (the destination's rate) comes back in a second.
+    inner = FaultyClient(sqs_client, fail_sends=1 if why == "send outage" else 0)
+    client = Throttling(inner, change_message_visibility=None)
+    t = SqsTransport(client, queue_delay=1)
+    ids = [f"v-{i}" for i in range(5)]
+    assert t.send([DelayedMessage("orders", b"x", utcnow() + timedelta(seconds=2), {}, i) for i in ids]) == {}
+    throttle = TokenBucket(1) if why == "held" else None
+    totals, deadline = RelayCounts(), time.monotonic() + 30
+    with caplog.at_level(logging.WARNING, logger="airflow_delay_provider"):
+        while totals.handed_over < 5 and time.monotonic() < deadline:
+            totals.add(t.relay_once("orders", 1, visibility_timeout=1, throttle=throttle))
+    assert totals.handed_over == 5
+    assert client.throttled["change_message_visibility"] == (totals.failed if why == "send outage" else totals.held) > 0
+    assert "Throttling" in caplog.text
+    no_credentials_in(sqs_client, caplog.text)
+    assert sorted(received_ids(t, "orders", 5)) == ids  # hidden until their visibility timeout, then relayed once
+    assert total(t, "orders", delay_queue=True) == 0
+
+
+@pytest.mark.parametrize("call", ["receive", "ack", "depth", "check_delay_queue"])
+def test_a_throttled_request_of_the_transport_raises_unavailable_naming_the_queue(sqs_client, call):
+    from airflow_delay_provider.core.errors import UnavailableError
+
+    plain = make(sqs_client, 1, "orders")
+    assert plain.send([DelayedMessage("orders", b"x", utcnow(), {}, "u-1")]) == {}
+    [received] = wait_until(lambda: plain.receive("orders", 1), 10, "u-1")
+    op = {"receive": "receive_message", "ack": "delete_message_batch", "depth": "get_queue_attributes",
+          "check_delay_queue": "get_queue_attributes"}[call]
+    client = Throttling(sqs_client, **{op: None})
+    t = SqsTransport(client, queue_delay=1)
+    args = {"ack": ("orders", [received.receipt])}.get(call, ("orders",))
+    with pytest.raises(UnavailableError) as failed:
+        getattr(t, call)(*args)
+    queue = "orders-delay.fifo" if call == "check_delay_queue" else "orders"
+    assert f"{queue!r}" in str(failed.value) and "Throttling" in str(failed.value), failed.value
+    no_credentials_in(sqs_client, str(failed.value))
+    if call == "ack":  # retried with backoff before it gave up; the message is still there, and acked later
+        assert client.throttled[op] > 1
+        assert total(plain, "orders") == 1
+        assert plain.ack("orders", [received.receipt]) == 1

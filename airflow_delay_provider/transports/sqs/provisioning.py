@@ -111,7 +111,10 @@ def check_delay_queue(transport: SqsTransport, endpoint: str) -> dict[str, Any]:
             f"delay queue {queue!r} is missing: {endpoint!r} cannot take {takes}; "
             "provision it with unrestricted delays"
         ) from None
-    attrs = transport.client.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])["Attributes"]
+    try:
+        attrs = transport.client.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])["Attributes"]
+    except (ClientError, BotoCoreError) as exc:
+        raise UnavailableError(f"could not read the attributes of delay queue {queue!r}: {_aws_error(exc)}") from None
     delay, retention = int(attrs.get("DelaySeconds", 0)), int(attrs.get("MessageRetentionPeriod", 0))
     # The longest a message waits there before the relay sees it: a hop is at most Q on a FIFO endpoint's.
     wait = transport.queue_delay if fifo_endpoint else delay

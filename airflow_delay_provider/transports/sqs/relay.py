@@ -32,8 +32,10 @@ from airflow_delay_provider.transports.sqs.wire import (
     ATTR_HEADERS,
     ATTR_MESSAGE_ID,
     BATCH_SIZE,
+    Backoff,
     _attr,
     _aws_error,
+    _codes,
 )
 
 if TYPE_CHECKING:
@@ -71,9 +73,10 @@ def relay_once(transport: SqsTransport, endpoint: str, wait_time_seconds: int = 
     host clock that runs ahead never makes a message early. Above Q (a FIFO endpoint: above 0): back to
     the delay queue; else to the destination, with DelaySeconds = remaining on a standard one, with no
     delay (its group and deduplication id) on a FIFO one, in due order. Sends are batched per queue,
-    then the handled messages deleted in one batch; a send that failed for an outage is made visible
-    again at once. A message SQS refuses for good (too large for the destination, say) is logged as an
-    error and dead-lettered to `error_queue` as the pump does (headers say where it was going and why);
+    then the handled messages deleted in one batch (a throttled delete tried again within the pass; one
+    that still fails raises UnavailableError, see `_delete`); a send that failed for an outage is made
+    visible again at once. A message SQS refuses for good (too large for the destination, say) is logged
+    as an error and dead-lettered to `error_queue` as the pump does (headers say where it was going and why);
     when that fails too it stays in the delay queue, hidden for REFUSED_RETRY_SECONDS.
     """
     client = transport.client
@@ -136,8 +139,7 @@ def relay_once(transport: SqsTransport, endpoint: str, wait_time_seconds: int = 
         # The destination's maxReceivesPerSecond: what may not go yet comes back in a second.
         allowed = throttle.take_up_to(len(onward))
         for m, _ in onward[allowed:]:
-            client.change_message_visibility(QueueUrl=delay_url, ReceiptHandle=m["ReceiptHandle"],
-                                             VisibilityTimeout=1)
+            _set_visibility(client, delay_url, m, 1, endpoint)
             counts.held += 1
         onward = onward[:allowed]
     for url, queue, entries, counter in ((delay_url, delay_queue, back, "relayed"),
@@ -152,11 +154,10 @@ def relay_once(transport: SqsTransport, endpoint: str, wait_time_seconds: int = 
                 done.append(m)
             elif isinstance(error, (UnavailableError, DestinationNotFoundError)):
                 counts.failed += 1  # SQS's trouble, not the message's: tried again on the next receive
-                client.change_message_visibility(
-                    QueueUrl=delay_url, ReceiptHandle=m["ReceiptHandle"], VisibilityTimeout=0)
+                _set_visibility(client, delay_url, m, 0, endpoint)
             elif _refused_for_good(transport, m, endpoint, queue, error, error_queue, delay_url, counts):
                 done.append(m)
-    _delete(client, delay_url, done)
+    _delete(client, delay_url, delay_queue, done)
     return counts
 
 
@@ -175,13 +176,19 @@ def _refused_for_good(transport: SqsTransport, m: dict[str, Any], endpoint: str,
     log.error("relay of %r: SQS queue %r refused message %s for good (%s), and it could not be dead-lettered "
               "(%s): it stays in the delay queue, tried again in %d s", endpoint, queue, message_id, error,
               problem, REFUSED_RETRY_SECONDS)
-    try:
-        transport.client.change_message_visibility(QueueUrl=delay_url, ReceiptHandle=m["ReceiptHandle"],
-                                                   VisibilityTimeout=REFUSED_RETRY_SECONDS)
-    except (ClientError, BotoCoreError) as exc:  # back after its visibility timeout, and tried again then
-        log.warning("could not hide message %s in the delay queue of %r: %s", message_id, endpoint,
-                    _aws_error(exc))
+    _set_visibility(transport.client, delay_url, m, REFUSED_RETRY_SECONDS, endpoint)
     return False
+
+
+def _set_visibility(client: Any, url: str, m: dict[str, Any], seconds: int, endpoint: str) -> None:
+    """Show a received message again in `seconds`. When SQS does not take the change (throttled, say), the
+    pass goes on: the message was neither sent on nor deleted, and comes back after the receive's own
+    visibility timeout, to be relayed then."""
+    try:
+        client.change_message_visibility(QueueUrl=url, ReceiptHandle=m["ReceiptHandle"], VisibilityTimeout=seconds)
+    except (ClientError, BotoCoreError) as exc:
+        log.warning("could not set the visibility of message %s in the delay queue of %r to %d s (%s): it "
+                    "comes back after its visibility timeout", _message_id(m), endpoint, seconds, _aws_error(exc))
 
 
 def _dead_letter(transport: SqsTransport, m: dict[str, Any], endpoint: str, error: Exception,
@@ -224,18 +231,37 @@ def relay_until(transport: SqsTransport, endpoint: str, deadline: datetime, tota
     return "deadline"
 
 
-def _delete(client: Any, url: str, messages: list[dict[str, Any]]) -> None:
-    """Delete in one batch; retry failures one by one (an expired receipt handle means it is gone)."""
+def _delete(client: Any, url: str, queue: str, messages: list[dict[str, Any]]) -> None:
+    """Delete in one batch; retry failures one by one (an expired receipt handle means it is gone).
+
+    These were sent on already: a request SQS throttled (or did not answer) goes again after a backoff,
+    within this pass, since each message left behind comes back after its visibility timeout and is
+    relayed again (a second copy of a hand-over to a standard queue). When it still fails, the pass
+    fails with UnavailableError, not a botocore error: what was not deleted is relayed again, nothing
+    is lost."""
     if not messages:
         return
-    result = client.delete_message_batch(
-        QueueUrl=url, Entries=[{"Id": str(i), "ReceiptHandle": m["ReceiptHandle"]} for i, m in enumerate(messages)])
+    retry = Backoff()  # one budget of waits for the batch and the single deletes after it
+    try:
+        result = retry(client.delete_message_batch, QueueUrl=url, Entries=[
+            {"Id": str(i), "ReceiptHandle": m["ReceiptHandle"]} for i, m in enumerate(messages)])
+    except (ClientError, BotoCoreError) as exc:
+        raise _undeleted(queue, len(messages), len(messages), exc) from None
+    left: list[Exception] = []
     for failed in result.get("Failed", []):
         try:
-            client.delete_message(QueueUrl=url, ReceiptHandle=messages[int(failed["Id"])]["ReceiptHandle"])
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") != "ReceiptHandleIsInvalid":
-                raise
+            retry(client.delete_message, QueueUrl=url, ReceiptHandle=messages[int(failed["Id"])]["ReceiptHandle"])
+        except (ClientError, BotoCoreError) as exc:
+            if not (isinstance(exc, ClientError) and "ReceiptHandleIsInvalid" in _codes(exc)):
+                left.append(exc)
+    if left:
+        raise _undeleted(queue, len(left), len(messages), left[-1])
+
+
+def _undeleted(queue: str, failed: int, of: int, exc: Exception) -> UnavailableError:
+    return UnavailableError(
+        f"could not delete {failed} of {of} message(s) relayed from SQS delay queue {queue!r}: {_aws_error(exc)}; "
+        "they were sent on, and come back after their visibility timeout to be relayed again")
 
 
 def _sqs_now_ms(response: dict[str, Any]) -> int | None:

@@ -67,9 +67,11 @@ from airflow_delay_provider.transports.sqs.wire import (
     ATTR_HEADERS,
     ATTR_MESSAGE_ID,
     BATCH_SIZE,
+    Backoff,
     _attr,
     _aws_error,
     _code,
+    _codes,
 )
 
 log = logging.getLogger(__name__)
@@ -95,12 +97,7 @@ _REFUSALS = frozenset({
 
 
 def _refused(exc: Exception) -> bool:
-    if not isinstance(exc, ClientError):
-        return False
-    err = exc.response.get("Error", {})
-    # The query protocol's code and the JSON protocol's name it differently: either counts.
-    codes = (str(err.get("Code", "")), str(err.get("QueryErrorCode", "")))
-    return any(c.removeprefix("AWS.SimpleQueueService.").removesuffix("Exception") in _REFUSALS for c in codes)
+    return isinstance(exc, ClientError) and any(c in _REFUSALS for c in _codes(exc))
 
 
 class SqsTransport(Transport):
@@ -245,10 +242,16 @@ class SqsTransport(Transport):
     def lifecycle(self, endpoint: str, delay_queue: bool = False) -> dict[str, int]:
         """A queue's messages as SQS counts them: scheduled (delayed), visible, in flight."""
         name = delay_queue_name(endpoint, self.prefix) if delay_queue else self.queue_name(endpoint)
-        attrs = self.client.get_queue_attributes(QueueUrl=self._url(name), AttributeNames=[
-            "ApproximateNumberOfMessagesDelayed", "ApproximateNumberOfMessages",
-            "ApproximateNumberOfMessagesNotVisible",
-        ])["Attributes"]
+        try:
+            attrs = self.client.get_queue_attributes(QueueUrl=self._url(name), AttributeNames=[
+                "ApproximateNumberOfMessagesDelayed", "ApproximateNumberOfMessages",
+                "ApproximateNumberOfMessagesNotVisible",
+            ])["Attributes"]
+        except (ClientError, BotoCoreError) as exc:
+            if _not_found(exc):  # deleted since its url was looked up
+                self._urls.pop(name, None)
+                raise DestinationNotFoundError(f"SQS queue {name!r} does not exist") from None
+            raise UnavailableError(f"could not count the messages of SQS queue {name!r}: {_aws_error(exc)}") from None
         return {
             "scheduled": int(attrs.get("ApproximateNumberOfMessagesDelayed", 0)),
             "visible": int(attrs.get("ApproximateNumberOfMessages", 0)),
@@ -367,11 +370,15 @@ class SqsTransport(Transport):
 
     # -- receiving ----------------------------------------------------------------------------------
     def receive(self, endpoint: str, max_messages: int = 10, visibility_timeout: float = 30.0) -> list[ReceivedMessage]:
-        url = self._url(self.queue_name(endpoint))
-        got = self.client.receive_message(
-            QueueUrl=url, MaxNumberOfMessages=min(max_messages, 10), VisibilityTimeout=int(visibility_timeout),
-            MessageAttributeNames=["All"], AttributeNames=["All"], WaitTimeSeconds=0,
-        ).get("Messages", [])
+        queue = self.queue_name(endpoint)
+        url = self._url(queue)
+        try:
+            got = self.client.receive_message(
+                QueueUrl=url, MaxNumberOfMessages=min(max_messages, 10), VisibilityTimeout=int(visibility_timeout),
+                MessageAttributeNames=["All"], AttributeNames=["All"], WaitTimeSeconds=0,
+            ).get("Messages", [])
+        except (ClientError, BotoCoreError) as exc:  # nothing was taken: receiving again later is safe
+            raise UnavailableError(f"could not receive from SQS queue {queue!r}: {_aws_error(exc)}") from None
         received = []
         for m in got:
             pointer = _attr(m, ATTR_BODY_S3)
@@ -466,14 +473,23 @@ class SqsTransport(Transport):
 
     def ack(self, endpoint: str, receipts: Iterable[Any]) -> int:
         """Delete received messages, and the S3 bodies of those that had one (best effort: the
-        bucket's lifecycle rule expires what a failed delete leaves)."""
-        url = self._url(self.queue_name(endpoint))
+        bucket's lifecycle rule expires what a failed delete leaves). A delete SQS throttles is tried again
+        after a backoff (an unacked message comes back, a duplicate for the consumer); when it still
+        fails, UnavailableError: the messages of that batch and after it were not deleted."""
+        queue = self.queue_name(endpoint)
+        url = self._url(queue)
         parts = [str(r).partition(RECEIPT_S3) for r in receipts]  # (handle, separator, pointer)
         deleted = 0
+        retry = Backoff()  # one budget of waits for the whole ack
         for i in range(0, len(parts), BATCH_SIZE):
             chunk = parts[i : i + BATCH_SIZE]
-            result = self.client.delete_message_batch(
-                QueueUrl=url, Entries=[{"Id": str(n), "ReceiptHandle": r[0]} for n, r in enumerate(chunk)])
+            try:
+                result = retry(self.client.delete_message_batch, QueueUrl=url, Entries=[
+                    {"Id": str(n), "ReceiptHandle": r[0]} for n, r in enumerate(chunk)])
+            except (ClientError, BotoCoreError) as exc:
+                raise UnavailableError(
+                    f"could not delete {len(parts) - i} of {len(parts)} received message(s) from SQS queue "
+                    f"{queue!r} ({deleted} deleted before): {_aws_error(exc)}") from None
             deleted += len(result.get("Successful", []))
             for ok in result.get("Successful", []):
                 pointer = chunk[int(ok["Id"])][2]
