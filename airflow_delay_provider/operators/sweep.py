@@ -20,8 +20,8 @@ from airflow_delay_provider.core.requests import parse_moment
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.operators.base import DelayOperatorBase
 from airflow_delay_provider.spark import sweep as sweep_app
+from airflow_delay_provider.spark.secret import SecretFile, driver_secret
 from airflow_delay_provider.spark.setup import (
-    SecretFile,
     SparkSetupError,
     application_args,
     check_machine,
@@ -53,9 +53,10 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
     `db_schema`, `transport`, `transport_conn_id`, `transport_options`); the other SparkSubmitOperator
     arguments (`jars`, `conf`, `env_vars`, `archives`, `executor_memory`, ...) pass through, and what
     they set for the Pythons wins over `executor_env`. Connection secrets reach the driver in a file
-    only its owner can read, deleted when the task ends, never in an argument or environment variable
-    of any command line; executors connect to the store and the broker themselves, so their hosts must
-    be reachable from the cluster's nodes.
+    only its owner can read, deleted when the task ends (in cluster mode on Kubernetes: the Kubernetes
+    Secret `connections_secret`), never in an argument or environment variable of any command line nor
+    in a file shipped with the application; executors connect to the store and the broker themselves, so
+    their hosts must be reachable from the cluster's nodes.
 
     :param due_before: the end of the window, exclusive: an aware datetime or ISO string (templated);
         required.
@@ -91,6 +92,10 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
         airflow_delay_provider.spark.environment`); None ships nothing (the nodes have it installed).
     :param allow_loopback_hosts: run on a cluster even though the store's or broker's host is a loopback
         address or a local socket or file, which executors on other machines cannot reach (default: refuse).
+    :param connections_secret: on Kubernetes in cluster mode, the Kubernetes Secret (in the driver's namespace)
+        holding the connections under the key `connections.json` (written by `python -m
+        airflow_delay_provider.spark.secret`); the driver's pod mounts it. Without it, and in YARN or standalone
+        cluster mode, the task fails before anything is claimed: the connections never go with the application.
     """
 
     template_fields: Sequence[str] = (*SparkSubmitOperator.template_fields, "due_before", "due_from")
@@ -115,6 +120,7 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
         conn_id: str = "spark_default",
         executor_env: str | None = "auto",
         allow_loopback_hosts: bool = False,
+        connections_secret: str | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("name", "airflow-delay-sweep")
@@ -144,6 +150,7 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
         self.master = master
         self.executor_env = executor_env
         self.allow_loopback_hosts = allow_loopback_hosts
+        self.connections_secret = connections_secret
         self._secret: SecretFile | None = None
 
     def execute(self, context: Context) -> dict:
@@ -169,22 +176,25 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
         check_master_reachable(target, self._conn_id)
         store_spec, transport_spec = self.hook.store_spec(), self.transport_spec()
         check_reachable_hosts(target, store_spec, transport_spec, self.allow_loopback_hosts)
+        driver = driver_secret(target, self.conf or {}, self.connections_secret)  # before anything is claimed
         pythons = executor_setup(target, self.executor_env, bin_dir, conf=self.conf, env_vars=self.env_vars,
                                  archives=self._archives, with_arrow=reader != "direct")
         self.conf, self.env_vars, self._archives = pythons.conf, pythons.env_vars, pythons.archives
-        self.log.info("Spark: %s", pythons.description)
+        self.conf = {**self.conf, **driver.conf}
+        self.log.info("Spark: %s; %s", pythons.description, driver.description)
         if reader == "jdbc":
             self.jars = ",".join(filter(None, [self.jars, self.jdbc_jar]))
 
         claim_id = self._claim_id = uuid.uuid4().hex
-        secret = self._secret = SecretFile({"store": store_spec, "transport": transport_spec}, claim_id)
-        if target.cluster_mode:  # the driver runs on a node: the file goes with the application
-            self.files = ",".join(filter(None, [self.files, secret.path]))
+        secret_file = driver.path
+        if secret_file is None:  # the driver runs here, in client mode: a file of its own, never shipped
+            self._secret = SecretFile({"store": store_spec, "transport": transport_spec}, claim_id)
+            secret_file = self._secret.path
         # Set after templates were rendered, so nothing here is stored as a rendered field.
         self.application_args = application_args(
             claim_id, due_before, due_from, reader=reader, lease_seconds=self.lease_seconds,
             partitions=self.partitions, batch_size=self.batch_size, number_of_retries=self.number_of_retries,
-            error_queue=self.error_queue, max_seconds=self.max_duration, secret_file=secret.argument(target),
+            error_queue=self.error_queue, max_seconds=self.max_duration, secret_file=secret_file,
             destination_policies={d: p.to_dict() for d, p in self.destination_policies.items()},
             delivery_policy=None if self.delivery_policy is None else self.delivery_policy.to_dict())
         self.log.info("Sweeping messages due in [%s, %s) from %r through %s, claim %s",
@@ -196,7 +206,8 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
             self._log_record(store, claim_id)
             raise
         finally:
-            secret.remove()
+            if self._secret is not None:
+                self._secret.remove()
         return claim_id
 
     def on_kill(self) -> None:

@@ -15,7 +15,6 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -282,27 +281,6 @@ def executor_setup(target: SparkTarget, executor_env: str | None, bin_dir: str, 
                    + (f" from the archive {shipped} ({how})" if shipped is not None else "")
                    + f"; the driver ({target.deploy_mode} mode on {target.master}) runs {driver}")
     return ExecutorSetup(conf, archives, env_vars, description)
-
-
-class SecretFile:
-    """The store's and transport's specs in a file only its owner can read, deleted by `remove()`.
-
-    The sweep gets its path as an argument (a path is no secret); in cluster mode spark-submit ships it
-    with `--files` (`ship`), to the driver's node only through the cluster's own staging."""
-
-    def __init__(self, secret: dict, claim_id: str) -> None:
-        self.directory = tempfile.mkdtemp(prefix="adp-sweep-")  # 0700
-        self.path = os.path.join(self.directory, f"sweep-{claim_id}.json")
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(secret, f)
-
-    def argument(self, target: SparkTarget) -> str:
-        """What `--secret-file` says: the path here, or in cluster mode the name spark-submit ships it under."""
-        return os.path.basename(self.path) if target.cluster_mode else self.path
-
-    def remove(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def application_args(

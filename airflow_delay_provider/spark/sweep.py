@@ -79,28 +79,15 @@ def encode_secret(store: dict, transport: dict) -> str:
     return base64.b64encode(json.dumps({"store": store, "transport": transport}).encode()).decode()
 
 
-def secret_file_path(name: str) -> str:
-    """Where the driver finds the secret file: the path itself (client mode: the operator's own file), or,
-    in cluster mode, the copy spark-submit's `--files` put in the driver's working directory or SparkFiles."""
-    if os.path.isfile(name):
-        return name
-    local = os.path.basename(name)
-    if os.path.isfile(local):
-        return local
-    from pyspark import SparkFiles
-
-    return SparkFiles.get(local)
-
-
 def load_secret(secret_file: str | None = None) -> dict:
-    """The store and transport specs: from `secret_file` (JSON), else from the SECRET_ENV variable."""
+    """The store and transport specs: from `secret_file` (JSON: the operator's own file in client mode, a mounted
+    Kubernetes Secret in cluster mode; never one spark-submit ships), else from the SECRET_ENV variable."""
     if secret_file:
-        path = secret_file_path(secret_file)
         try:
-            with open(path, "rb") as f:
+            with open(secret_file, "rb") as f:
                 return json.load(f)
         except FileNotFoundError:
-            raise InvalidInputError(f"the secret file {secret_file} was not found (looked for {path})") from None
+            raise InvalidInputError(f"the secret file {secret_file} was not found") from None
         except ValueError:
             raise InvalidInputError(f"the secret file {secret_file} is not JSON") from None
     raw = os.environ.get(SECRET_ENV)
@@ -485,7 +472,6 @@ def main(argv: list[str] | None = None) -> int:
 
         spark = SparkSession.builder.appName(name).getOrCreate()
     try:
-        # Read once the context runs: in cluster mode the file may be one of SparkFiles.
         summary = sweep(spark, load_secret(args.secret_file), args)
     finally:
         spark.stop()

@@ -232,10 +232,12 @@ TARGETS = {
     "k8s-cluster": {"conn_type": "spark", "host": "k8s://https://kube.internal:6443",
                     "extra": {"deploy-mode": "cluster", "namespace": "sweeps"}},
 }
+#: The Kubernetes Secret the k8s-cluster target's driver reads the connections from.
+K8S_SECRET = "sweep-connections"
 
 
 @pytest.mark.parametrize("transport", ["sql", "rabbitmq", "sqs"])
-@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("target", [t for t in TARGETS if t != "yarn-cluster"])  # refused: see below
 def test_no_secret_is_in_the_spark_submit_command_or_its_environment(target, transport, pg, monkeypatch,
                                                                      tmp_path_factory):
     from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
@@ -266,7 +268,7 @@ def test_no_secret_is_in_the_spark_submit_command_or_its_environment(target, tra
         hook = self._get_hook()
         captured["command"] = hook._build_spark_submit_command(self.application)
         captured["env"] = hook._env or {}
-        captured["file"] = Path(self._secret.path).read_text()
+        captured["file"] = Path(self._secret.path).read_text() if self._secret else None  # client mode's own file
         raise _Submitted
 
     monkeypatch.setattr(SparkSubmitOperator, "execute", submit)
@@ -276,6 +278,9 @@ def test_no_secret_is_in_the_spark_submit_command_or_its_environment(target, tra
         from airflow.providers.apache.spark.hooks import spark_submit
 
         monkeypatch.setattr(spark_submit, "kube_client", object(), raising=False)
+    cluster_mode = target.endswith("cluster")
+    if cluster_mode:
+        kwargs["connections_secret"] = K8S_SECRET
     op = sweep_operator(conn_id, store_conn, allow_loopback_hosts=True, **kwargs)  # the store is this machine's
     with master, pytest.raises(_Submitted):
         op.execute({})
@@ -284,11 +289,41 @@ def test_no_secret_is_in_the_spark_submit_command_or_its_environment(target, tra
     secrets = [passwords["store"]] + ([passwords["rabbitmq"]] if transport == "rabbitmq" else []) + (
         [passwords["sqs"], passwords["token"]] if transport == "sqs" else [])
     for secret in secrets:
-        assert secret in captured["file"]  # the file carries it...
+        assert cluster_mode or secret in captured["file"]  # the file carries it...
         assert not [f for f in secret_forms(secret) if f in command or f in env], (secret, command)  # ...nothing else
-    cluster_mode = target.endswith("cluster")
     secret_arg = captured["command"][captured["command"].index("--secret-file") + 1]
-    assert secret_arg == (Path(op._secret.path).name if cluster_mode else op._secret.path)
-    assert ("--files" in captured["command"]) is cluster_mode
+    # Nothing goes with the application: spark-submit would upload it (on Kubernetes to an upload path that is
+    # never cleaned). The driver in the cluster reads the Kubernetes Secret mounted in its pod.
+    assert "--files" not in captured["command"]
+    if cluster_mode:
+        assert op._secret is None and secret_arg == "/opt/airflow-delay/connections/connections.json"
+        assert f"spark.kubernetes.driver.secrets.{K8S_SECRET}=/opt/airflow-delay/connections" in command
+    else:
+        assert secret_arg == op._secret.path and not Path(op._secret.directory).exists()
     assert "spark.pyspark.python=./environment/bin/python" in command and "#environment" in command
-    assert not Path(op._secret.directory).exists()
+
+
+@pytest.mark.parametrize(("target", "said"), [
+    ("yarn-cluster", "NodeManagers"), ("k8s-cluster", "spark.kubernetes.file.upload.path")])
+def test_a_cluster_mode_that_would_ship_the_connections_file_is_refused_before_anything_is_claimed(
+        target, said, pg, monkeypatch):
+    from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+
+    from airflow_delay_provider.spark.setup import SparkSetupError
+
+    store = make_store(*pg)
+    store.store(due_messages(10, "orders"))
+    conn_id = f"spark_{uuid.uuid4().hex[:6]}"
+    monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(TARGETS[target]))
+    submitted = []
+    monkeypatch.setattr(SparkSubmitOperator, "execute", lambda self, context: submitted.append(self))
+    if target.startswith("k8s"):  # as above: not used to resolve the target
+        from airflow.providers.apache.spark.hooks import spark_submit
+
+        monkeypatch.setattr(spark_submit, "kube_client", object(), raising=False)
+    op = sweep_operator(conn_id, _pg_conn(monkeypatch, *pg[1:]), allow_loopback_hosts=True)
+    with pytest.raises(SparkSetupError, match=said) as refused:
+        op.execute({})
+    assert "client" in str(refused.value)
+    assert not submitted and op._claim_id is None and op._secret is None
+    assert store.count_scheduled() == {"orders": 10}

@@ -183,18 +183,6 @@ def test_a_missing_archive_is_named_with_how_to_build_it(no_python_settings, tmp
         "s3a://bucket/env.tar.gz#environment"
 
 
-def test_the_secret_file_is_its_owners_only_and_goes_away(tmp_path):
-    secret = setup.SecretFile({"store": {"url": "postgresql://u:pw@h/db"}, "transport": {}}, "c1")
-    assert os.stat(secret.path).st_mode & 0o777 == 0o600 and os.stat(secret.directory).st_mode & 0o777 == 0o700
-    assert secret.argument(setup.SparkTarget("local[2]")) == secret.path
-    assert secret.argument(setup.SparkTarget("yarn", "cluster")) == "sweep-c1.json"
-    from airflow_delay_provider.spark.sweep import load_secret
-
-    assert load_secret(secret.path)["store"]["url"] == "postgresql://u:pw@h/db"
-    secret.remove()
-    assert not os.path.exists(secret.directory)
-
-
 def test_the_arguments_are_what_the_application_parses():
     before, after = datetime(2026, 1, 2, tzinfo=UTC), datetime(2026, 1, 1, tzinfo=UTC)
     common = dict(reader="jdbc", lease_seconds=30.0, partitions=4, batch_size=500, number_of_retries=2,
