@@ -20,6 +20,7 @@ from airflow_delay_provider.core.requests import parse_moment
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.operators.base import DelayOperatorBase
 from airflow_delay_provider.spark import sweep as sweep_app
+from airflow_delay_provider.spark.pythons import executor_setup
 from airflow_delay_provider.spark.secret import SecretFile, driver_secret
 from airflow_delay_provider.spark.setup import (
     SparkSetupError,
@@ -27,7 +28,6 @@ from airflow_delay_provider.spark.setup import (
     check_machine,
     check_master_reachable,
     check_reachable_hosts,
-    executor_setup,
     finished_summary,
     resolve_target,
 )
@@ -51,8 +51,9 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
 
     Store and transport arguments are those of the other operators (`delay_store_conn_id`, `table`,
     `db_schema`, `transport`, `transport_conn_id`, `transport_options`); the other SparkSubmitOperator
-    arguments (`jars`, `conf`, `env_vars`, `archives`, `executor_memory`, ...) pass through, and what
-    they set for the Pythons wins over `executor_env`. Connection secrets reach the driver in a file
+    arguments (`jars`, `conf`, `env_vars`, `archives`, `executor_memory`, ...) pass through; a Python they
+    (or PYSPARK_PYTHON in this worker's environment) choose is the one that runs, with the archive of
+    `executor_env` on its path. Connection secrets reach the driver in a file
     only its owner can read, deleted when the task ends (in cluster mode on Kubernetes: the Kubernetes
     Secret `connections_secret`), never in an argument or environment variable of any command line nor
     in a file shipped with the application; executors connect to the store and the broker themselves, so
@@ -87,9 +88,10 @@ class BulkSweepOperator(DelayOperatorBase, SparkSubmitOperator):
     :param conn_id: the Spark connection spark-submit uses (default `spark_default`).
     :param executor_env: the Python environment the executors run in: `"auto"` (default) ships an archive
         of this environment's sweep code and drivers (no Airflow; built once and cached) when the master
-        is not local, so nodes need only Java and a Python of this minor version; on a local master the
-        executors run this Python. A path or URL ships that archive (built with `python -m
-        airflow_delay_provider.spark.environment`); None ships nothing (the nodes have it installed).
+        is not local, so nodes need only Java and a Python of this minor version (the one PYSPARK_PYTHON or
+        `spark.pyspark.python` names, if set); on a local master the executors run this Python. A path or
+        URL ships that archive (built with `python -m airflow_delay_provider.spark.environment`); None ships
+        nothing (the nodes have it installed).
     :param allow_loopback_hosts: run on a cluster even though the store's or broker's host is a loopback
         address or a local socket or file, which executors on other machines cannot reach (default: refuse).
     :param connections_secret: on Kubernetes in cluster mode, the Kubernetes Secret (in the driver's namespace)

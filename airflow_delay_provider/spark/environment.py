@@ -47,6 +47,8 @@ EXECUTOR_REQUIREMENTS = ("sqlalchemy", "psycopg[binary]", "pika", "boto3")
 ARROW_REQUIREMENTS = ("pyarrow",)
 #: A node's Python, chosen before the launcher looks on PATH.
 PYTHON_ENV = "AIRFLOW_DELAY_EXECUTOR_PYTHON"
+#: Set (to the setting's name) when the task's own settings chose PYTHON_ENV: then that Python or none.
+PYTHON_FROM_ENV = "AIRFLOW_DELAY_EXECUTOR_PYTHON_FROM"
 #: Where archives built for sweeps are kept, keyed by what they hold (default ~/.cache/airflow-delay-provider).
 CACHE_ENV = "AIRFLOW_DELAY_EXECUTOR_ENV_CACHE"
 PACKAGE = "airflow_delay_provider"
@@ -55,6 +57,19 @@ _LAUNCHER = """#!/bin/sh
 # Runs a Python {version} of this node with the packages of this archive first on its path
 # (built by airflow-delay-provider for the executors of a Spark sweep).
 here=$(CDPATH= cd -- "$(dirname -- "$0")/.." && pwd)
+if [ -n "${{{python_from}:-}}" ]; then
+    # The executors' Python a setting of the task chose (PYSPARK_PYTHON, spark.pyspark.python): that one, with
+    # this archive's packages, or none: another Python would not be what the task's log says runs.
+    chosen_version=
+    found=$(command -v "${{{python_env}:-}}" 2>/dev/null) &&
+        chosen_version=$("$found" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) &&
+        [ "$chosen_version" = "{version}" ] &&
+        PYTHONPATH="$here/site-packages${{PYTHONPATH:+:$PYTHONPATH}}" exec "$found" "$@"
+    echo "airflow-delay-provider executor environment: ${python_from} names ${python_env}, which is" \\
+         "${{chosen_version:+Python $chosen_version}}${{chosen_version:-not runnable on this node}}, and the" \\
+         "archive's packages are built for Python {version}: point it at a Python {version}, or unset it" >&2
+    exit 127
+fi
 for candidate in "${{{python_env}:-}}" python{version} python3 python; do
     [ -n "$candidate" ] || continue
     found=$(command -v "$candidate" 2>/dev/null) || continue
@@ -183,7 +198,8 @@ def build_archive(output: str | Path, with_arrow: bool = False, compresslevel: i
     fd, partial = tempfile.mkstemp(prefix=output.name + ".", suffix=".partial", dir=output.parent)
     try:
         with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz", compresslevel=compresslevel) as tar:
-            launcher = _LAUNCHER.format(version=python_version(), python_env=PYTHON_ENV).encode()
+            launcher = _LAUNCHER.format(version=python_version(), python_env=PYTHON_ENV,
+                                        python_from=PYTHON_FROM_ENV).encode()
             info = tarfile.TarInfo("bin/python")
             info.size, info.mode, info.mtime = len(launcher), 0o755, int(time.time())
             tar.addfile(info, io.BytesIO(launcher))

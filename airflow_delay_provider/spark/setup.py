@@ -3,7 +3,8 @@ submitting), the application's arguments and environment, and what its record in
 
 Each machine check fails with `SparkSetupError` saying how to install what is missing, rather than
 letting spark-submit fail later with a Java stack trace. Nothing here is an operator: BulkSweepOperator
-calls these, and so can a script that submits `sweep_app.py` by hand.
+calls these, and so can a script that submits `sweep_app.py` by hand. The Pythons the driver and executors
+run are chosen in `airflow_delay_provider.spark.pythons`, where the connections go in `.secret`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from airflow_delay_provider.core.errors import DelayProviderError, InvalidInputError
-from airflow_delay_provider.spark import environment
 from airflow_delay_provider.spark.sweep import DEFAULT_JDBC_JAR
 
 log = logging.getLogger(__name__)
@@ -217,70 +217,6 @@ def check_reachable_hosts(target: SparkTarget, store: dict, transport: dict, all
             f"the sweep runs on {target.master}, whose executors connect to the store and the broker from other "
             f"machines, but {'; '.join(found)}: give the connections host names the cluster's nodes can reach, "
             f"or pass allow_loopback_hosts=True if every executor runs on this machine")
-
-
-@dataclass
-class ExecutorSetup:
-    """What spark-submit gets so that the driver and the executors run a Python that has the sweep."""
-
-    conf: dict[str, str]
-    archives: str | None
-    env_vars: dict[str, str]
-    description: str
-
-
-def _user_python(conf: dict, env_vars: dict, key: str, env: str) -> str | None:
-    return conf.get(key) or env_vars.get(env) or os.environ.get(env)
-
-
-def executor_setup(target: SparkTarget, executor_env: str | None, bin_dir: str, *, conf: dict | None = None,
-                   env_vars: dict | None = None, archives: str | None = None, with_arrow: bool = False,
-                   cache: str | None = None) -> ExecutorSetup:
-    """The Pythons of the driver and executors, and the archive shipped for them.
-
-    `executor_env`: "auto" ships the archive of this environment (built once, then cached) unless the master
-    is local, where executors run this Python; a path or URL ships that archive (see
-    `airflow_delay_provider.spark.environment`); None ships nothing. What the user set wins: a
-    `spark.pyspark.python` / `spark.pyspark.driver.python` in `conf`, PYSPARK_PYTHON / PYSPARK_DRIVER_PYTHON
-    in `env_vars` or this process's environment."""
-    conf, env_vars = dict(conf or {}), dict(env_vars or {})
-    if target.kind in ("local", "standalone"):  # the provider hands env_vars to spark-submit's own process
-        env_vars["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-        if target.one_host and "SPARK_LOCAL_IP" not in os.environ and "SPARK_LOCAL_IP" not in env_vars:
-            env_vars["SPARK_LOCAL_IP"] = "127.0.0.1"  # all on this machine: nothing listens beyond loopback
-    else:  # elsewhere they become the driver's environment on the cluster: spark-submit finds itself on PATH
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    shipped = None
-    if executor_env == "auto" and not target.local:
-        built = environment.cached_archive(with_arrow=with_arrow, directory=cache)
-        shipped = str(built.path)
-        how = (f"built in {built.build_seconds:.1f} s" if built.build_seconds else "cached") + \
-            f", {built.size_bytes / 2**20:.1f} MiB"
-    elif executor_env not in (None, "auto"):
-        shipped = str(executor_env)
-        if "://" not in shipped and not os.path.isfile(shipped):
-            raise InvalidInputError(
-                f"executor_env {shipped!r} does not exist: build it with `python -m "
-                f"airflow_delay_provider.spark.environment -o {shipped}`, pass its URL, or use executor_env='auto'")
-        how = "given"
-    if shipped is not None:
-        archives = ",".join(filter(None, [archives, f"{shipped}#{environment.ALIAS}"]))
-    shipped_python = f"./{environment.ALIAS}/bin/python"
-    executors = _user_python(conf, env_vars, "spark.pyspark.python", "PYSPARK_PYTHON")
-    if executors is None:
-        executors = shipped_python if shipped is not None else sys.executable if target.local else None
-        if executors is not None:
-            conf["spark.pyspark.python"] = executors
-    driver = _user_python(conf, env_vars, "spark.pyspark.driver.python", "PYSPARK_DRIVER_PYTHON")
-    if driver is None:
-        # In client mode the driver runs here, in this Python, which has the package; in cluster mode on a node.
-        driver = shipped_python if target.cluster_mode and shipped is not None else sys.executable
-        if not target.cluster_mode or shipped is not None:
-            conf["spark.pyspark.driver.python"] = driver
-    description = (f"executors run {executors or 'the cluster default Python (PYSPARK_PYTHON on its nodes)'}"
-                   + (f" from the archive {shipped} ({how})" if shipped is not None else "")
-                   + f"; the driver ({target.deploy_mode} mode on {target.master}) runs {driver}")
-    return ExecutorSetup(conf, archives, env_vars, description)
 
 
 def application_args(

@@ -151,6 +151,35 @@ def test_the_sweep_moves_100000_rows_exactly_once_on_executors_without_the_packa
     assert store.count_scheduled() == {} and store.sweep_record(op._claim_id)["status"] == "done"
 
 
+def test_a_python_the_user_chose_for_the_executors_runs_with_the_shipped_archive(cluster, spark_conn, bare_python,
+                                                                                   pg, monkeypatch, capsys):
+    """PYSPARK_PYTHON in the Airflow worker's environment names the nodes' own Python, which has nothing of the
+    sweep: that Python runs, with the archive's packages on its path."""
+    url, schema, table = pg
+    store_conn = _pg_conn(monkeypatch, schema, table)
+    from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+
+    hook = DelayStoreHook(store_conn)
+    store, transport = hook.get_store(), hook.get_transport()
+    store.create_schema()
+    queue = f"chosen_{uuid.uuid4().hex[:8]}"
+    transport.provision(queue)
+    n = 20_000
+    store.store(due_messages(n, queue))
+    monkeypatch.setenv("PYSPARK_PYTHON", str(bare_python))
+
+    op = sweep_operator(spark_conn, store_conn)
+    capsys.readouterr()
+    summary = run_watched(op, [], bare_python, cluster)  # its Python workers ran the bare Python
+
+    assert summary["status"] == "done" and summary["destinations"] == {queue: {"dispatched": n}}, summary
+    ids = Counter(m.message_id for m in drain(transport, queue))
+    assert len(ids) == n and set(ids.values()) == {1}
+    said = [line for line in capsys.readouterr().out.splitlines() if "Spark: executors run" in line]  # the task log
+    assert said and f"executors run {bare_python} (PYSPARK_PYTHON in this process's environment) with the " \
+        "packages of the archive" in said[0], said
+
+
 @pytest.fixture
 def rabbit_user(rabbit_vhost):
     """A RabbitMQ user of this test's own with a random password, on its vhost."""

@@ -75,3 +75,23 @@ def test_the_cache_builds_once_per_content(tmp_path):
     again = environment.cached_archive(directory=tmp_path)
     assert first.build_seconds > 0 and again.build_seconds == 0 and again.path == first.path
     assert [p.name for p in tmp_path.iterdir()] == [first.path.name]  # no partial file left
+
+
+def test_a_python_the_task_chose_is_the_one_the_launcher_runs_or_it_says_why_not(unpacked, bare, tmp_path):
+    _, root = unpacked
+    chosen = {"AIRFLOW_DELAY_EXECUTOR_PYTHON": str(bare / "python"),
+              "AIRFLOW_DELAY_EXECUTOR_PYTHON_FROM": "PYSPARK_PYTHON in this process's environment"}
+    code = "import sys, airflow_delay_provider.spark.sweep; print(sys.executable)"
+    ran = subprocess.run([str(root / "bin" / "python"), "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                         env={"PATH": "/usr/bin:/bin", **chosen})
+    assert ran.returncode == 0 and ran.stdout.strip() == str(bare / "python"), ran.stderr
+    other = tmp_path / "python3.9"  # a Python of another minor version, as far as asking it tells
+    other.write_text("#!/bin/sh\necho 3.9\n")
+    other.chmod(0o755)
+    for python, what in ((other, "Python 3.9"), (tmp_path / "none", "not runnable on this node")):
+        ran = subprocess.run([str(root / "bin" / "python"), "-c", "pass"], capture_output=True, text=True,
+                             cwd=tmp_path, env={"PATH": f"{bare}:/usr/bin:/bin", **chosen,  # python3.11 is there...
+                                                "AIRFLOW_DELAY_EXECUTOR_PYTHON": str(python)})
+        assert ran.returncode == 127, ran.stdout  # ...but the task chose another: no silent substitute
+        assert f"PYSPARK_PYTHON in this process's environment names {python}, which is {what}" in ran.stderr
+        assert f"built for Python {VERSION}" in ran.stderr

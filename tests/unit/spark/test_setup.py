@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 import pytest
 
 from airflow_delay_provider.core.errors import DelayProviderError
-from airflow_delay_provider.spark import setup
+from airflow_delay_provider.spark import pythons, setup
 from airflow_delay_provider.spark.setup import SparkSetupError
 from airflow_delay_provider.spark.sweep import parse_args
 
@@ -121,14 +121,14 @@ def test_a_cluster_sweep_refuses_hosts_only_this_machine_reaches(store, transpor
 
 @pytest.fixture
 def no_python_settings(monkeypatch, tmp_path):
-    for name in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "SPARK_LOCAL_IP"):
+    for name in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "SPARK_LOCAL_IP", "SPARK_HOME"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PATH", "/usr/bin")
     monkeypatch.setenv("AIRFLOW_DELAY_EXECUTOR_ENV_CACHE", str(tmp_path / "cache"))
 
 
 def test_on_a_local_master_both_sides_run_this_python_and_nothing_is_shipped(no_python_settings):
-    got = setup.executor_setup(setup.SparkTarget("local[2]"), "auto", "/opt/spark/bin", env_vars={"PATH": "x"})
+    got = pythons.executor_setup(setup.SparkTarget("local[2]"), "auto", "/opt/spark/bin", env_vars={"PATH": "x"})
     assert got.archives is None
     assert got.conf == {"spark.pyspark.python": sys.executable, "spark.pyspark.driver.python": sys.executable}
     assert got.env_vars["PATH"].startswith("/opt/spark/bin" + os.pathsep)
@@ -136,7 +136,7 @@ def test_on_a_local_master_both_sides_run_this_python_and_nothing_is_shipped(no_
 
 
 def test_on_a_cluster_the_executors_run_the_shipped_archive_and_the_driver_this_python(no_python_settings):
-    got = setup.executor_setup(setup.SparkTarget("spark://10.0.0.5:7077"), "auto", "/opt/spark/bin",
+    got = pythons.executor_setup(setup.SparkTarget("spark://10.0.0.5:7077"), "auto", "/opt/spark/bin",
                                archives="hdfs:///other.zip#other", conf={"spark.executor.memory": "1g"})
     shipped, alias = got.archives.split(",")[1].split("#")
     assert got.archives.startswith("hdfs:///other.zip#other,") and alias == "environment"
@@ -144,15 +144,16 @@ def test_on_a_cluster_the_executors_run_the_shipped_archive_and_the_driver_this_
     assert got.conf == {"spark.executor.memory": "1g", "spark.pyspark.python": "./environment/bin/python",
                         "spark.pyspark.driver.python": sys.executable}
     assert "SPARK_LOCAL_IP" not in got.env_vars  # executors elsewhere must reach the driver
-    assert f"from the archive {shipped} (built in" in got.description
-    again = setup.executor_setup(setup.SparkTarget("spark://10.0.0.5:7077"), "auto", "/opt/spark/bin")
+    assert f"executors run the node's Python {VERSION} with the packages of the archive {shipped} (built in" \
+        in got.description
+    again = pythons.executor_setup(setup.SparkTarget("spark://10.0.0.5:7077"), "auto", "/opt/spark/bin")
     assert again.archives == f"{shipped}#environment" and "(cached" in again.description
 
 
 def test_in_cluster_mode_the_driver_runs_the_archive_too_and_env_vars_stay_clean(no_python_settings, tmp_path):
     archive = tmp_path / "env.tar.gz"
     archive.write_bytes(b"")
-    got = setup.executor_setup(setup.SparkTarget("yarn", "cluster"), str(archive), "/opt/spark/bin")
+    got = pythons.executor_setup(setup.SparkTarget("yarn", "cluster"), str(archive), "/opt/spark/bin")
     assert got.archives == f"{archive}#environment"
     assert got.conf == {"spark.pyspark.python": "./environment/bin/python",
                         "spark.pyspark.driver.python": "./environment/bin/python"}
@@ -160,26 +161,98 @@ def test_in_cluster_mode_the_driver_runs_the_archive_too_and_env_vars_stay_clean
     assert os.environ["PATH"].startswith("/opt/spark/bin" + os.pathsep)  # spark-submit found by the hook
 
 
-def test_what_the_user_sets_for_the_pythons_wins(no_python_settings, monkeypatch):
+VERSION = f"{sys.version_info[0]}.{sys.version_info[1]}"
+LAUNCHER = "./environment/bin/python"
+
+
+def test_a_python_the_user_chose_for_the_executors_runs_with_the_archive_on_its_path(no_python_settings):
     target = setup.SparkTarget("spark://10.0.0.5:7077")
-    got = setup.executor_setup(target, "auto", "/b", env_vars={"PYSPARK_PYTHON": "/opt/py/bin/python"})
-    assert "spark.pyspark.python" not in got.conf and got.archives.endswith("#environment")
-    assert "executors run /opt/py/bin/python" in got.description
-    got = setup.executor_setup(target, None, "/b", conf={"spark.pyspark.python": "/x/python",
-                                                          "spark.pyspark.driver.python": "/y/python"})
+    got = pythons.executor_setup(target, "auto", "/b", env_vars={"PYSPARK_PYTHON": "/opt/py/bin/python"})
+    # Spark runs the archive's launcher, which runs that Python (and only that one) with the archive's packages.
+    assert got.archives.endswith("#environment") and got.conf["spark.pyspark.python"] == LAUNCHER
+    assert got.conf["spark.executorEnv.AIRFLOW_DELAY_EXECUTOR_PYTHON"] == "/opt/py/bin/python"
+    assert got.conf["spark.executorEnv.AIRFLOW_DELAY_EXECUTOR_PYTHON_FROM"] == "PYSPARK_PYTHON in env_vars"
+    assert "executors run /opt/py/bin/python (PYSPARK_PYTHON in env_vars) with the packages of the archive " \
+        in got.description
+    chosen = pythons.executor_setup(target, "auto", "/b", conf={"spark.pyspark.python": "python3"})
+    assert chosen.conf["spark.pyspark.python"] == LAUNCHER
+    assert chosen.conf["spark.executorEnv.AIRFLOW_DELAY_EXECUTOR_PYTHON"] == "python3"
+    assert "(spark.pyspark.python in conf)" in chosen.description
+    launcher = pythons.executor_setup(target, "auto", "/b", conf={"spark.pyspark.python": LAUNCHER})
+    assert "spark.executorEnv.AIRFLOW_DELAY_EXECUTOR_PYTHON" not in launcher.conf  # the launcher is no choice
+
+
+def test_with_nothing_shipped_what_the_user_sets_for_the_pythons_stays_as_it_is(no_python_settings, monkeypatch):
+    target = setup.SparkTarget("spark://10.0.0.5:7077")
+    got = pythons.executor_setup(target, None, "/b", conf={"spark.pyspark.python": "/x/python",
+                                                          "spark.pyspark.driver.python": sys.executable})
     assert got.archives is None and got.conf == {"spark.pyspark.python": "/x/python",
-                                                 "spark.pyspark.driver.python": "/y/python"}
-    monkeypatch.setenv("PYSPARK_DRIVER_PYTHON", "/z/python")
-    got = setup.executor_setup(target, None, "/b")
-    assert got.conf == {} and "the cluster default Python" in got.description and "runs /z/python" in got.description
+                                                 "spark.pyspark.driver.python": sys.executable}
+    assert "executors run /x/python (spark.pyspark.python in conf), with nothing shipped" in got.description
+    monkeypatch.setenv("PYSPARK_DRIVER_PYTHON", sys.executable)
+    got = pythons.executor_setup(target, None, "/b")
+    assert got.conf == {} and "the cluster's default Python" in got.description
+    assert f"runs {sys.executable} (PYSPARK_DRIVER_PYTHON in this process's environment)" in got.description
+
+
+@pytest.fixture
+def other_python(tmp_path):
+    """A Python of another minor version, as far as anyone asking it can tell (this machine has one Python)."""
+    python = tmp_path / "other" / "python3.9"
+    python.parent.mkdir()
+    python.write_text('#!/bin/sh\nexec python3 -c "print(\'3.9\')"\n')
+    python.chmod(0o755)
+    return python
+
+
+def test_where_every_executor_runs_here_a_chosen_python_of_another_version_is_refused_before_submitting(
+        no_python_settings, other_python):
+    from airflow_delay_provider.core.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=rf"PYSPARK_PYTHON in env_vars names {other_python}, a Python 3.9.*"
+                                                rf"built for Python {VERSION}"):
+        pythons.executor_setup(setup.SparkTarget("spark://127.0.0.1:7077"), "auto", "/b",
+                             env_vars={"PYSPARK_PYTHON": str(other_python)})
+    # Elsewhere the nodes' Python is not this machine's: the launcher checks it there (test_environment.py).
+    pythons.executor_setup(setup.SparkTarget("spark://10.0.0.5:7077"), "auto", "/b",
+                         env_vars={"PYSPARK_PYTHON": str(other_python)})
+
+
+def test_where_nothing_is_shipped_a_chosen_python_without_the_sweep_is_refused_before_submitting(
+        no_python_settings, monkeypatch, tmp_path):
+    from airflow_delay_provider.core.errors import InvalidInputError
+    from tests.helpers import bare_python
+
+    bare = bare_python(tmp_path / "bare") / "python"
+    monkeypatch.setenv("PYSPARK_PYTHON", str(bare))
+    with pytest.raises(InvalidInputError, match=rf"PYSPARK_PYTHON in this process's environment names {bare}, which "
+                                                r"cannot import the sweep .*No module named 'airflow_delay_provider'"):
+        pythons.executor_setup(setup.SparkTarget("local[2]"), "auto", "/b")
+    monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)  # this one has it
+    assert f"executors run {sys.executable} (PYSPARK_PYTHON in this process's environment), with nothing shipped;" \
+        in pythons.executor_setup(setup.SparkTarget("local[2]"), "auto", "/b").description
+    monkeypatch.delenv("PYSPARK_PYTHON")
+    monkeypatch.setenv("PYSPARK_DRIVER_PYTHON", str(bare))  # the driver runs here in client mode, on any master
+    with pytest.raises(InvalidInputError, match="PYSPARK_DRIVER_PYTHON in this process's environment"):
+        pythons.executor_setup(setup.SparkTarget("yarn"), None, "/b")
+
+
+def test_spark_submit_of_the_pyspark_package_finds_its_spark_home_whatever_python_the_user_chose(no_python_settings):
+    from airflow_delay_provider.spark.local_cluster import spark_home
+
+    # PySpark's spark-submit looks for its home with $PYSPARK_PYTHON, which may be a Python without PySpark.
+    bin_dir = os.path.dirname(sys.executable)
+    got = pythons.executor_setup(setup.SparkTarget("local[2]"), "auto", bin_dir)
+    assert got.env_vars["SPARK_HOME"] == str(spark_home())
+    assert "SPARK_HOME" not in pythons.executor_setup(setup.SparkTarget("local[2]"), "auto", "/opt/spark/bin").env_vars
 
 
 def test_a_missing_archive_is_named_with_how_to_build_it(no_python_settings, tmp_path):
     from airflow_delay_provider.core.errors import InvalidInputError
 
     with pytest.raises(InvalidInputError, match="python -m airflow_delay_provider.spark.environment -o"):
-        setup.executor_setup(setup.SparkTarget("yarn"), str(tmp_path / "none.tar.gz"), "/b")
-    assert setup.executor_setup(setup.SparkTarget("yarn"), "s3a://bucket/env.tar.gz", "/b").archives == \
+        pythons.executor_setup(setup.SparkTarget("yarn"), str(tmp_path / "none.tar.gz"), "/b")
+    assert pythons.executor_setup(setup.SparkTarget("yarn"), "s3a://bucket/env.tar.gz", "/b").archives == \
         "s3a://bucket/env.tar.gz#environment"
 
 
