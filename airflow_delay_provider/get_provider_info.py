@@ -70,6 +70,13 @@ def get_provider_info() -> dict:
                         "label": "Database schema (PostgreSQL)",
                         "schema": {"type": ["string", "null"], "pattern": "^[A-Za-z_][A-Za-z0-9_]{0,62}$"},
                     },
+                    "auto_migrate": {
+                        "label": "Writers create and upgrade the tables",
+                        "schema": {"type": ["boolean", "null"]},
+                        "description": "Sends and dispatchers create the store's tables or bring them up to date "
+                                       "(empty: yes on SQLite, no on PostgreSQL, where provisioning or `airflow "
+                                       "delayed-messages db upgrade` does it)",
+                    },
                 },
                 "ui-field-behaviour": {
                     "hidden-fields": ["extra"],

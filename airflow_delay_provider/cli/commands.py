@@ -16,11 +16,13 @@ from airflow.utils.providers_configuration_loader import providers_configuration
 from airflow_delay_provider.core.errors import DelayProviderError
 from airflow_delay_provider.hooks.delay_store import DelayStoreHook
 from airflow_delay_provider.hooks.transport import transport_hook, transport_options
+from airflow_delay_provider.stores.engine import safe_url
 
 
-def _command(func: Callable[[DelayStoreHook, argparse.Namespace], dict]) -> Callable[[argparse.Namespace], None]:
-    """Run one command: the hook from --conn-id/--table/--db-schema, the report as JSON on stdout, and a
-    refused input or an unreachable store as one line on stderr with exit status 1."""
+def _command(func: Callable[[DelayStoreHook, argparse.Namespace], dict | str],
+             as_json: bool = True) -> Callable[[argparse.Namespace], None]:
+    """Run one command: the hook from --conn-id/--table/--db-schema, the report as JSON (or text) on stdout, and
+    a refused input or a store not reachable or not there as one line on stderr with exit status 1."""
 
     @wraps(func)
     @cli_utils.action_cli
@@ -32,7 +34,7 @@ def _command(func: Callable[[DelayStoreHook, argparse.Namespace], dict]) -> Call
         except DelayProviderError as exc:
             raise SystemExit(f"error: {exc}") from None
         try:
-            print(json.dumps(report, indent=2, default=str), flush=True)
+            print(json.dumps(report, indent=2, default=str) if as_json else report, flush=True)
         except BrokenPipeError:
             # The reader stopped early (`... | head`), which is not an error. Python would report the failed
             # flush of stdout at exit, so stdout goes to /dev/null first.
@@ -130,3 +132,28 @@ def redrive(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
                             max_per_second=args.max_per_second)
     finally:
         transport.close()
+
+
+def _upgrade(hook: DelayStoreHook, args: argparse.Namespace) -> str:
+    """What `airflow delayed-messages db upgrade` prints, worded as `airflow db migrate`: the database, then per set
+    of tables where it stands, the versions to apply, and what was applied (nothing with --dry-run)."""
+    lines = [f"DB: {safe_url(hook.url)}"]
+    for part in hook.upgrade(dry_run=args.dry_run):
+        if not part["exists"] and not part["pending"]:
+            lines.append(f"{part['what']}: no tables (provisioning its queues creates them)")
+            continue
+        at = f"schema version {part['version']}" + ("" if part["exists"] else " (no tables yet)")
+        if not part["pending"]:
+            lines.append(f"{part['what']}: {at}, this release's is {part['latest']}: up to date")
+            continue
+        lines.append(f"{part['what']}: {at}; this release's is {part['latest']}")
+        lines.append("Versions to apply:")
+        lines.extend(f"  {version} {name}" for version, name in part["pending"])
+        if part["applied"]:
+            lines.append(f"Applied {', '.join(map(str, part['applied']))}: now at schema version {part['latest']}.")
+    if args.dry_run:
+        lines.append("Dry run: nothing was applied.")
+    return "\n".join(lines)
+
+
+db_upgrade = _command(_upgrade, as_json=False)

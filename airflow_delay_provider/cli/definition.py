@@ -1,7 +1,7 @@
 """The `airflow delayed-messages` command group, registered through the provider's `cli` entry.
 
 Every command acts through DelayStoreHook's backlog methods, as the operators and the UI page do,
-and prints its JSON report.
+and prints its JSON report; `db upgrade` creates or upgrades the store's tables, the only command that does.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ ARG_TRANSPORT_CONN = Arg(("--transport-conn-id",), help="the transport's connect
 ARG_ERROR_QUEUE = Arg(("--error-queue",), default="error", help="the error queue (default: error)")
 ARG_MAX_MESSAGES = Arg(("--max-messages",), type=int, help="redrive at most this many")
 ARG_RATE = Arg(("--max-per-second",), type=float, help="redrive at most this many per second")
+ARG_DRY_RUN = Arg(("--dry-run",), action="store_true",
+                  help="only print the schema versions that would be applied; change nothing")
 
 _STORE = (ARG_CONN_ID, ARG_TABLE, ARG_DB_SCHEMA)
 _SELECT = (ARG_IDS, ARG_DESTINATION, ARG_HEADER)
@@ -70,6 +72,13 @@ COMMANDS = (
                   func=lazy_load_command(_COMMANDS + "redrive"),
                   args=(*_STORE, ARG_TRANSPORT, ARG_TRANSPORT_CONN, ARG_ERROR_QUEUE, ARG_IDS, ARG_DESTINATION,
                         ARG_MAX_MESSAGES, ARG_RATE)),
+    GroupCommand(name="db", help="The store's tables: create them, or bring them up to this release's version",
+                 subcommands=(
+                     ActionCommand(name="upgrade", help="Create the store's tables or upgrade them to this release's "
+                                   "schema version (and the SQL-table queues' tables where they exist); prints the "
+                                   "versions it applies", func=lazy_load_command(_COMMANDS + "db_upgrade"),
+                                   args=(*_STORE, ARG_DRY_RUN)),
+                 )),
 )
 
 

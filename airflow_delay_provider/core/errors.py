@@ -37,3 +37,14 @@ class CriticalError(DelayProviderError):
 
 class UnknownDestinationError(InvalidInputError):
     """A backlog action named a destination the store has never provisioned nor taken messages for."""
+
+
+class ConnectionTypeError(InvalidInputError):
+    """A connection of another type than the one asked for (a `postgres` or `rabbitmq` connection given as the
+    store's): refused before anything is opened."""
+
+
+class StoreNotReadyError(DelayProviderError):
+    """The store's tables (or the SQL-table queues') are not there yet, or older than this release: its message
+    names the connection, database, schema and tables, and what to run. Reads never create them; writers do only
+    where the connection's `auto_migrate` allows it, and a dispatcher waits for them."""

@@ -18,12 +18,22 @@ from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
 
 
 class BacklogActions:
-    """A mixin of DelayStoreHook, which gives it `get_store()`."""
+    """A mixin of DelayStoreHook, which gives it `get_store()`, `auto_migrate` and `prepare_for_writes()`."""
 
-    def _store(self) -> SqlDelayedMessageStore:
-        store: SqlDelayedMessageStore = self.get_store()  # type: ignore[attr-defined]
-        store.create_schema()  # cheap when current; an older store is brought up to date first
-        return store
+    _checked: SqlDelayedMessageStore | None = None
+
+    def checked_store(self, writes: bool = False) -> SqlDelayedMessageStore:
+        """The store of a read or an action (the sensors', the page's, the command line's), checked once per hook.
+        Never created here: a store that is not there is a StoreNotReadyError saying how to create it (a typo must
+        not look like an empty backlog). An older store is read as it is; an action that changes it (`writes`)
+        needs it up to date first, which the connection's `auto_migrate` lets it do."""
+        if self._checked is None:
+            store: SqlDelayedMessageStore = self.get_store()  # type: ignore[attr-defined]
+            store.check_ready()
+            self._checked = store
+        if writes:
+            self.prepare_for_writes(self._checked)  # type: ignore[attr-defined]
+        return self._checked
 
     def browse(self, *, message_ids: Any = None, destination: Any = None, headers: Any = None,
                due_from: Any = None, due_before: Any = None, limit: int = 50, after: str | None = None,
@@ -33,21 +43,23 @@ class BacklogActions:
         :param show_bodies: False leaves bodies out (only their size is shown).
         """
         selector = Selector.build(message_ids, destination, headers, due_from, due_before, allow_everything=True)
-        return self._store().browse(selector, limit=limit, after=after, body_bytes=body_bytes if show_bodies else None)
+        return self.checked_store().browse(selector, limit=limit, after=after,
+                                           body_bytes=body_bytes if show_bodies else None)
 
     def backlog(self, destination: str | None = None) -> dict[str, Any]:
         """Per destination: scheduled, due, in flight (a sweep holds them), paused, the due-time histogram."""
-        return self._store().backlog(destination or None)
+        return self.checked_store().backlog(destination or None)
 
     def cancel(self, *, message_ids: Any = None, destination: Any = None, headers: Any = None,
                due_from: Any = None, due_before: Any = None) -> dict[str, Any]:
         """Cancel scheduled messages (by ids, header match and/or a named destination)."""
-        return self._store().cancel(Selector.build(message_ids, destination, headers, due_from, due_before))
+        return self.checked_store(writes=True).cancel(Selector.build(message_ids, destination, headers, due_from,
+                                                              due_before))
 
     def reschedule(self, *, message_ids: Any = None, destination: Any = None, headers: Any = None,
                    deliver_at: Any = None, delay_seconds: Any = None) -> dict[str, Any]:
         """Make selected messages due at `deliver_at` or after `delay_seconds` from now (0: run now)."""
-        store = self._store()
+        store = self.checked_store(writes=True)
         selector = Selector.build(message_ids, destination, headers)
         return store.reschedule(selector, new_due_time(store.clock(), deliver_at, delay_seconds))
 
@@ -57,15 +69,15 @@ class BacklogActions:
 
     def pause(self, destinations: Any) -> dict[str, Any]:
         """Pause destinations: their messages stay stored until resumed (batches already claimed finish)."""
-        return {"paused": True, **self._store().set_paused(_names(destinations), True)}
+        return {"paused": True, **self.checked_store(writes=True).set_paused(_names(destinations), True)}
 
     def resume(self, destinations: Any) -> dict[str, Any]:
         """Resume destinations: pumps take their waiting messages oldest first, within the throttle."""
-        return {"paused": False, **self._store().set_paused(_names(destinations), False)}
+        return {"paused": False, **self.checked_store(writes=True).set_paused(_names(destinations), False)}
 
     def purge(self, destination: str, dry_run: bool = True) -> dict[str, Any]:
         """Remove every scheduled message of `destination`; `dry_run` (default) only counts them."""
-        return self._store().purge(destination, dry_run=dry_run)
+        return self.checked_store(writes=not dry_run).purge(destination, dry_run=dry_run)
 
     def forget(self, destinations: Any, force: bool = False, transport: Transport | None = None,
                error_queue: str = "error") -> dict[str, Any]:
@@ -74,7 +86,7 @@ class BacklogActions:
         `error_queue`, when it can look without consuming) dead letters; `force` purges the scheduled messages
         and leaves the dead letters where they are, listed in the report."""
         names = _names(destinations)
-        store = self._store()
+        store = self.checked_store(writes=True)
         store.check_known(names)
         dead: dict[str, int] = {}
         checked = transport is not None and transport.can_peek
@@ -108,9 +120,9 @@ class BacklogActions:
         """Store dead letters of `error_queue` again for their original destination, due now, failures
         reset; each leaves the error queue once stored. Returns counts: redriven (per destination),
         skipped (not dead-lettered by the pump, with why) and left (not selected)."""
-        return redrive_dead_letters(self._store(), transport, error_queue, destination=destination or None,
-                                    message_ids=message_ids, max_messages=max_messages,
-                                    max_per_second=max_per_second)
+        return redrive_dead_letters(self.checked_store(writes=True), transport, error_queue,
+                                    destination=destination or None, message_ids=message_ids,
+                                    max_messages=max_messages, max_per_second=max_per_second)
 
 
 def _names(value: Any) -> list[str]:

@@ -9,9 +9,10 @@ from airflow.sdk import BaseHook
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
-from airflow_delay_provider.core.errors import InvalidInputError
+from airflow_delay_provider.core.errors import ConnectionTypeError, InvalidInputError
 from airflow_delay_provider.hooks.backlog import BacklogActions
-from airflow_delay_provider.stores.engine import check_identifier, safe_url
+from airflow_delay_provider.stores.engine import ConnectionSource, check_identifier, safe_url
+from airflow_delay_provider.stores.migrations import SchemaMigrations
 from airflow_delay_provider.stores.sql import (
     DEFAULT_DEDUP_WINDOW_SECONDS,
     DEFAULT_TABLE,
@@ -57,6 +58,20 @@ def _supported(url: URL, conn: Any, field: str) -> URL:
     return url
 
 
+def _flag(extra: dict, name: str, conn: Any, default: bool) -> bool:
+    """A true/false extra (URI extras arrive as strings)."""
+    value = extra.get(name)
+    if value is None or value == "":
+        return default
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.strip().lower() in ("true", "1", "yes")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise InvalidInputError(f"the {name} extra of connection {conn.conn_id!r} must be true or false, got {value!r}")
+
+
 def url_from_connection(conn: Any) -> URL:
     """An SQLAlchemy URL from a `delay_store` connection: extra `url`, or host/port/login/password/schema."""
     extra = conn.extra_dejson or {}
@@ -100,7 +115,12 @@ class DelayStoreHook(BacklogActions, BaseHook):
     Connection extras: `driver` (default postgresql+psycopg; `sqlite` with an absolute file path as
     Database), `url` (a full SQLAlchemy URL instead of the fields), `table` (default delayed_messages),
     `db_schema` (PostgreSQL schema for the tables), `dedup_window_seconds` (default 86400: how long a
-    message id, once stored or sent, is not accepted again; 0 turns that off).
+    message id, once stored or sent, is not accepted again; 0 turns that off), `auto_migrate` (whether
+    writers, sends and dispatchers, may create the store's tables and bring them up to date; default true
+    on SQLite, false on PostgreSQL, where provisioning or `airflow delayed-messages db upgrade` does it).
+
+    Reads never create or change the tables: a store that is not there is a StoreNotReadyError that says what
+    to run. A connection of another type than `delay_store` is refused before anything is opened.
 
     :param delay_store_conn_id: the `delay_store` connection; a missing one fails saying how to define it.
     :param table: the store's table, overriding the connection's `table` extra.
@@ -128,8 +148,19 @@ class DelayStoreHook(BacklogActions, BaseHook):
         self._db_schema = db_schema
         self._resolved: tuple[URL, str, str | None] | None = None
         self._dedup_window = DEFAULT_DEDUP_WINDOW_SECONDS
+        self._auto_migrate = False
+        # What `airflow delayed-messages db upgrade` needs to name the same tables, for errors that say to run it.
+        options = [] if delay_store_conn_id == DEFAULT_CONN_ID else ["--conn-id", delay_store_conn_id]
+        options += [*(["--table", table] if table else []), *(["--db-schema", db_schema] if db_schema else [])]
+        self._source = ConnectionSource(delay_store_conn_id, tuple(options))
 
     def _locate(self, conn: Any) -> tuple[URL, str, str | None]:
+        if conn.conn_type != self.conn_type:
+            # Before anything is opened: another type's fields would name another database (a `postgres`
+            # connection's, Airflow's own), or a broker a PostgreSQL driver would talk to in vain.
+            raise ConnectionTypeError(
+                f"connection {conn.conn_id!r} is of type {conn.conn_type!r}; the delay store needs a connection of "
+                f"type {self.conn_type!r}, and nothing was opened: {how_to_define(conn.conn_id)}")
         extra = conn.extra_dejson or {}
         window = extra.get("dedup_window_seconds", DEFAULT_DEDUP_WINDOW_SECONDS)
         try:
@@ -137,7 +168,9 @@ class DelayStoreHook(BacklogActions, BaseHook):
         except (TypeError, ValueError):
             raise InvalidInputError(f"the dedup_window_seconds extra of connection {conn.conn_id!r} must be a number "
                                     f"of seconds >= 0, got {window!r}") from None
-        return resolve_location(url_from_connection(conn), extra, self._table, self._db_schema)
+        url = url_from_connection(conn)
+        self._auto_migrate = _flag(extra, "auto_migrate", conn, default=url.get_backend_name() == "sqlite")
+        return resolve_location(url, extra, self._table, self._db_schema)
 
     def _missing(self, exc: Exception) -> InvalidInputError:
         return InvalidInputError(f"the delay store connection {self.delay_store_conn_id!r} is not defined "
@@ -172,9 +205,46 @@ class DelayStoreHook(BacklogActions, BaseHook):
         return self._resolve()[0]
 
     def get_store(self) -> SqlDelayedMessageStore:
-        """The store: keeps, claims and removes delayed messages (create_schema() makes its tables)."""
+        """The store: keeps, claims and removes delayed messages. Nothing is read or created yet: see
+        `checked_store` (reads) and `prepare_for_writes`."""
         url, table, schema = self._resolve()
-        return SqlDelayedMessageStore(url, table=table, schema=schema, dedup_window_seconds=self._dedup_window)
+        store = SqlDelayedMessageStore(url, table=table, schema=schema, dedup_window_seconds=self._dedup_window)
+        store.source = self._source
+        return store
+
+    @property
+    def auto_migrate(self) -> bool:
+        """Whether writers may create the store's tables and bring them up to date (the `auto_migrate` extra)."""
+        self._resolve()
+        return self._auto_migrate
+
+    def prepare_for_writes(self, store: SqlDelayedMessageStore) -> None:
+        """Make the store ready for a writer (a send): with `auto_migrate`, create or upgrade its tables; without,
+        StoreNotReadyError unless they are at this release's version."""
+        if self.auto_migrate:
+            store.create_schema()
+        else:
+            store.check_ready(current=True)
+
+    def upgrade(self, dry_run: bool = False) -> list[dict[str, Any]]:
+        """Create the store's tables or bring them up to date, and the SQL-table queues' tables in its database
+        where they exist (provisioning queues creates them): `airflow delayed-messages db upgrade`. Per set of
+        tables: `what` (which tables, where), `version` (recorded before), `latest` (this release's), `exists`,
+        `pending` ([(version, name)] to apply) and `applied` (none with `dry_run`)."""
+        store = self.get_store()
+        report = [self._upgrade(store.migrations, dry_run, create=True)]
+        report.append(self._upgrade(self.get_transport().migrations, dry_run, create=False))
+        return report
+
+    @staticmethod
+    def _upgrade(migrations: SchemaMigrations, dry_run: bool, create: bool) -> dict[str, Any]:
+        state = migrations.state()
+        noun = migrations.target.noun[0]
+        pending = migrations.pending() if state.exists or create else []
+        applied = [] if dry_run or not pending else migrations.migrate()
+        return {"what": f"{noun[0].upper()}{noun[1:]} {migrations.where()}", "version": state.version,
+                "latest": state.latest, "exists": state.exists, "applied": applied,
+                "pending": [(m.version, m.name) for m in pending]}
 
     @classmethod
     def for_transport(cls, conn_id: str, db_schema: str | None = None) -> DelayStoreHook:
@@ -184,12 +254,15 @@ class DelayStoreHook(BacklogActions, BaseHook):
     def get_transport(self) -> SqlTableTransport:
         """Queues as tables in the same database: dispatch from this store to them is exactly once."""
         url, _, schema = self._resolve()
-        return SqlTableTransport(url, schema=schema)
+        transport = SqlTableTransport(url, schema=schema)
+        transport.source = self._source
+        return transport
 
     def store_spec(self) -> dict:
         """Where the store is, as plain data for a process without Airflow (a Spark sweep); holds the password."""
         url, table, schema = self._resolve()
-        return {"url": url.render_as_string(hide_password=False), "table": table, "schema": schema}
+        return {"url": url.render_as_string(hide_password=False), "table": table, "schema": schema,
+                "auto_migrate": self._auto_migrate}
 
     def transport_spec(self) -> dict:
         """The SQL-table transport of get_transport() as plain data; holds the password."""
@@ -209,7 +282,8 @@ class DelayStoreHook(BacklogActions, BaseHook):
             return False, f"{type(exc).__name__}: {exc}"
         where = safe_url(store.url)
         if scheduled is None:
-            return True, f"Reached {where}; table {store.table_name} not created yet (provision creates it)"
+            return True, (f"Reached {where}; table {store.table_name} not created yet (provisioning or "
+                          "`airflow delayed-messages db upgrade` creates it)")
         return True, f"Reached {where}; {scheduled} message(s) scheduled in {store.table_name}"
 
 

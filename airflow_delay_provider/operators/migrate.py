@@ -44,7 +44,7 @@ class MigrateDelayedMessagesOperator(DelayOperatorBase):
 
     def execute(self, context: Context) -> dict:
         store = self.hook.get_store()
-        store.create_schema()
+        self.hook.prepare_for_writes(store)  # created or upgraded only where auto_migrate allows it
         transport = self.get_transport()
         try:
             if self.direction == "store_to_rabbitmq":

@@ -137,7 +137,7 @@ class ScheduleDagRunOperator(DelayStoreMixin, BaseOperator):
         def guarded(call):
             return call_with_breaker(breaker, call, retry_on=(UnavailableError,))
 
-        guarded(store.create_schema)
+        guarded(lambda: self.hook.prepare_for_writes(store))  # created only where auto_migrate allows it
         headers = {HEADER_ASSET: asset_name, HEADER_SCHEDULED_BY: "/".join(map(str, origin))}
         if target_dag:
             headers[HEADER_DAG_ID] = target_dag

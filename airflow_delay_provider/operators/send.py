@@ -108,8 +108,9 @@ class SendDelayedMessageOperator(DelayOperatorBase):
         def guarded(call):
             return call_with_breaker(breaker, call, retry_on=(UnavailableError,))
 
-        # Idempotent and cheap; a missing table would otherwise look like an unreachable database.
-        guarded(store.create_schema)
+        # Created or upgraded only where the connection's auto_migrate allows it; otherwise a store not there (or
+        # older than this release) fails the task at once, saying what to run, with nothing stored.
+        guarded(lambda: self.hook.prepare_for_writes(store))
         queue_delays = guarded(lambda: store.queue_delays(destinations_of(items, defaults)))
         # Relative delays count from the store's clock (the database's), which its dispatchers compare due
         # times on; a broker's own delays are the due time minus now on that same clock (use_clock below).

@@ -44,7 +44,7 @@ class DelayedMessagesSensor(DelayStoreMixin, BaseSensorOperator):
         self.deferrable = deferrable
 
     def _scheduled(self) -> dict[str, int]:
-        store = self.hook.get_store()
+        store = self.hook.checked_store()  # never created by a sensor
         return store.count_scheduled(parse_moment(self.before, "before"), self.destination)
 
     def poke(self, context: Context) -> bool:
@@ -125,7 +125,7 @@ class DelayBacklogSensor(DelayStoreMixin, BaseSensorOperator):
         self.counts: dict[str, int] = {}
 
     def poke(self, context: Context) -> bool:
-        store = self.hook.get_store()
+        store = self.hook.checked_store()  # never created by a sensor
         before = utcnow() if self.measure == "due" else None
         self.counts = store.count_scheduled(before, self.destination)
         metrics.gauge_backlog(self.measure, self.counts or {self.destination or "all": 0})

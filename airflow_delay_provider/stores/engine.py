@@ -10,16 +10,17 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from sqlalchemy import Engine, Table, create_engine, event, func, select
 from sqlalchemy.engine import URL, Connection, make_url
-from sqlalchemy.exc import OperationalError, PendingRollbackError
+from sqlalchemy.exc import DBAPIError, OperationalError, PendingRollbackError
 from sqlalchemy.schema import CreateSchema
 
 from airflow_delay_provider.core.delays import utcnow
-from airflow_delay_provider.core.errors import InvalidInputError, InvalidNameError, UnavailableError
+from airflow_delay_provider.core.errors import DelayProviderError, InvalidInputError, InvalidNameError, UnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,15 @@ def check_identifier(kind: str, name: object) -> str:
     return name
 
 
+@dataclass(frozen=True)
+class ConnectionSource:
+    """The Airflow connection a store or its SQL-table queues were opened from, for messages that say what to run:
+    its id, and the command-line options that name the same tables when the caller overrode its extras."""
+
+    conn_id: str
+    options: tuple[str, ...] = ()
+
+
 class Database(Protocol):
     """What the parts of a store (and the SQL-table queues) are given to work on: SqlDatabase has all of it."""
 
@@ -49,6 +59,7 @@ class Database(Protocol):
     schema: str | None
     engine: Engine
     is_postgres: bool
+    source: ConnectionSource | None
 
     def clock(self) -> datetime: ...
 
@@ -78,6 +89,8 @@ class SqlDatabase:
         self._local_clock = local_clock
         self._offset: timedelta | None = None  # the database's clock minus this host's
         self._offset_at = -math.inf
+        #: Set by the hook that opened it: errors then name the connection and say what to run.
+        self.source: ConnectionSource | None = None
 
     def clock(self) -> datetime:
         """Now on the database's clock: due times and visibility times are stored and compared on it, so
@@ -107,8 +120,15 @@ class SqlDatabase:
         return database - after
 
     def errors(self, action: str) -> AbstractContextManager[None]:
-        """Database errors while doing `action`, as this package's errors (no URL or password in them)."""
-        return translate_errors(self.url, action)
+        """Database errors while doing `action`, as this package's errors (no URL or password in them, nor the
+        statement); a table or column not there, when the tables are missing or older than this release, as the
+        StoreNotReadyError of `schema_problem`."""
+        return translate_errors(self.url, action, self.schema_problem)
+
+    def schema_problem(self) -> DelayProviderError | None:
+        """Why a statement found a table or column missing, when that is the tables' state (not created yet, older
+        than this release): an error saying what to run. None by default, and when the tables are as they should."""
+        return None
 
     def qualified(self, name: str) -> str:
         """`name` in this database's schema, each part quoted as an identifier (for SQL written as text)."""
@@ -306,19 +326,38 @@ def engine_url(url: URL) -> URL:
     return url.difference_update_query(list(POSTGRES_DEFAULTS))
 
 
+#: SQLSTATEs of a missing table, column or schema; SQLite says it in words (an OperationalError there).
+_UNDEFINED = frozenset({"42P01", "42703", "3F000"})
+_SQLITE_UNDEFINED = ("no such table", "no such column")
+
+
+def _undefined(exc: DBAPIError) -> bool:
+    return getattr(exc.orig, "sqlstate", None) in _UNDEFINED or str(exc.orig).startswith(_SQLITE_UNDEFINED)
+
+
 @contextmanager
-def translate_errors(url: URL | str, action: str) -> Iterator[None]:
-    """Turn driver connection errors into UnavailableError that names the database but not its password."""
+def translate_errors(url: URL | str, action: str,
+                     problem: Callable[[], DelayProviderError | None] | None = None) -> Iterator[None]:
+    """Turn driver errors into this package's: UnavailableError for a connection's (naming the database, never its
+    password), `problem()` for a table or column not there when it explains it (StoreNotReadyError), and
+    DelayProviderError for the rest. Only the first line of the driver's message is kept: SQLAlchemy's text of an
+    error carries the statement and its parameters, which may hold a message's values."""
     try:
         yield
-    except OperationalError as exc:
-        message = str(exc.orig) if exc.orig is not None else str(exc)
+    except DBAPIError as exc:
+        found = problem() if problem is not None and _undefined(exc) else None
+        if found is not None:
+            raise found from None
+        message = str(exc.orig) if exc.orig is not None else ""
         password = make_url(url).password
         if password:
             message = message.replace(str(password), "***")
+        first = message.strip().splitlines()[0] if message.strip() else type(exc).__name__
+        if not isinstance(exc, OperationalError):
+            raise DelayProviderError(
+                f"could not {action}: the database at {safe_url(url)} refused the statement ({first})") from None
         raise UnavailableError(
-            f"could not {action}: the database at {safe_url(url)} is not reachable or refused the operation "
-            f"({message.strip().splitlines()[0] if message.strip() else type(exc).__name__})"
+            f"could not {action}: the database at {safe_url(url)} is not reachable or refused the operation ({first})"
         ) from None  # the driver's exception may carry the connection string
     except PendingRollbackError:
         # A connection lost inside a transaction: SQLAlchemy refuses it until that transaction is

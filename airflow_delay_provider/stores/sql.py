@@ -185,6 +185,14 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         """The newest migration applied to this store (0: no store here yet)."""
         return self.migrations.schema_version()
 
+    def check_ready(self, current: bool = False) -> None:
+        """StoreNotReadyError (naming the store and what to run) while its tables are not there or, with `current`,
+        older than this release; cheap once they are. Reads never create them (`migrations.state()` only looks)."""
+        self.migrations.require(current)
+
+    def schema_problem(self) -> DelayProviderError | None:
+        return self.migrations.problem()
+
     def migrate(self, up_to: int | None = None) -> list[int]:
         """Apply the migrations this store lacks, up to `up_to` (default: all); returns the versions applied.
         Safe to run concurrently: the others find the store up to date."""

@@ -152,7 +152,9 @@ class TableUpkeep(BackgroundWork):
                 skipped.append(notice.message_primary)
 
         try:
-            with self.db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            # Translated: a failed statement is logged by what it did, never by its text.
+            with self.db.errors("look after its tables"), \
+                    self.db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
                 key = self.key()
                 if not conn.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": key}).scalar():
                     return []  # another process is at it

@@ -44,7 +44,7 @@ from sqlalchemy.engine import URL, Connection
 from sqlalchemy.sql.expression import CTE, ColumnElement, Select
 
 from airflow_delay_provider.core.delays import utcnow
-from airflow_delay_provider.core.errors import DestinationNotFoundError, InvalidNameError
+from airflow_delay_provider.core.errors import DelayProviderError, DestinationNotFoundError, InvalidNameError
 from airflow_delay_provider.core.message import DelayedMessage, check_destination
 from airflow_delay_provider.core.ports import DelayedMessageStore, ReceivedMessage, Transport
 from airflow_delay_provider.stores.engine import (
@@ -53,6 +53,7 @@ from airflow_delay_provider.stores.engine import (
     check_identifier,
     copy_rows,
     safe_url,
+    translate_errors,
 )
 from airflow_delay_provider.stores.migrations import SchemaMigrations, VersionedTables
 from airflow_delay_provider.stores.sql import LeasedRows, SqlDelayedMessageStore, from_us, to_us
@@ -129,6 +130,9 @@ class SqlTableTransport(SqlDatabase, Transport):
             package=QUEUE_SCHEMA, kind="delay queue", label=f"SQL-table queues {where}",
             versions=versions_table(MetaData(), f"{table_prefix}queue_versions", self.schema),
             tables=(self.queues, self.messages), refuse_hint="choose another `table_prefix` (or schema) for the queues",
+            # Provisioning the queues creates these tables; errors about them say to run it.
+            noun=("the SQL-table queues", True), table_option=False,
+            creates="run the provisioning DAG (its ProvisionDelayInfrastructureOperator creates them with the queues)",
             names={"queues": self.qualified(self.queues.name), "messages": self.qualified(self.messages.name),
                    # Index names live in the table's schema on PostgreSQL and may not be qualified there.
                    "ix_order": preparer.quote_identifier(str(next(iter(self.messages.indexes)).name)),
@@ -152,6 +156,9 @@ class SqlTableTransport(SqlDatabase, Transport):
         """Create the queue tables, or bring those of an earlier release up to date (versioned migrations, as the
         store's): idempotent, cheap when up to date, safe to run concurrently."""
         self.migrations.migrate()
+
+    def schema_problem(self) -> DelayProviderError | None:
+        return self.migrations.problem()
 
     def upkeep(self) -> None:
         self.maintenance.start()
@@ -259,8 +266,9 @@ class SqlTableTransport(SqlDatabase, Transport):
         if not messages:
             return {}
         if connection is not None:
-            # A savepoint keeps a failed insert from aborting the store's claim transaction.
-            with connection.begin_nested():
+            # A savepoint keeps a failed insert from aborting the store's claim transaction; its errors say what
+            # failed without the statement (which carries the messages' values).
+            with translate_errors(self.url, "send to SQL queues"), connection.begin_nested():
                 return self._insert(connection, messages)
         with self.errors("send to SQL queues"), self.engine.begin() as conn:
             return self._insert(conn, messages)

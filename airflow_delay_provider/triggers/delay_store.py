@@ -121,7 +121,10 @@ class DispatchTrigger(_StoreTrigger):
         """The pump this trigger runs (also what a task that does not defer runs in its worker)."""
         store_hook = self.hook
         store = store_hook.get_store().restrict(self.destinations, self.destination_prefix, parse_time(self.due_from))
-        store.create_schema()  # a dispatcher started before anything was sent waits on an empty store
+        if store_hook.auto_migrate:
+            store.create_schema()
+        else:  # an unreachable store fails here, as it did; a store not there is met by the claims
+            store.migrations.state()
         hook = transport_hook(self.transport, self.transport_conn_id, store_hook, self.db_schema)
         transport = hook.get_transport(**transport_options(self.transport, self.transport_options))
         policies = {d: DeliveryPolicy.from_dict(p) for d, p in self.destination_policies.items()}
@@ -254,6 +257,7 @@ class ScheduledMessagesTrigger(_StoreTrigger):
 
     async def outcome(self) -> TriggerEvent:
         store = await self.hook.aget_store()
+        await asyncio.to_thread(store.check_ready)  # a store not there is an error, never created by waiting on it
         due_before, deadline = parse_time(self.due_before), parse_time(self.deadline)
         while True:
             counts = await asyncio.to_thread(store.count_scheduled, due_before, self.destination)

@@ -86,7 +86,8 @@ class DueMessageProducer(_Producer):
     async def _open(self) -> None:
         t = self.trigger
         self.store = await t.hook.aget_store()
-        await asyncio.to_thread(self.store.create_schema)
+        # Created or upgraded only where the connection's auto_migrate allows it; otherwise StoreNotReadyError.
+        await asyncio.to_thread(t.hook.prepare_for_writes, self.store)
         await asyncio.to_thread(self.store.open_event_claim, self.claim_id, t.destination, t.lease_seconds)
         self._claimed = True
         self._renewer = asyncio.create_task(self._renew(), name=f"lease renewal {self.claim_id}")

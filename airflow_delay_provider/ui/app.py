@@ -14,8 +14,10 @@ set (sql, rabbitmq or sqs; ``ui_transport_conn_id`` and ``ui_error_queue``, defa
 pump's), the page also counts the error queue's dead letters per original destination.
 Only the api-server imports this module (see `plugin.LazyBacklogApp`).
 
-Errors: a 400 says what was wrong with the user's own input and what is allowed. Any other failure (the
-store unreachable: 503; its connection or database wrong, or anything unexpected: 500; a dead-letter
+Errors: a 400 says what was wrong with the user's own input and what is allowed. A store that is not there
+yet (or older than this release, for an action) and a connection of another type than `delay_store` are a 503
+that says so and what to run: the page reads and changes nothing then, and creates nothing. Any other failure
+(the store unreachable: 503; its connection or database wrong, or anything unexpected: 500; a dead-letter
 count that fails) shows only an error id, and the server's log has that id with the exception: its text
 may name the database's user, host, port and tables, which the page's users need not see.
 """
@@ -40,9 +42,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from airflow_delay_provider.core.backlog import MAX_IDS, MAX_PAGE
 from airflow_delay_provider.core.errors import (
+    ConnectionTypeError,
     DelayProviderError,
     DestinationNotFoundError,
     InvalidInputError,
+    StoreNotReadyError,
     UnavailableError,
 )
 from airflow_delay_provider.hooks.delay_store import DEFAULT_CONN_ID, DelayStoreHook
@@ -79,7 +83,8 @@ def log_failure(exc: BaseException, doing: str) -> str:
     error_id = uuid.uuid4().hex[:12]
     # An outage is the store's or broker's to fix; the errors of this package say all in their message,
     # anything else gets its traceback.
-    log.log(logging.WARNING if isinstance(exc, UnavailableError) else logging.ERROR,
+    log.log(logging.WARNING if isinstance(exc, (UnavailableError, StoreNotReadyError, ConnectionTypeError))
+            else logging.ERROR,
             "Delayed messages page, error id %s, %s: %s: %s", error_id, doing, type(exc).__name__, exc,
             exc_info=None if isinstance(exc, DelayProviderError) else exc)
     return error_id
@@ -158,12 +163,15 @@ Reader = Annotated[BaseUser, Depends(reader)]
 Editor = Annotated[BaseUser, Depends(editor)]
 
 
-def hook() -> DelayStoreHook:
-    """The hook of the page's store, its connection resolved and its tables checked (brought up to date):
-    whatever fails here is the deployment's, never the user's input."""
+def hook(request: Request) -> DelayStoreHook:
+    """The hook of the page's store, its connection resolved and its tables checked, never created nor changed (an
+    action needs them up to date, which the connection's `auto_migrate` lets it do): whatever fails here is the
+    deployment's, never the user's input."""
     store_hook = DelayStoreHook(conn_id())
     try:
-        store_hook.get_store().create_schema()
+        store_hook.checked_store(writes=request.method != "GET")
+    except ConnectionTypeError:
+        raise  # said as it is (`not_usable`): it names the connection and the type the store needs
     except InvalidInputError as exc:
         raise StoreConfigurationError(f"the [delay_provider] ui_conn_id connection {conn_id()!r} cannot be used: "
                                       f"{exc}") from exc
@@ -217,6 +225,15 @@ def create_app() -> FastAPI:
     @app.exception_handler(InvalidInputError)
     async def invalid(_request: Request, exc: InvalidInputError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=status.HTTP_400_BAD_REQUEST)
+
+    @app.exception_handler(StoreNotReadyError)
+    @app.exception_handler(ConnectionTypeError)
+    async def not_usable(request: Request, exc: DelayProviderError) -> JSONResponse:
+        # The deployment's to fix, and its message says how: it names the connection, database, schema and
+        # tables, never a password nor a statement.
+        error_id = log_failure(exc, f"{request.method} {request.url.path}")
+        return JSONResponse({"detail": str(exc), "error_id": error_id},
+                            status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
 
     app.add_middleware(_Failures)
 

@@ -47,7 +47,7 @@ def services(pg_schema, moto_server, rabbit_available):
 
 
 @pytest.fixture(scope="module")
-def airflow(deployment, services):
+def airflow(deployment, services, store):  # the store provisioned first, as a deployment's init would
     return deployment(ROOT / "dags", connections=services, env={"SPARK_LOCAL_IP": "127.0.0.1"})
 
 

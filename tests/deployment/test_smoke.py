@@ -18,7 +18,7 @@ pytestmark = pytest.mark.smoke
 
 
 @pytest.fixture(scope="module")
-def airflow(deployment, pg_schema):
+def airflow(deployment, pg_schema, store):  # the store provisioned first, as a deployment's init would
     return deployment(ROOT / "dags", connections={"delay_store_default": store_connection(PG_URL, pg_schema)},
                       expected_dags=["delay_manual_send", "delay_continuous_dispatch"])
 

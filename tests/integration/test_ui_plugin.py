@@ -297,6 +297,7 @@ def test_with_a_transport_set_the_page_counts_its_dead_letters_per_destination(c
 # -- what a failure shows: an error id, never the server's details ------------------------------------------
 #: The login and database of the connections below: neither may reach a response.
 HIDDEN_USER, HIDDEN_DB = "adp_hidden_user", "adp_hidden_db"
+HIDDEN_PASSWORD = "adp-hidden-password"
 REQUESTS = [  # every endpoint that reaches the store, as the role that may call it
     ("viewer", "GET", "/api/backlog", {}),
     ("viewer", "GET", "/api/messages", {}),
@@ -393,6 +394,51 @@ def test_a_misconfigured_store_is_the_servers_failure_not_a_400_of_the_users(cli
         response = client(role, method, path, **kwargs)
         assert response.status_code == 500, response.text
         assert all(detail in logged(caplog, failure_id(response.json(), *details)) for detail in details)
+
+
+@pytest.mark.parametrize("mistake", ["not_provisioned", "postgres_connection"])
+def test_a_store_that_is_not_there_is_a_503_saying_what_to_do_and_no_request_creates_it(client, pg, monkeypatch,
+                                                                                       caplog, mistake):
+    from sqlalchemy import create_engine, text
+
+    url, schema, table = pg
+    schema = f"{schema}_ui_{mistake[:3]}"  # a schema nobody created: a typo of the connection's
+    real = make_url(PG_URL)
+    fields = {"host": real.host, "port": real.port or 5432, "login": real.username, "password": HIDDEN_PASSWORD,
+              "schema": real.database}
+    conn_id = f"delay_ui_{mistake}"
+    extra = {"db_schema": schema, "table": table}
+    conn_type = "delay_store" if mistake == "not_provisioned" else "postgres"
+    monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps({"conn_type": conn_type, **fields,
+                                                                      "extra": extra}))
+    monkeypatch.setenv("AIRFLOW__DELAY_PROVIDER__UI_CONN_ID", conn_id)
+    caplog.set_level(logging.WARNING, logger="airflow_delay_provider")
+    engine = create_engine(url)
+    try:
+        _requests_say_the_store_is_not_there(client, caplog, conn_id, schema, table, mistake)
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM pg_namespace WHERE nspname = :s"),
+                                {"s": schema}).scalar() == 0
+    finally:
+        with engine.begin() as conn:  # had anything made it
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        engine.dispose()
+
+
+def _requests_say_the_store_is_not_there(client, caplog, conn_id: str, schema: str, table: str, mistake: str):
+    for role, method, path, kwargs in REQUESTS:
+        response = client(role, method, path, **kwargs)
+        assert response.status_code == 503, (path, response.text)
+        detail = response.json()["detail"]
+        assert HIDDEN_PASSWORD not in response.text and "[SQL" not in response.text, response.text
+        assert f"connection {conn_id!r}" in detail, detail
+        if mistake == "not_provisioned":
+            assert f"schema {schema!r}" in detail and f"table {table!r}" in detail, detail
+            assert f"has no tables yet: run the provisioning DAG or `airflow delayed-messages db upgrade --conn-id " \
+                   f"{conn_id}`" in detail, detail
+        else:
+            assert "is of type 'postgres'; the delay store needs a connection of type 'delay_store'" in detail, detail
+        assert response.json()["error_id"] in logged(caplog, response.json()["error_id"])
 
 
 @pytest.mark.parametrize("failure", ["unreachable_sql_transport", "undefined_rabbitmq_connection"])
