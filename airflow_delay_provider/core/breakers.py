@@ -12,6 +12,8 @@ from airflow_delay_provider.core.errors import CriticalError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+#: How often a breaker waiting for something to be created (`not_ready`) says so again.
+NOT_READY_EVERY_SECONDS = 60.0
 
 
 class CircuitBreaker:
@@ -31,6 +33,7 @@ class CircuitBreaker:
         self._clock = clock
         self._sleep = sleep
         self.armed_at: float | None = None
+        self._waiting: tuple[float, str] | None = None  # when `not_ready` last said what, while it waits
 
     def like(self, name: str) -> CircuitBreaker:
         """A breaker of its own with the same timings, for a second thing that can fail (a store and a broker:
@@ -41,6 +44,17 @@ class CircuitBreaker:
         if self.armed_at is not None:
             log.info("%s circuit breaker disarmed", self.name)
         self.armed_at = None
+        self._waiting = None
+
+    def not_ready(self, error: BaseException) -> None:
+        """Not a failure: what is needed is not created yet (a store before its provisioning ran). Waits as after
+        a failure and says why at most once a minute (and when the reason changes), but neither arms nor disarms
+        the breaker: provisioning may take longer than the breaker allows, and nothing is down."""
+        now, said = self._clock(), str(error)
+        if self._waiting is None or self._waiting[1] != said or now - self._waiting[0] >= NOT_READY_EVERY_SECONDS:
+            self._waiting = (now, said)
+            log.warning("%s; %s waits for it (said again each minute)", said, self.name)
+        self._sleep(self.wait_after_failure)
 
     def failure(self, error: BaseException) -> None:
         now = self._clock()

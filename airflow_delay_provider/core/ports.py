@@ -18,6 +18,10 @@ from airflow_delay_provider.core.delays import UTC
 from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import DelayedMessage, check_destination
 
+#: How long a store remembers an accepted message id (seconds): within it, the same id is neither stored nor sent
+#: natively again. Like SQS FIFO's five-minute window or Cloud Tasks' task names, but longer.
+DEFAULT_DEDUP_WINDOW_SECONDS = 86_400
+
 
 class Claim(ABC):
     """A batch of due messages held exclusively until the claim ends (commit on success, release on error)."""
@@ -48,6 +52,11 @@ class DelayedMessageStore(ABC):
     def upkeep(self) -> None:  # noqa: B027 - optional: a store in memory has no tables to look after
         """Look after the store's tables (statistics, dead rows) if it is time; called by pumps between
         batches, so it must return at once. Nothing to do by default."""
+
+    def check_ready(self) -> None:  # noqa: B027 - optional: a store in memory has no tables to wait for
+        """Raise StoreNotReadyError (saying what to run) while the store's tables are not there: a pump waits
+        then, without counting it against its breakers. Called before each claim, so it must be cheap once they
+        are there. Ready by default."""
 
     @abstractmethod
     def store(self, messages: Sequence[DelayedMessage], deduplicate: bool = True) -> int:
@@ -186,6 +195,10 @@ class Transport(ABC):
     def upkeep(self) -> None:  # noqa: B027 - optional: a broker looks after its own queues
         """Look after the queues' tables if it is time (as DelayedMessageStore.upkeep): called by pumps between
         batches, so it must return at once. Nothing to do by default."""
+
+    def check_ready(self) -> None:  # noqa: B027 - optional: a broker's queues are declared by provisioning
+        """Raise StoreNotReadyError (saying what to run) while the transport's own tables are not there (as
+        DelayedMessageStore.check_ready): called before each claim, so it must be cheap once they are."""
 
     def check_endpoint(self, endpoint: str, **options: Any) -> str:
         """The endpoint's name if this transport can create it; otherwise an error saying the rule.

@@ -21,7 +21,12 @@ from typing import Any
 
 from airflow_delay_provider.core.breakers import CircuitBreaker, RateBreaker
 from airflow_delay_provider.core.delays import utcnow
-from airflow_delay_provider.core.errors import CriticalError, DestinationNotFoundError, UnavailableError
+from airflow_delay_provider.core.errors import (
+    CriticalError,
+    DestinationNotFoundError,
+    StoreNotReadyError,
+    UnavailableError,
+)
 from airflow_delay_provider.core.message import HEADER_FAILED_DESTINATION, DelayedMessage
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore, Transport
 from airflow_delay_provider.core.progress import ProgressReport
@@ -162,6 +167,8 @@ class Pump:
         store failed."""
         stack = ExitStack()
         try:
+            self.store.check_ready()  # cheap once provisioned
+            self.transport.check_ready()
             ahead, self._ahead = self._ahead, None
             if ahead is not None:
                 stack, claim = ahead.result()
@@ -178,6 +185,9 @@ class Pump:
             stack.__exit__(type(exc), exc, exc.__traceback__)  # releases the claim: the rows stay stored
             if isinstance(exc, CriticalError) or not isinstance(exc, Exception):
                 raise
+            if isinstance(exc, StoreNotReadyError):  # before provisioning: a wait, no failure of the store
+                self.fetch_breaker.not_ready(exc)
+                return _FAILED
             log.warning("could not claim a batch, nothing was taken: %s", exc)
             self.fetch_breaker.failure(exc)
             return _FAILED
@@ -350,9 +360,14 @@ class Pump:
         message but a missing queue, whose rows it leaves for a claim to dead-letter). Throttled
         destinations are left to claims too. None: the store failed."""
         try:
+            self.store.check_ready()  # cheap once provisioned
+            self.transport.check_ready()
             moved = self.transport.move_due(self.store, self._clock(), limit, due_before, self._exclusions or ())
         except CriticalError:
             raise
+        except StoreNotReadyError as exc:  # before provisioning: a wait, no failure of the store
+            self.fetch_breaker.not_ready(exc)
+            return None
         except Exception as exc:
             log.warning("could not move a batch, nothing was taken: %s", exc)
             self.fetch_breaker.failure(exc)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from functools import partial
 
+from airflow_delay_provider.core.errors import StoreNotReadyError
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.ports import DelayedMessageStore
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy, PolicyError
@@ -45,6 +46,8 @@ class DestinationPolicies:
     def load_stored(self) -> None:
         try:
             stored = self.store.policies()
+        except StoreNotReadyError:  # not provisioned yet: the claims wait for it, and say so once a minute
+            return
         except Exception as exc:  # the claims will meet the same problem, under the fetch breaker
             log.warning("could not read stored delivery policies: %s", exc)
             return

@@ -18,7 +18,7 @@ from airflow_delay_provider.core.requests import parse_count, parse_destinations
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.hooks.transport import check_transport
 from airflow_delay_provider.operators.base import DelayOperatorBase
-from airflow_delay_provider.triggers.delay_store import DispatchTrigger
+from airflow_delay_provider.triggers.delay_store import DispatchTrigger, provisioned
 
 
 class DispatchDueMessagesOperator(DelayOperatorBase):
@@ -146,8 +146,12 @@ class DispatchDueMessagesOperator(DelayOperatorBase):
                       "exactly once" if pump.exactly_once else "at least once", trigger.deadline,
                       scope or "every due message")
         try:
-            result = pump.run(deadline=pump.from_host_time(datetime.fromisoformat(trigger.deadline)),
-                              max_messages=trigger.max_messages, due_before=_optional(trigger.due_before))
+            deadline = pump.from_host_time(datetime.fromisoformat(trigger.deadline))
+            # Started before provisioning ended: wait for it (said once a minute), not against the breakers.
+            while pump.store.clock() < deadline and not provisioned(pump):
+                pass
+            result = pump.run(deadline=deadline, max_messages=trigger.max_messages,
+                              due_before=_optional(trigger.due_before))
         finally:
             pump.store.close()
             pump.transport.close()

@@ -157,6 +157,11 @@ class SqlTableTransport(SqlDatabase, Transport):
         store's): idempotent, cheap when up to date, safe to run concurrently."""
         self.migrations.migrate()
 
+    def check_ready(self) -> None:
+        """StoreNotReadyError, saying what to run, while the queue tables are not there (a dispatcher started
+        before provisioning waits on it); cheap once they are. Tables of an earlier release are used as they are."""
+        self.migrations.require(current=False)
+
     def schema_problem(self) -> DelayProviderError | None:
         return self.migrations.problem()
 

@@ -19,6 +19,7 @@ from typing import Any
 from airflow.triggers.base import TriggerEvent
 
 from airflow_delay_provider import metrics
+from airflow_delay_provider.core.errors import StoreNotReadyError
 from airflow_delay_provider.core.pump import (
     MAX_HELD_BACKOFF_SECONDS,
     MIN_HELD_BACKOFF_SECONDS,
@@ -30,6 +31,7 @@ from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.core.stats import PumpStats
 from airflow_delay_provider.hooks.delay_store import DEFAULT_CONN_ID, DelayStoreMixin
 from airflow_delay_provider.hooks.transport import transport_hook, transport_options
+from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
 from airflow_delay_provider.triggers.base import DelayTrigger, parse_time, sleep_until_next_poll
 
 #: The longest stretch of pump work handed to a thread at once, so a cancelled trigger stops soon.
@@ -123,7 +125,7 @@ class DispatchTrigger(_StoreTrigger):
         store = store_hook.get_store().restrict(self.destinations, self.destination_prefix, parse_time(self.due_from))
         if store_hook.auto_migrate:
             store.create_schema()
-        else:  # an unreachable store fails here, as it did; a store not there is met by the claims
+        else:  # a store not there yet is waited for (`provisioned`); an unreachable one fails here, as it did
             store.migrations.state()
         hook = transport_hook(self.transport, self.transport_conn_id, store_hook, self.db_schema)
         transport = hook.get_transport(**transport_options(self.transport, self.transport_options))
@@ -158,10 +160,14 @@ class DispatchTrigger(_StoreTrigger):
         due_before = parse_time(self.due_before)
         backoff = MIN_HELD_BACKOFF_SECONDS
         next_due: datetime | None = None
+        ready = False
         while True:
             now = await self._in_thread(pump.store.clock)
             if now >= deadline:
                 return "deadline", next_due
+            ready = ready or await self._in_thread(provisioned, pump)
+            if not ready:
+                continue
             left = None if self.max_messages is None else self.max_messages - stats.dispatched - stats.dead_lettered
             if left is not None and left <= 0:
                 return "max_messages", next_due
@@ -222,6 +228,22 @@ class DispatchTrigger(_StoreTrigger):
             running.add_done_callback(lambda _: close())
         else:
             close()
+
+
+def provisioned(pump: Pump) -> bool:
+    """Whether the pump's store and queues are there, the store at this release's version (a dispatcher runs its
+    pump only then, so that it reads the stored delivery policies of a store that exists); if not, waits a moment,
+    saying why once a minute, counted against no breaker: a dispatcher may start before provisioning ends."""
+    try:
+        if isinstance(pump.store, SqlDelayedMessageStore):
+            pump.store.check_ready(current=True)
+        else:
+            pump.store.check_ready()
+        pump.transport.check_ready()
+    except StoreNotReadyError as exc:
+        pump.fetch_breaker.not_ready(exc)
+        return False
+    return True
 
 
 class ScheduledMessagesTrigger(_StoreTrigger):

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_delay_provider.compat import shared_stream
 from airflow_delay_provider.core.breakers import CircuitBreaker
-from airflow_delay_provider.core.errors import CriticalError
+from airflow_delay_provider.core.errors import CriticalError, StoreNotReadyError
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy, PolicyError
 from airflow_delay_provider.core.settlement import FailedBatch, Retry, settle_failure
@@ -102,6 +102,8 @@ class DueMessageProducer(_Producer):
                 await self._open()
             except CriticalError:
                 raise
+            except StoreNotReadyError as exc:  # not provisioned yet: said once a minute, no failure of the store
+                await asyncio.to_thread(self.breaker.not_ready, exc)
             except Exception as exc:  # the store is down or the connection is missing: keep trying
                 log.warning("could not open the store for %s (%s); retrying in %.0f s", t.destination, exc, backoff)
                 await asyncio.sleep(backoff)
