@@ -19,6 +19,8 @@ when the task ends:
 Refused means the task fails before anything is claimed, saying to run the driver in client mode: it only
 plans id ranges and sums counts, and the partitions run on the executors either way.
 
+The Secret, made from the same connections::
+
     python -m airflow_delay_provider.spark.secret -o connections.json --delay-store-conn-id delay_store_default \\
         --transport rabbitmq
     kubectl create secret generic sweep-connections --from-file=connections.json && rm connections.json
