@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from airflow_delay_provider.core.delays import utcnow
@@ -180,3 +180,44 @@ class EngineClock:
 
     def __getattr__(self, name: str):
         return getattr(time, name)
+
+
+class HeldClock:
+    """A clock the test moves: the store's clock port (`ClockedStore`) and, installed with `install`, the time
+    module of the store's and the pump's modules (their monotonic time moves with it)."""
+
+    START = datetime(2026, 5, 1, 10, 58, 30, tzinfo=UTC)
+
+    def __init__(self) -> None:
+        self.now = self.START
+
+    def clock(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+    def monotonic(self) -> float:
+        return 1_000.0 + (self.now - self.START).total_seconds()
+
+    def sleep(self, _seconds: float) -> None:
+        """Nothing sleeps: a breaker's wait after a failure would only let the clock the test holds stand."""
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+    def install(self, monkeypatch, *modules) -> HeldClock:
+        for module in modules:
+            monkeypatch.setattr(module, "time", self)
+        return self
+
+
+class ClockedStore(SqlDelayedMessageStore):
+    """The SQL store on a clock the test holds (its `local_clock`) in place of the database's, with no upkeep in
+    threads: a test runs the move between partitions itself (`later.run()`)."""
+
+    def clock(self) -> datetime:
+        return self._local_clock()
+
+    def upkeep(self) -> None:
+        pass

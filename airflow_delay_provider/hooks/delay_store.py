@@ -262,7 +262,7 @@ class DelayStoreHook(BacklogActions, BaseHook):
         """Where the store is, as plain data for a process without Airflow (a Spark sweep); holds the password."""
         url, table, schema = self._resolve()
         return {"url": url.render_as_string(hide_password=False), "table": table, "schema": schema,
-                "auto_migrate": self._auto_migrate}
+                "auto_migrate": self._auto_migrate, "dedup_window_seconds": self._dedup_window}
 
     def transport_spec(self) -> dict:
         """The SQL-table transport of get_transport() as plain data; holds the password."""

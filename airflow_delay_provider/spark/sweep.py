@@ -49,6 +49,7 @@ from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.core.stats import PumpStats
 from airflow_delay_provider.spark import jdbc
 from airflow_delay_provider.stores.sql import (
+    DEFAULT_DEDUP_WINDOW_SECONDS,
     DEFAULT_TABLE,
     SWEEP_COLUMNS,
     SqlDelayedMessageStore,
@@ -104,7 +105,10 @@ def load_secret(secret_file: str | None = None) -> dict:
 
 
 def store_from_spec(spec: dict) -> SqlDelayedMessageStore:
-    return SqlDelayedMessageStore(spec["url"], table=spec.get("table") or DEFAULT_TABLE, schema=spec.get("schema"))
+    # The connection's window: the ids of the retries it stores are kept by it (stores/dedup.py).
+    window = spec.get("dedup_window_seconds", DEFAULT_DEDUP_WINDOW_SECONDS)
+    return SqlDelayedMessageStore(spec["url"], table=spec.get("table") or DEFAULT_TABLE, schema=spec.get("schema"),
+                                  dedup_window_seconds=window)
 
 
 def split_range(low: int, high: int, parts: int) -> list[tuple[int, int]]:

@@ -39,6 +39,7 @@ from airflow_delay_provider.core.backlog import (
 )
 from airflow_delay_provider.core.checks import check_int
 from airflow_delay_provider.core.message import check_destination
+from airflow_delay_provider.stores.dedup import AcceptedIds
 from airflow_delay_provider.stores.destinations import DestinationSettings
 from airflow_delay_provider.stores.engine import Database
 from airflow_delay_provider.stores.tables import COUNT_SLOT_US, StoreTables, _message, from_us, tier_of, to_us
@@ -62,12 +63,13 @@ class BacklogControls:
         in the partition of its new due time.
     :param ringed: whether `_later` is in partitions by due hour (schema version 9)."""
 
-    def __init__(self, db: Database, tables: StoreTables, settings: DestinationSettings,
+    def __init__(self, db: Database, tables: StoreTables, settings: DestinationSettings, accepted: AcceptedIds,
                  scope: Callable[[], Sequence[ColumnElement[bool]]] = tuple,
                  tiered: Callable[[], bool] = lambda: False, ringed: Callable[[], bool] = lambda: False) -> None:
         self.db = db
         self.tables = tables
         self.settings = settings
+        self.accepted = accepted  # a cancel gives ids their acceptance time back, a reschedule moves their guard
         self.scope = scope
         self.tiered = tiered
         self.ringed = ringed
@@ -245,7 +247,8 @@ class BacklogControls:
             in_flight: dict[str, int] = {d: n for d, n in conn.execute(count.where(self._leased_now())).all()}
             forget_check(names, scheduled, in_flight, force)
             if scheduled:
-                conn.execute(delete(t).where(mine))
+                gone = conn.execute(delete(t).where(mine).returning(t.c.message_id, t.c.stored_at_us)).all()
+                self.accepted.cancelled(conn, gone)
             self.settings.forget(conn, names)
             return scheduled
 
@@ -273,7 +276,12 @@ class BacklogControls:
             changed: list[str] = []
             for _ in range(_PASSES):
                 statement = delete(t) if due_us is None else update(t).values(**new_values)
-                changed.extend(conn.execute(statement.where(*where).returning(t.c.message_id)).scalars())
+                rows = conn.execute(statement.where(*where).returning(t.c.message_id, t.c.stored_at_us)).all()
+                changed.extend(m for m, _ in rows)
+                if due_us is None:
+                    self.accepted.cancelled(conn, rows)
+                else:
+                    self.accepted.moved(conn, ((m, due_us, accepted) for m, accepted in rows))
                 # A claim this pass waited for may have written rows back for a retry; a new statement
                 # (a new snapshot) sees them, and the next pass takes them.
                 if not conn.execute(select(t.c.id).where(*where).limit(1)).first():

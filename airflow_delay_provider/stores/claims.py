@@ -36,6 +36,7 @@ from sqlalchemy.engine import Connection, Row
 from sqlalchemy.sql import Select
 
 from airflow_delay_provider.core.ports import Claim
+from airflow_delay_provider.stores.dedup import AcceptedIds
 from airflow_delay_provider.stores.engine import Database, IndexStart
 from airflow_delay_provider.stores.tables import SOON, StoreTables, _message, from_us, to_us
 
@@ -50,9 +51,10 @@ class _SqlClaim(Claim):
     due time; anything left unsettled is restored before commit; an error rolls all of it back.
     """
 
-    def __init__(self, conn: Connection, table: Table, rows: Iterable[Row[Any]]) -> None:
+    def __init__(self, conn: Connection, table: Table, rows: Iterable[Row[Any]], accepted: AcceptedIds) -> None:
         self.connection = conn
         self._table = table
+        self._accepted = accepted
         rows = sorted(rows, key=lambda r: (r.due_at_us, r.id))  # RETURNING has no order
         self._rows = {row.message_id: row for row in rows}
         self._unsettled = set(self._rows)
@@ -68,6 +70,8 @@ class _SqlClaim(Claim):
         for m, h in (headers or {}).items():
             changes[m]["headers"] = json.dumps(h, separators=(",", ":"))
         self._write_back(changes)
+        self._accepted.moved(self.connection, ((m, c["due_at_us"], self._rows[m].stored_at_us)
+                                               for m, c in changes.items()))
 
     def restore_unsettled(self) -> None:
         if self._unsettled:
@@ -84,15 +88,18 @@ class DueClaims:
     """One store object's claims of due messages, on its database and tables: the ids a claim takes, where its scan
     starts (`due_start`, this object's own), the claim, and the next due time.
 
+    :param accepted: the store's accepted ids, whose guards follow a retry's due time (stores/dedup.py).
     :param scope: the conditions every claim and read of the store object adds (`SqlDelayedMessageStore.restrict`).
     :param tiered: whether the messages are in the two partitions (stores/tiers.py).
     :param clear_until_us: until when `_later` holds nothing a claim could take (the move's last look).
     """
 
-    def __init__(self, db: Database, tables: StoreTables, scope: Callable[[], list[ColumnElement[bool]]],
-                 tiered: Callable[[], bool], clear_until_us: Callable[[], float]) -> None:
+    def __init__(self, db: Database, tables: StoreTables, accepted: AcceptedIds,
+                 scope: Callable[[], list[ColumnElement[bool]]], tiered: Callable[[], bool],
+                 clear_until_us: Callable[[], float]) -> None:
         self.db = db
         self.tables = tables
+        self.accepted = accepted
         self.scope = scope
         self.tiered = tiered
         self.clear_until_us = clear_until_us
@@ -214,7 +221,7 @@ class DueClaims:
         with self.db.errors("claim due messages"), self.db.engine.begin() as conn:
             self.db.in_index_order(conn)
             claim_rows = delete(t).where(self.taken(conn, ids, soon_only)).returning(*self.tables.row)
-            claim = _SqlClaim(conn, t, conn.execute(claim_rows).all())
+            claim = _SqlClaim(conn, t, conn.execute(claim_rows).all(), self.accepted)
             yield claim
             claim.restore_unsettled()
 

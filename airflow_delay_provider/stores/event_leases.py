@@ -28,6 +28,7 @@ from typing import Any
 from sqlalchemy import and_, func, insert, or_, select, update
 
 from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.stores.dedup import AcceptedIds
 from airflow_delay_provider.stores.engine import Database
 from airflow_delay_provider.stores.leases import SweepLeases
 from airflow_delay_provider.stores.tables import EVENT_PREFIX, StoreTables, _message, check_claim_id, from_us, to_us
@@ -49,10 +50,11 @@ __all__ = ["EVENT_PREFIX", "EventLeases", "is_event_destination"]
 class EventLeases:
     """One store's event claims, on its database and tables; a claim is a sweep's lease row (`sweeps`)."""
 
-    def __init__(self, db: Database, tables: StoreTables, sweeps: SweepLeases) -> None:
+    def __init__(self, db: Database, tables: StoreTables, sweeps: SweepLeases, accepted: AcceptedIds) -> None:
         self.db = db
         self.tables = tables
         self.sweeps = sweeps
+        self.accepted = accepted
 
     # -- the claim ----------------------------------------------------------------------------------
     def open_event_claim(self, claim_id: str, destination: str, lease_seconds: float) -> None:
@@ -150,8 +152,11 @@ class EventLeases:
                 values: dict[str, Any] = {"claim_id": None, "failures": t.c.failures + 1, "due_at_us": to_us(due)}
                 if headers and message_id in headers:
                     values["headers"] = json.dumps(headers[message_id], separators=(",", ":"))
-                n += conn.execute(update(t).where(t.c.message_id == message_id, t.c.claim_id == claim_id)
-                                  .values(**values)).rowcount
+                retried = conn.execute(update(t).where(t.c.message_id == message_id, t.c.claim_id == claim_id)
+                                       .values(**values).returning(t.c.message_id, t.c.due_at_us,
+                                                                   t.c.stored_at_us)).all()
+                self.accepted.moved(conn, retried)
+                n += len(retried)
             if n and self.db.is_postgres:
                 conn.execute(select(func.pg_notify(self.tables.channel, str(to_us(min(next_due.values()))))))
         return n

@@ -30,6 +30,7 @@ from sqlalchemy.engine import Connection
 from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
+from airflow_delay_provider.stores.dedup import AcceptedIds
 from airflow_delay_provider.stores.engine import Database
 from airflow_delay_provider.stores.tables import (
     SWEEP_COLUMNS,
@@ -267,9 +268,10 @@ class _LeasedClaim(Claim):
     rescheduled in it, unsettled ones go back to the sweep's queue (still under its lease)."""
 
     def __init__(self, conn: Connection, table: Table, rows: list[tuple[Any, ...]],
-                 hand_back: Callable[[Iterable[tuple[Any, ...]]], None]) -> None:
+                 hand_back: Callable[[Iterable[tuple[Any, ...]]], None], accepted: AcceptedIds) -> None:
         self.connection = conn
         self._table = table
+        self._accepted = accepted
         self._rows = {row[1]: row for row in rows}
         self._unsettled = set(self._rows)
         self._hand_back = hand_back
@@ -298,6 +300,8 @@ class _LeasedClaim(Claim):
         stmt = (update(t).where(t.c.id == bindparam("rid"))
                 .values(failures=bindparam("f"), due_at_us=bindparam("d"), headers=bindparam("h"), claim_id=None))
         self.connection.execute(stmt, rows)
+        accepted = select(t.c.message_id, t.c.due_at_us, t.c.stored_at_us).where(t.c.id.in_([r["rid"] for r in rows]))
+        self._accepted.moved(self.connection, self.connection.execute(accepted).tuples())
         self._unsettled.difference_update(next_due)
 
     def restore_unsettled(self) -> None:
@@ -315,10 +319,12 @@ class LeasedRows(DelayedMessageStore):
     """
 
     def __init__(self, home: DelayedMessageStore, db: Database, table: Table, claim_id: str,
-                 rows: Iterable[tuple[Any, ...]]) -> None:
+                 rows: Iterable[tuple[Any, ...]], accepted: AcceptedIds) -> None:
         """:param home: the store the rows are in, which stores retries and keeps the throttle and the policies.
         :param db: its database: a SQL transport on the same database joins the settling transaction.
-        :param table: its messages table."""
+        :param table: its messages table.
+        :param accepted: its accepted ids, whose guards follow a retry's due time (stores/dedup.py)."""
+        self.accepted = accepted
         self.home = home
         self.db = db
         self.engine = db.engine
@@ -374,7 +380,7 @@ class LeasedRows(DelayedMessageStore):
                 held = set(conn.execute(mine.with_for_update()).scalars())
             kept = [r for r in rows if r[0] in held]
             self.skipped += len(rows) - len(kept)
-            claim = _LeasedClaim(conn, t, kept, self._held.extend)
+            claim = _LeasedClaim(conn, t, kept, self._held.extend, self.accepted)
             yield claim
             claim.restore_unsettled()
 

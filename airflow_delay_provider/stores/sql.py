@@ -91,7 +91,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
                      hint="0 turns de-duplication off")
         self.dedup_window_us = int(dedup_window_seconds * 1_000_000)
         self.tables = StoreTables.declare(self.table_name, self.schema)
-        self.accepted = AcceptedIds(self, self.tables.ids, self.dedup_window_us)
+        self.accepted = AcceptedIds(self, self.tables, self.dedup_window_us)
         self.concurrent_claims = self.is_postgres  # SQLite locks the whole database per write transaction
         self.threaded_claims = self.is_postgres
         # On SQLite a claim holds the database's write lock, which a second transaction would wait for:
@@ -102,12 +102,13 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         self.waiting = StoreWaiting(self, self.tables.channel, lambda: self._wants)
         self.settings = DestinationSettings(self, self.tables)
         self.leases = SweepLeases(self, self.tables, self.tiered, self.ringed)
-        self.events = EventLeases(self, self.tables, self.leases)
-        self.controls = BacklogControls(self, self.tables, self.settings, lambda: self._scope, self.tiered,
-                                       self.ringed)
+        self.events = EventLeases(self, self.tables, self.leases, self.accepted)
+        self.controls = BacklogControls(self, self.tables, self.settings, self.accepted, lambda: self._scope,
+                                        self.tiered, self.ringed)
         t = self.tables
         self.writes = MessageWrites(self, t, self.accepted, self.settings, self.tiered, self.ringed)
-        self.claims = DueClaims(self, t, lambda: self._scope, self.tiered, lambda: self.later.clear_until_us)
+        self.claims = DueClaims(self, t, self.accepted, lambda: self._scope, self.tiered,
+                                lambda: self.later.clear_until_us)
         self.later = LaterMessages(self, t, self.claims.earliest_due, self.ringed)
         self._tiered: bool | None = None
         self._ringed = False
@@ -388,7 +389,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
 
     def leased_rows(self, claim_id: str, rows: Iterable[tuple[Any, ...]]) -> LeasedRows:
         """The rows a part of a sweep holds, for a Pump to send batch by batch (retries are stored here)."""
-        return LeasedRows(self, self, self.tables.messages, claim_id, rows)
+        return LeasedRows(self, self, self.tables.messages, claim_id, rows, self.accepted)
 
     # event claims (stores/event_leases.py)
     def open_event_claim(self, claim_id: str, destination: str, lease_seconds: float) -> None:

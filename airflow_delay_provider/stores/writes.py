@@ -10,7 +10,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sqlalchemy import ARRAY, String, any_, func, literal, select
+from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
@@ -68,11 +68,12 @@ class MessageWrites:
         if tiered:
             for r in rows:
                 r["tier"] = tier_of(r["due_at_us"], now, ring)
-        remember = deduplicate and self.accepted.window_us > 0
+        first: dict[str, dict[str, Any]] = {}
+        for r in rows:  # an id twice in one send: the first is the one stored
+            first.setdefault(r["message_id"], r)
         with self.db.errors("store delayed messages"), self.db.engine.begin() as conn:
-            if remember:
-                self.accepted.expire(conn, now)
-            stored = self._insert_new(conn, rows, now if remember else None, tiered)
+            self.accepted.expire(conn, now)
+            stored = self._insert_new(conn, list(first.values()), now, deduplicate, tiered)
             if stored:
                 self.settings.register(conn, {r["destination"] for r in rows}, now)
             if self.db.is_postgres and stored:
@@ -92,18 +93,12 @@ class MessageWrites:
     _COPY_COLUMNS = ("message_id", "destination", "body", "headers", "due_at_us", "stored_at_us", "failures")
     _COPY_TYPES = ("text", "text", "bytea", "text", "int8", "int8", "int4")
 
-    def _insert_new(self, conn: Connection, rows: list[dict[str, Any]], seen_at_us: int | None,
+    def _insert_new(self, conn: Connection, rows: list[dict[str, Any]], now_us: int, deduplicate: bool,
                     tiered: bool = False) -> int:
-        """Insert the rows whose message id is new (a retried task stores nothing twice); returns how many.
-        With `seen_at_us`, their ids are remembered in the ids table and ids found there are skipped."""
-        if tiered and seen_at_us is None:
-            # Each partition's unique index sees its own rows only: without the ids table, look in both.
-            t = self.tables.messages
-            stored = set(conn.execute(select(t.c.message_id).where(
-                t.c.message_id == any_(literal([r["message_id"] for r in rows], ARRAY(String))))).scalars())
-            rows = [r for r in rows if r["message_id"] not in stored]
-            if not rows:
-                return 0
+        """Insert the rows whose message id may be stored (stores/dedup.py), remembering their ids; returns how
+        many. The ids table, not the messages' unique index, decides: on PostgreSQL the messages are in partitions,
+        each with its own index."""
+        guards = {r["message_id"]: self.accepted.guard(r["due_at_us"], now_us) for r in rows}
         if self.db.is_postgres:
             from psycopg.errors import UniqueViolation
 
@@ -112,22 +107,19 @@ class MessageWrites:
             if tiered:
                 columns, types = (*columns, "tier"), (*types, "int2")
             try:
-                with conn.begin_nested():  # COPY is the fast way, for the usual case of all-new ids
-                    if seen_at_us is not None:
-                        copy_rows(conn, self.tables.ids, ("message_id", "seen_at_us"), ("text", "int8"),
-                                  ((r["message_id"], seen_at_us) for r in rows))
+                # COPY is the fast way, for the usual case of ids never seen: an id without a row in the ids table
+                # is not stored (its row stays while it is).
+                with conn.begin_nested():
+                    copy_rows(conn, self.tables.ids, ("message_id", "seen_at_us"), ("text", "int8"), guards.items())
                     copy_rows(conn, self.tables.messages, columns, types, ([r[c] for c in columns] for r in rows))
                 return len(rows)
             except UniqueViolation:
                 pass
-        if seen_at_us is not None:
-            fresh = set(self.accepted.remember(conn, [r["message_id"] for r in rows], seen_at_us))
-            rows = [r for r in rows if r["message_id"] in fresh]
-            if not rows:
-                return 0
+        admitted = self.accepted.admit(conn, guards, now_us, deduplicate)
+        rows = [r for r in rows if r["message_id"] in admitted]
+        if not rows:
+            return 0
+        # No conflict target: on the partitioned table (and a view of the store older than its migration) the
+        # partition a row goes to checks its keys.
         insert = (postgresql.insert if self.db.is_postgres else sqlite.insert)(self.tables.messages)
-        # The partitioned table has no unique index of its own: the partition a row goes to checks its keys.
-        stmt = (insert.on_conflict_do_nothing() if tiered else insert.on_conflict_do_nothing(
-            index_elements=["message_id"])).returning(self.tables.messages.c.id)
-        return len(conn.execute(stmt, rows).all())
-
+        return len(conn.execute(insert.on_conflict_do_nothing().returning(self.tables.messages.c.id), rows).all())

@@ -32,7 +32,7 @@ from airflow_delay_provider.core.backlog import (
 from airflow_delay_provider.core.checks import check_int
 from airflow_delay_provider.core.delays import UTC, utcnow
 from airflow_delay_provider.core.message import DelayedMessage, check_destination
-from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
+from airflow_delay_provider.core.ports import DEFAULT_DEDUP_WINDOW_SECONDS, Claim, DelayedMessageStore
 
 
 class _MemoryClaim(Claim):
@@ -73,8 +73,10 @@ class InMemoryStore(DelayedMessageStore):
     concurrent_claims = True
     threaded_claims = True  # every claim and settlement takes the lock
 
-    def __init__(self, clock: Callable[[], datetime] = utcnow) -> None:
+    def __init__(self, clock: Callable[[], datetime] = utcnow,
+                 dedup_window_seconds: float = DEFAULT_DEDUP_WINDOW_SECONDS) -> None:
         self._clock = clock
+        self._window = timedelta(seconds=dedup_window_seconds)
         lock = threading.RLock()
         self._lock = threading.Condition(lock)  # notified when a message is stored or becomes claimable
         self._settled = threading.Condition(lock)  # notified when a claim settles messages
@@ -83,7 +85,7 @@ class InMemoryStore(DelayedMessageStore):
         self._seq = itertools.count()
         self._policies: dict[str, dict[str, Any]] = {}
         self._meta: dict[str, tuple[int, datetime]] = {}  # per stored message: (store order, stored at)
-        self._accepted: set[str] = set()  # every id stored with de-duplication (the SQL store's ids table)
+        self._accepted: dict[str, datetime] = {}  # when each id was stored with de-duplication (the ids table)
         self._known: dict[str, datetime | None] = {}  # known destinations: when paused, or None
         self._claims: list[_MemoryClaim] = []  # open claims
 
@@ -99,14 +101,17 @@ class InMemoryStore(DelayedMessageStore):
 
     def store(self, messages: Sequence[DelayedMessage], deduplicate: bool = True) -> int:
         with self._lock:
-            new = [m for m in dict((m.message_id, m) for m in messages).values()
-                   if m.message_id not in self._messages and not (deduplicate and m.message_id in self._accepted)]
             now = self.clock()
+            first: dict[str, DelayedMessage] = {}  # the first of an id in a batch is the one stored, as in SQL
+            for m in messages:
+                first.setdefault(m.message_id, m)
+            new = [m for m in first.values()
+                   if m.message_id not in self._messages and not (deduplicate and self._seen(m.message_id, now))]
             for m in new:
                 self._meta[m.message_id] = (next(self._seq), now)
                 self._put(m)
-            if deduplicate:
-                self._accepted.update(m.message_id for m in new)
+            if deduplicate and self._window:
+                self._accepted.update((m.message_id, now) for m in new)
             if new:
                 for destination in {m.destination for m in messages}:
                     self._known.setdefault(destination, None)
@@ -272,7 +277,13 @@ class InMemoryStore(DelayedMessageStore):
     def _accepted_of(self, message_ids: Sequence[str]) -> list[str]:
         """Of these ids, those stored with de-duplication (the SQL store's ids table)."""
         with self._lock:
-            return [m for m in message_ids if m in self._accepted]
+            now = self.clock()
+            return [m for m in message_ids if self._seen(m, now)]
+
+    def _seen(self, message_id: str, now: datetime) -> bool:
+        """Whether the id was accepted within the de-duplication window."""
+        at = self._accepted.get(message_id)
+        return at is not None and at >= now - self._window
 
     def _select(self, selector: Selector) -> list[DelayedMessage]:
         """The stored messages the selector matches, soonest due first (under the lock)."""
