@@ -268,10 +268,12 @@ class _LeasedClaim(Claim):
     rescheduled in it, unsettled ones go back to the sweep's queue (still under its lease)."""
 
     def __init__(self, conn: Connection, table: Table, rows: list[tuple[Any, ...]],
-                 hand_back: Callable[[Iterable[tuple[Any, ...]]], None], accepted: AcceptedIds) -> None:
+                 hand_back: Callable[[Iterable[tuple[Any, ...]]], None], accepted: AcceptedIds,
+                 tier: Callable[[int], int | None]) -> None:
         self.connection = conn
         self._table = table
         self._accepted = accepted
+        self._tier = tier
         self._rows = {row[1]: row for row in rows}
         self._unsettled = set(self._rows)
         self._hand_back = hand_back
@@ -296,9 +298,16 @@ class _LeasedClaim(Claim):
             }
             for m, due in next_due.items()
         ]
-        # A retry leaves the sweep: it is an ordinary delayed message again, for whoever dispatches it when due.
-        stmt = (update(t).where(t.c.id == bindparam("rid"))
-                .values(failures=bindparam("f"), due_at_us=bindparam("d"), headers=bindparam("h"), claim_id=None))
+        # A retry leaves the sweep: it is an ordinary delayed message again, for whoever dispatches it when due, in the
+        # partition of its new due time (a row leased in `_later` and left there would wait for a full look of it).
+        values: dict[str, Any] = {"failures": bindparam("f"), "due_at_us": bindparam("d"), "headers": bindparam("h"),
+                                  "claim_id": None}
+        tiers = [self._tier(row["d"]) for row in rows]
+        if None not in tiers:
+            for row, tier in zip(rows, tiers, strict=True):
+                row["t"] = tier
+            values["tier"] = bindparam("t")
+        stmt = update(t).where(t.c.id == bindparam("rid")).values(**values)
         self.connection.execute(stmt, rows)
         accepted = select(t.c.message_id, t.c.due_at_us, t.c.stored_at_us).where(t.c.id.in_([r["rid"] for r in rows]))
         self._accepted.moved(self.connection, self.connection.execute(accepted).tuples())
@@ -319,12 +328,15 @@ class LeasedRows(DelayedMessageStore):
     """
 
     def __init__(self, home: DelayedMessageStore, db: Database, table: Table, claim_id: str,
-                 rows: Iterable[tuple[Any, ...]], accepted: AcceptedIds) -> None:
+                 rows: Iterable[tuple[Any, ...]], accepted: AcceptedIds,
+                 tier: Callable[[int], int | None] = lambda _due_us: None) -> None:
         """:param home: the store the rows are in, which stores retries and keeps the throttle and the policies.
         :param db: its database: a SQL transport on the same database joins the settling transaction.
         :param table: its messages table.
-        :param accepted: its accepted ids, whose guards follow a retry's due time (stores/dedup.py)."""
+        :param accepted: its accepted ids, whose guards follow a retry's due time (stores/dedup.py).
+        :param tier: the partition a row due at a time goes to now (None: the store has none)."""
         self.accepted = accepted
+        self.tier = tier
         self.home = home
         self.db = db
         self.engine = db.engine
@@ -380,7 +392,7 @@ class LeasedRows(DelayedMessageStore):
                 held = set(conn.execute(mine.with_for_update()).scalars())
             kept = [r for r in rows if r[0] in held]
             self.skipped += len(rows) - len(kept)
-            claim = _LeasedClaim(conn, t, kept, self._held.extend, self.accepted)
+            claim = _LeasedClaim(conn, t, kept, self._held.extend, self.accepted, self.tier)
             yield claim
             claim.restore_unsettled()
 

@@ -46,6 +46,7 @@ from airflow_delay_provider.stores.tables import (
     check_claim_id,
     check_store_table,
     from_us,
+    tier_of,
     to_us,
 )
 from airflow_delay_provider.stores.tiers import LaterMessages
@@ -389,7 +390,11 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
 
     def leased_rows(self, claim_id: str, rows: Iterable[tuple[Any, ...]]) -> LeasedRows:
         """The rows a part of a sweep holds, for a Pump to send batch by batch (retries are stored here)."""
-        return LeasedRows(self, self, self.tables.messages, claim_id, rows, self.accepted)
+        return LeasedRows(self, self, self.tables.messages, claim_id, rows, self.accepted, self._tier)
+
+    def _tier(self, due_us: int) -> int | None:
+        """The partition a row due at `due_us` goes to when written now (None: the store is not in partitions)."""
+        return tier_of(due_us, to_us(self.clock()), self.ringed()) if self.tiered() else None
 
     # event claims (stores/event_leases.py)
     def open_event_claim(self, claim_id: str, destination: str, lease_seconds: float) -> None:

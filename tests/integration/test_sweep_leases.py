@@ -67,3 +67,40 @@ def test_leased_rows_send_only_what_is_still_theirs_and_reschedule_failures(pg):
         assert started + timedelta(seconds=5) <= retried.due_at <= utcnow() + timedelta(seconds=5)
     # The retries left the sweep: a pump takes them when due; the two taken-over rows stay with "other".
     assert store.claimed_range("s")[2] == 0 and store.claimed_range("other")[2] == 2
+
+
+def test_a_sweeps_retry_goes_to_the_partition_of_its_new_due_time_and_is_claimed_on_time(pg, monkeypatch):
+    """A sweep leased a row still in its hour's partition (the pumps were off when it came due) and retries it due 3 s
+    later, while a pump's moves run: the retry goes where claims read, and is claimed at its due time, not at the
+    next full look of `_later` (up to a minute later)."""
+    from airflow_delay_provider.core.message import DelayedMessage
+    from airflow_delay_provider.stores import engine, tiers
+    from airflow_delay_provider.testing import InMemoryTransport
+    from tests.helpers import ClockedStore, HeldClock
+
+    clock = HeldClock().install(monkeypatch, engine, tiers)
+    url, schema, table = pg
+    store = ClockedStore(url, table=table, schema=schema, local_clock=clock.clock)
+    store.create_schema()
+    store.store([DelayedMessage("orders", b"x", clock.now + timedelta(seconds=120), message_id="m")])
+    clock.advance(121)  # due, and no move ran: still in its hour's partition
+    assert store.start_sweep("s", clock.now + timedelta(seconds=1), lease_seconds=600)["claimed"] == 1
+    store.later.run()  # a pump's process starts moving (its first look reads all of `_later`)
+    clock.advance(5)
+    store.later.run()
+    clock.advance(4)
+    class Refusing(InMemoryTransport):
+        def send(self, batch, connection=None):
+            return {m.message_id: RuntimeError("refused") for m in batch}
+
+    rows = list(store.read_claimed("s", *store.claimed_range("s")[:2]))
+    retry = DeliveryPolicy(min_delay_target=3, max_delay_target=3, num_retries=1)
+    Pump(store.leased_rows("s", rows), Refusing(), policy=retry, clock=clock.clock).run(stop_when_idle=True)
+    assert store.get("m").due_at == clock.now + timedelta(seconds=3)
+    clock.advance(1)
+    store.later.run()
+    clock.advance(2)
+    transport = InMemoryTransport()
+    transport.provision("orders")
+    Pump(store, transport, clock=clock.clock).run(stop_when_idle=True)
+    assert [m.message_id for m in transport.receive("orders", 10)] == ["m"]
