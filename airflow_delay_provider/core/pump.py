@@ -21,19 +21,14 @@ from typing import Any
 
 from airflow_delay_provider.core.breakers import CircuitBreaker, RateBreaker
 from airflow_delay_provider.core.delays import utcnow
-from airflow_delay_provider.core.errors import (
-    CriticalError,
-    DestinationNotFoundError,
-    StoreNotReadyError,
-    UnavailableError,
-)
+from airflow_delay_provider.core.errors import CriticalError, StoreNotReadyError, UnavailableError
 from airflow_delay_provider.core.message import HEADER_FAILED_DESTINATION, DelayedMessage
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore, Transport
 from airflow_delay_provider.core.progress import ProgressReport
 from airflow_delay_provider.core.pump_config import END_OF_TIME, PumpConfig, PumpResult
 from airflow_delay_provider.core.pump_policies import DestinationPolicies
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
-from airflow_delay_provider.core.settlement import FailedBatch, settle_failure
+from airflow_delay_provider.core.settlement import sort_outcomes
 from airflow_delay_provider.core.stats import PumpStats, moved_stats
 
 log = logging.getLogger(__name__)
@@ -213,7 +208,9 @@ class Pump:
             self.fetch_breaker.failure(exc)
             return None
         self.fetch_breaker.success()
-        if transient is not None:
+        # The breaker measures an outage: a batch that delivered anything is progress, whatever else failed (the
+        # policy's retries and the error queue deal with those); one that delivered nothing and failed counts.
+        if transient is not None and not stats.dispatched:
             self.dispatch_breaker.failure(transient)
         else:
             self.dispatch_breaker.success()
@@ -246,32 +243,8 @@ class Pump:
                 failures: dict[str, Exception]) -> Exception | None:
         conn = claim.connection if self.exactly_once else None
         sent_at = self._clock()
-        removed: list[str] = []  # delivered or dead-lettered: gone from the store
-        transient: Exception | None = None
-        failed = FailedBatch()
-        for m in messages:
-            exc = failures.get(m.message_id)
-            if exc is None:
-                removed.append(m.message_id)
-                stats.dispatched += 1
-                stats.count(m.destination, "dispatched")
-                stats.lateness.add((sent_at - m.due_at).total_seconds())
-                continue
-            if isinstance(exc, UnavailableError):
-                # An outage is not the message's fault: it stays stored as it was (the claim
-                # restores it) and the dispatch breaker decides how long to keep trying.
-                transient = exc
-                stats.released += 1
-                stats.count(m.destination, "released")
-                continue
-            stats.count(m.destination, "failed")
-            missing = isinstance(exc, DestinationNotFoundError)
-            if not missing:
-                transient = exc
-            reason = f"destination not found: {exc}" if missing else f"{type(exc).__name__}: {exc}"
-            # A retry is itself a delayed message: stored, it survives restarts and holds no worker.
-            failed.add(m.message_id, settle_failure(m, reason, self.policy_for(m.destination), self.config.error_queue,
-                                                    sent_at, self.config.retry_jitter, final=missing))
+        removed, failed, transient = sort_outcomes(messages, failures, sent_at, stats, self.policy_for,
+                                                   self.config.error_queue, self.config.retry_jitter)
         if failed.dead:
             dead_failures = self._start_send(failed.dead, conn)()
             for d in failed.dead:
@@ -425,6 +398,10 @@ class Pump:
             except Exception as exc:
                 self.fetch_breaker.failure(exc)
                 continue
+            if next_due is None or next_due > self._clock():
+                # Nothing left to send now: no outage to measure. A retry that fails after the pump has waited for
+                # it arms the breaker afresh, instead of counting the wait as failing time.
+                self.dispatch_breaker.success()
             if next_due is None and (due_before is not None or stop_when_idle):
                 return PumpResult(stats, "drained")
             if stop_when_idle:

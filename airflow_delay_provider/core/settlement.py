@@ -12,11 +12,14 @@ settled again after a store error) retries it at the same time.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from airflow_delay_provider.core.errors import DestinationNotFoundError, UnavailableError
 from airflow_delay_provider.core.message import HEADER_FIRST_FAILED_AT, DelayedMessage
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
+from airflow_delay_provider.core.stats import PumpStats
 
 
 @dataclass(frozen=True)
@@ -74,3 +77,39 @@ class FailedBatch:
         self.retries[message_id] = outcome.at
         if outcome.headers is not None:
             self.headers[message_id] = outcome.headers
+
+
+def sort_outcomes(messages: Iterable[DelayedMessage], failures: Mapping[str, Exception], sent_at: datetime,
+                  stats: PumpStats, policy_for: Callable[[str], DeliveryPolicy], error_queue: str,
+                  jitter: float) -> tuple[list[str], FailedBatch, Exception | None]:
+    """The outcome of a batch's sends, counted into `stats`: the ids delivered, the failed deliveries as
+    `settle_failure` sorts them (a retry, or a dead letter to send), and the last error that was not the message's
+    own (an outage, a refusal), or None.
+
+    An outage (UnavailableError) is not the message's fault: it stays stored as it was (its claim restores it) and
+    the pump's dispatch breaker decides how long to keep trying. A destination that does not exist is final."""
+    delivered: list[str] = []
+    failed = FailedBatch()
+    transient: Exception | None = None
+    for m in messages:
+        exc = failures.get(m.message_id)
+        if exc is None:
+            delivered.append(m.message_id)
+            stats.dispatched += 1
+            stats.count(m.destination, "dispatched")
+            stats.lateness.add((sent_at - m.due_at).total_seconds())
+            continue
+        if isinstance(exc, UnavailableError):
+            transient = exc
+            stats.released += 1
+            stats.count(m.destination, "released")
+            continue
+        stats.count(m.destination, "failed")
+        missing = isinstance(exc, DestinationNotFoundError)
+        if not missing:
+            transient = exc
+        reason = f"destination not found: {exc}" if missing else f"{type(exc).__name__}: {exc}"
+        # A retry is itself a delayed message: stored, it survives restarts and holds no worker.
+        failed.add(m.message_id, settle_failure(m, reason, policy_for(m.destination), error_queue, sent_at, jitter,
+                                                final=missing))
+    return delivered, failed, transient

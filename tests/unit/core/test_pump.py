@@ -271,3 +271,86 @@ def test_stop_settles_the_batch_in_hand_and_claims_no_other():
     assert result.reason == "stopped" and 0 < result.stats.dispatched < 500
     assert len(delivered) == result.stats.dispatched  # the batch in hand was settled, nothing more sent
     assert sum(store.count_scheduled().values()) == 500 - len(delivered)  # and the rest is still stored
+
+
+class Poison(InMemoryTransport):
+    """Refuses every message whose id is in `refused` (each time; not its dead letter), delivers the rest; counts the
+    batches sent."""
+
+    def __init__(self, refused=()) -> None:
+        super().__init__()
+        self.refused = set(refused)
+        self.batches = 0
+
+    def send(self, messages, connection=None):
+        self.batches += 1
+        refused = {m.message_id: RuntimeError("422 from the endpoint") for m in messages
+                   if m.message_id in self.refused and m.destination != "error"}
+        return {**refused, **super().send([m for m in messages if m.message_id not in refused])}
+
+
+def _held_pump(store, transport, clock, batch_size: int, number_of_retries: int = 0) -> Pump:
+    """A pump on the test's clock: its breakers' time is the clock's, and nothing sleeps."""
+    from airflow_delay_provider.core.breakers import CircuitBreaker
+
+    pump = Pump(store, transport, PumpConfig(batch_size=batch_size, number_of_retries=number_of_retries),
+                clock=clock.clock, sleep=clock.sleep)
+    for name in ("fetch_breaker", "dispatch_breaker"):
+        breaker = getattr(pump, name)
+        setattr(pump, name, CircuitBreaker(breaker.name, breaker.time_to_trigger, clock=clock.monotonic,
+                                           sleep=clock.sleep))
+    return pump
+
+
+def test_a_pump_delivering_all_but_a_third_of_every_batch_never_trips_its_breaker():
+    """Every batch has messages the transport refuses (dead-lettered, no retries) and delivers the rest, for two
+    minutes: the pump goes on; before, the breaker was never disarmed and the pump stopped after 30 s."""
+    from tests.helpers import HeldClock
+
+    clock = HeldClock()
+    store, transport = InMemoryStore(clock=clock.clock), Poison()
+    for queue in ("orders", "error"):
+        transport.provision(queue)
+    pump = _held_pump(store, transport, clock, batch_size=3)
+    for second in range(120):
+        ids = [f"m-{second}-{i}" for i in range(3)]
+        transport.refused.add(ids[0])
+        store.store([DelayedMessage("orders", b"x", clock.now, message_id=i) for i in ids])
+        pump.run(stop_when_idle=True)
+        clock.advance(1)
+    assert len(received(transport, "orders")) == 240 and len(received(transport, "error")) == 120
+
+
+def test_a_message_refused_again_after_the_pump_waited_longer_than_the_breaker_allows_does_not_trip_it():
+    """One message refused, nothing else due: its retry comes a minute later, after the pump slept; the wait is no
+    outage (before, the breaker armed at the first failure tripped at the second, 60 s on)."""
+    from airflow_delay_provider.core.retry_policy import DeliveryPolicy
+    from tests.helpers import HeldClock
+
+    clock = HeldClock()
+    store, transport = InMemoryStore(clock=clock.clock), Poison(["m"])
+    for queue in ("orders", "error"):
+        transport.provision(queue)
+    pump = _held_pump(store, transport, clock, batch_size=10)
+    pump.by_destination.policy = DeliveryPolicy(min_delay_target=60, max_delay_target=60, num_retries=3)
+    store.store([DelayedMessage("orders", b"x", clock.now, message_id="m")])
+    for _ in range(4):
+        pump.run(stop_when_idle=True)
+        clock.advance(61)
+    assert [m.message_id for m in received(transport, "error")] == ["m"]
+
+
+def test_a_transport_refusing_every_message_of_a_backlog_still_trips_the_breaker():
+    from tests.helpers import HeldClock
+
+    clock = HeldClock()
+    store = InMemoryStore(clock=clock.clock)
+    transport = Poison(f"m-{i}" for i in range(10_000))
+    for queue in ("orders", "error"):
+        transport.provision(queue)
+    pump = _held_pump(store, transport, clock, batch_size=10, number_of_retries=100)
+    pump.dispatch_breaker._sleep = lambda seconds: clock.advance(seconds)  # each failure waits, as it would
+    store.store([DelayedMessage("orders", b"x", clock.now, message_id=f"m-{i}") for i in range(10_000)])
+    with pytest.raises(CriticalError, match="dispatching kept failing"):
+        pump.run(stop_when_idle=True)
+    assert received(transport, "orders") == [] and 30 <= transport.batches <= 40
