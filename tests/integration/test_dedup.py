@@ -127,3 +127,20 @@ def test_a_message_made_due_now_and_delivered_can_be_sent_again_with_no_window(d
     assert store.reschedule(Selector(message_ids=("m",)), clock.now)["rescheduled"] == ["m"]
     assert _deliver(store, clock) == ["m"]
     assert _send(store, clock, "m", 0) == 1
+
+
+def test_a_store_object_that_has_not_seen_the_upgrade_to_partitions_yet_refuses_a_re_sent_id(pg, clock):
+    """Another process migrates the store to the partitions while this object still takes it for one table (it
+    looks again every 30 s): a re-send falls back from COPY, and its insert must suit the partitioned table
+    (PostgreSQL refused `ON CONFLICT (message_id)` there, which no partition's unique index matches)."""
+    url, schema, table = pg
+    store = ClockedStore(url, table=table, schema=schema, dedup_window_seconds=1, local_clock=clock.clock)
+    store.migrate(up_to=7)
+    assert not store.tiered()
+    assert _send(store, clock, "m", 60) == 1
+    ClockedStore(url, table=table, schema=schema).migrate()
+    assert not store.tiered()  # its view is the one table for up to 30 s
+    clock.advance(2)
+    assert _send(store, clock, "m", 60) == 0
+    assert _send(store, clock, "n", 60) == 1
+    assert _rows(store, "m") == _rows(store, "n") == 1
