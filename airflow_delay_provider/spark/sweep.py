@@ -390,7 +390,11 @@ def sweep(spark, secret: dict, args: argparse.Namespace) -> dict:
 
     store = store_from_spec(secret["store"])
     reader = resolve_reader(args.reader, store)
-    store.create_schema()
+    # A sweep writes: it creates or upgrades the store only where its connection allows it (auto_migrate).
+    if secret["store"].get("auto_migrate"):
+        store.create_schema()
+    else:
+        store.check_ready(current=True)
     started = time.monotonic()
     if args.max_seconds:
         settings["deadline_us"] = to_us(store.clock()) + int(args.max_seconds * 1e6)

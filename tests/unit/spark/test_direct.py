@@ -148,3 +148,22 @@ def test_a_move_takes_only_the_running_sweeps_window_and_counts_what_it_leased(p
     store.finish_sweep("over", "killed", {})
     assert transport.move_window(store, "over", 0, 10**9, 1000) is None
     assert store.count_scheduled() == {"orders": 55, "held": 5}  # the live sweep's 50, the 5 late ones
+
+
+def test_a_sweep_on_a_store_not_there_fails_before_anything_and_creates_nothing(db):
+    """A sweep writes, so it may create or upgrade the store only where its connection says `auto_migrate`: without
+    it, a store that is not there (a mistyped schema, no provisioning yet) fails the sweep before Spark reads anything,
+    naming what to run, and nothing is created."""
+    import pytest
+    from sqlalchemy import inspect
+
+    from airflow_delay_provider.core.errors import StoreNotReadyError
+
+    url, schema, table = db
+    spec = {"url": url, "table": table, "schema": schema, "auto_migrate": False}
+    args = sweep_app.parse_args(["--due-before", utcnow().isoformat(), "--reader", "direct"])
+    with pytest.raises(StoreNotReadyError, match="db upgrade"):
+        sweep_app.sweep(None, {"store": spec, "transport": {"kind": "sql", "url": url, "schema": schema}}, args)
+    store = sweep_app.store_from_spec(spec)
+    with store.engine.connect() as conn:
+        assert not inspect(conn).has_table(table, schema=schema)
