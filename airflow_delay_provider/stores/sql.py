@@ -9,7 +9,6 @@ tables.py. Here: the parts put together, the schema, and the store's public meth
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
@@ -57,10 +56,6 @@ log = logging.getLogger(__name__)
 
 #: How often a store object looks again whether its store has been migrated to the two partitions.
 _TIERS_CHECK_SECONDS = 30.0
-
-
-def _literal(value: str) -> str:
-    return "'" + value.replace("'", "''") + "'"
 
 
 __all__ = [  # the names other modules import from here
@@ -207,36 +202,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         return 2 if "claim_id" in columns else 1
 
     def _template_names(self) -> dict[str, str]:
-        preparer, q = self.engine.dialect.identifier_preparer, self.qualified
-        t = self.table_name
-        # The index names the SQL files create are the declared ones (tables.py).
-        [due_index], [ids_index] = (self.tables.messages.indexes, self.tables.ids.indexes)
-        ids_index_name = str(ids_index.name)
-        leased = ids_index_name.replace("ix_ids_", "ix_leased_")
-        short = hashlib.sha1(f"{self.schema}.{t}".encode()).hexdigest()[:16]
-        return {
-            "messages": q(t), "policies": q(f"{t}_policies"), "sweeps": q(f"{t}_sweeps"), "ids": q(f"{t}_ids"),
-            "throttle": q(f"{t}_throttle"), "delays": q(f"{t}_delays"), "dests": q(f"{t}_dests"),
-            "counts": q(f"{t}_counts"),
-            "count_fn": q("delay_counts_" + hashlib.sha1(f"{self.schema}.{t}".encode()).hexdigest()[:16]),
-            # Index names live in the table's schema on PostgreSQL and may not be qualified there.
-            "ix_due": preparer.quote_identifier(str(due_index.name)),
-            "ix_ids": preparer.quote_identifier(ids_index_name),
-            "ix_leased": preparer.quote_identifier(leased),
-            # Schema version 8: the partitions, the sequence of ids they share, and the indexes by name.
-            "soon": q(f"{t}_soon"), "soon_name": preparer.quote_identifier(f"{t}_soon"), "later": q(f"{t}_later"),
-            "id_seq": q(f"{t}_id_seq"),
-            # Schema version 9: `_later`'s partitions; the hours' are named in a loop (checked identifiers, as
-            # literals).
-            "far": q(f"{t}_far"), "far_name": preparer.quote_identifier(f"{t}_far"),
-            "schema_literal": "NULL" if self.schema is None else _literal(self.schema), "table_literal": _literal(t),
-            "ix_due_q": q(str(due_index.name)), "ix_leased_q": q(leased),
-            "ix_soon_due": preparer.quote_identifier(f"ix_soon_{short}"), "ix_soon_due_q": q(f"ix_soon_{short}"),
-            "ix_soon_leased": preparer.quote_identifier(f"ix_soon_leased_{short}"),
-            "ix_soon_leased_q": q(f"ix_soon_leased_{short}"),
-            "id_type": "BIGSERIAL" if self.is_postgres else "INTEGER",  # SQLite's INTEGER key is the rowid
-            "bytes_type": "BYTEA" if self.is_postgres else "BLOB",
-        }
+        return self.tables.template_names(self)
 
     def upkeep(self) -> None:
         """Vacuum and analyse the store's tables when their counters call for it (stores/upkeep.py), and move

@@ -41,7 +41,7 @@ from sqlalchemy import (
 from airflow_delay_provider.core.delays import UTC
 from airflow_delay_provider.core.errors import InvalidInputError, InvalidNameError
 from airflow_delay_provider.core.message import DelayedMessage
-from airflow_delay_provider.stores.engine import check_identifier
+from airflow_delay_provider.stores.engine import Database, check_identifier
 
 DEFAULT_TABLE = "delayed_messages"
 #: Destinations under this prefix are handed to Airflow as trigger events (asset watchers), never dispatched.
@@ -82,6 +82,10 @@ LATER = 1
 HOUR_US = 3_600_000_000
 RING_HOURS = 26
 FIRST_HOUR = 2
+
+
+def _literal(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
 
 
 def hour_tier(due_at_us: int) -> int:
@@ -290,6 +294,39 @@ class StoreTables:
             versions=versions_table(MetaData(), f"{name}_schema", schema),
             channel="delay_" + hashlib.sha1(qualified.encode()).hexdigest()[:24],
         )
+
+    def template_names(self, db: Database) -> dict[str, str]:
+        """The names the numbered SQL files (`schema/`) are filled in with, quoted for `db`."""
+        preparer, q = db.engine.dialect.identifier_preparer, db.qualified
+        t = self.name
+        # The index names the SQL files create are the declared ones (tables.py).
+        [due_index], [ids_index] = (self.messages.indexes, self.ids.indexes)
+        ids_index_name = str(ids_index.name)
+        leased = ids_index_name.replace("ix_ids_", "ix_leased_")
+        short = hashlib.sha1(f"{self.schema}.{t}".encode()).hexdigest()[:16]
+        return {
+            "messages": q(t), "policies": q(f"{t}_policies"), "sweeps": q(f"{t}_sweeps"), "ids": q(f"{t}_ids"),
+            "throttle": q(f"{t}_throttle"), "delays": q(f"{t}_delays"), "dests": q(f"{t}_dests"),
+            "counts": q(f"{t}_counts"),
+            "count_fn": q("delay_counts_" + hashlib.sha1(f"{self.schema}.{t}".encode()).hexdigest()[:16]),
+            # Index names live in the table's schema on PostgreSQL and may not be qualified there.
+            "ix_due": preparer.quote_identifier(str(due_index.name)),
+            "ix_ids": preparer.quote_identifier(ids_index_name),
+            "ix_leased": preparer.quote_identifier(leased),
+            # Schema version 8: the partitions, the sequence of ids they share, and the indexes by name.
+            "soon": q(f"{t}_soon"), "soon_name": preparer.quote_identifier(f"{t}_soon"), "later": q(f"{t}_later"),
+            "id_seq": q(f"{t}_id_seq"),
+            # Schema version 9: `_later`'s partitions; the hours' are named in a loop (checked identifiers, as
+            # literals).
+            "far": q(f"{t}_far"), "far_name": preparer.quote_identifier(f"{t}_far"),
+            "schema_literal": "NULL" if self.schema is None else _literal(self.schema), "table_literal": _literal(t),
+            "ix_due_q": q(str(due_index.name)), "ix_leased_q": q(leased),
+            "ix_soon_due": preparer.quote_identifier(f"ix_soon_{short}"), "ix_soon_due_q": q(f"ix_soon_{short}"),
+            "ix_soon_leased": preparer.quote_identifier(f"ix_soon_leased_{short}"),
+            "ix_soon_leased_q": q(f"ix_soon_leased_{short}"),
+            "id_type": "BIGSERIAL" if db.is_postgres else "INTEGER",  # SQLite's INTEGER key is the rowid
+            "bytes_type": "BYTEA" if db.is_postgres else "BLOB",
+        }
 
     @property
     def where(self) -> str:
