@@ -206,6 +206,18 @@ class HeldClock:
     def __getattr__(self, name: str):
         return getattr(time, name)
 
+    def hold_breakers(self, pump):
+        """Put a pump's breakers on this clock (they keep their timings): its outages last as long as the test
+        says, and nothing sleeps. Returns the pump."""
+        from airflow_delay_provider.core.breakers import CircuitBreaker
+
+        for name in ("fetch_breaker", "dispatch_breaker"):
+            breaker = getattr(pump, name)
+            setattr(pump, name, CircuitBreaker(breaker.name, breaker.time_to_trigger, clock=self.monotonic,
+                                               sleep=self.sleep))
+        pump.recovery_breaker._clock = self.monotonic
+        return pump
+
     def install(self, monkeypatch, *modules) -> HeldClock:
         for module in modules:
             monkeypatch.setattr(module, "time", self)

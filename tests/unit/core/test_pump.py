@@ -291,15 +291,9 @@ class Poison(InMemoryTransport):
 
 def _held_pump(store, transport, clock, batch_size: int, number_of_retries: int = 0) -> Pump:
     """A pump on the test's clock: its breakers' time is the clock's, and nothing sleeps."""
-    from airflow_delay_provider.core.breakers import CircuitBreaker
-
-    pump = Pump(store, transport, PumpConfig(batch_size=batch_size, number_of_retries=number_of_retries),
-                clock=clock.clock, sleep=clock.sleep)
-    for name in ("fetch_breaker", "dispatch_breaker"):
-        breaker = getattr(pump, name)
-        setattr(pump, name, CircuitBreaker(breaker.name, breaker.time_to_trigger, clock=clock.monotonic,
-                                           sleep=clock.sleep))
-    return pump
+    return clock.hold_breakers(Pump(store, transport, PumpConfig(batch_size=batch_size,
+                                                                 number_of_retries=number_of_retries),
+                                    clock=clock.clock))
 
 
 def test_a_pump_delivering_all_but_a_third_of_every_batch_never_trips_its_breaker():
