@@ -7,7 +7,7 @@ JDBC_JAR := /usr/share/java/postgresql.jar
 CHROMIUM := /usr/bin/chromium
 export AIRFLOW_HOME := $(CURDIR)/.airflow
 
-.PHONY: demo test test-fast test-compat bench install clean dist docs check-wheel
+.PHONY: demo test test-fast test-deep test-compat bench install clean dist docs check-wheel
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +74,12 @@ dist: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/sphinx-build -q -E -W --keep-going -b html docs docs/_build/html
 	$(BIN)/python scripts/check_docs.py
+
+# The stateful test of every store against the model of what a store promises (tests/store_model.py) with many more
+# examples than `make test` runs: STORE_MODEL_EXAMPLES of each (2,000 by default: about half an hour).
+STORE_MODEL_EXAMPLES ?= 2000
+test-deep: $(STAMP)
+	STORE_MODEL_EXAMPLES=$(STORE_MODEL_EXAMPLES) $(BIN)/python -m pytest -q tests/integration/test_store_model.py
 
 # No services needed: unit and property tests, and the contract tests on the in-memory fakes and SQLite.
 test-fast: $(STAMP)

@@ -1,0 +1,207 @@
+"""A reference model of what a delayed-message store promises, in plain Python: the stateful test
+(tests/integration/test_store_model.py) holds every store to it after each step.
+
+Times are integer microseconds on the store's clock. The model keeps what must be stored, which ids must be
+refused, and which messages a claim at a given moment may take and must take:
+
+- an id is refused while a message with it is stored, and for `window_us` after it was accepted;
+- a claim never takes a message before its due time, nor one of a paused destination or one a sweep holds under
+  a live lease, and never one twice;
+- a pump that drains takes every message it may take (`must_take`); on a store in partitions (PostgreSQL) that
+  holds for a message once a move has run since it was written (or its sweep's lease ran out) and it came within
+  reach of that move, or once claims read every partition (`CLEAR_US` after the last move): the move runs every
+  `MOVE_EVERY_SECONDS` in a pump's process, so this is "on time, give or take one move";
+- a failed delivery is retried `retry_us` later, up to `num_retries` times, then dead-lettered;
+- cancel, reschedule, purge and forget change only what no live lease holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from airflow_delay_provider.stores.tables import SOON_US
+from airflow_delay_provider.stores.tiers import CLEAR_US
+
+
+@dataclass
+class Stored:
+    destination: str
+    due_us: int
+    failures: int = 0
+    #: The sweep that leased it (its lease may have run out).
+    claim: str | None = None
+    #: Since when the store has had it as it is now (written, retried, rescheduled, released): a move after this
+    #: takes it to where claims read.
+    since_us: int = 0
+
+
+@dataclass
+class Sweep:
+    lease_until_us: int
+    running: bool = True
+
+
+@dataclass
+class StoreModel:
+    window_us: int
+    num_retries: int
+    retry_us: int
+    #: The store keeps its messages in partitions that a move keeps (PostgreSQL, schema version 8 on).
+    tiered: bool
+    stored: dict[str, Stored] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)  # id -> when accepted
+    known: set[str] = field(default_factory=set)
+    paused: set[str] = field(default_factory=set)
+    sweeps: dict[str, Sweep] = field(default_factory=dict)
+    moves: list[int] = field(default_factory=list)  # when the move ran
+    delivered: dict[str, int] = field(default_factory=dict)  # id -> how many times delivered (re-sent ids again)
+    dead: dict[str, str] = field(default_factory=dict)  # id -> the destination it failed for
+
+    # -- storing ---------------------------------------------------------------------------------------
+    def refused(self, message_id: str, now_us: int) -> bool:
+        seen = self.accepted.get(message_id)
+        return message_id in self.stored or (seen is not None and seen >= now_us - self.window_us)
+
+    def store(self, items: Iterable[tuple[str, str, int]], now_us: int) -> int:
+        """Store (id, destination, due) items as one send; the first of an id in the batch wins."""
+        items = list(items)
+        new = 0
+        for message_id, destination, due_us in items:
+            if self.refused(message_id, now_us):
+                continue
+            self.stored[message_id] = Stored(destination, due_us, since_us=now_us)
+            if self.window_us > 0:
+                self.accepted[message_id] = now_us
+            new += 1
+        if new:
+            self.known.update(d for _, d, _ in items)
+        return new
+
+    # -- claiming --------------------------------------------------------------------------------------
+    def live(self, claim: str | None, now_us: int) -> bool:
+        sweep = self.sweeps.get(claim) if claim is not None else None
+        return sweep is not None and sweep.lease_until_us >= now_us
+
+    def unleased(self, m: Stored, now_us: int) -> bool:
+        return not self.live(m.claim, now_us)
+
+    def claimable(self, now_us: int) -> dict[str, Stored]:
+        """What a claim at `now_us` may take."""
+        return {i: m for i, m in self.stored.items()
+                if m.due_us <= now_us and m.destination not in self.paused and self.unleased(m, now_us)}
+
+    def since(self, m: Stored) -> int:
+        """Since when `m` is as the store has it, for a move: a lease that ran out makes its rows claimable then."""
+        if m.claim is not None and m.claim in self.sweeps:
+            return max(m.since_us, self.sweeps[m.claim].lease_until_us + 1)
+        return m.since_us
+
+    def must_take(self, now_us: int) -> dict[str, Stored]:
+        """What a pump draining at `now_us` must take."""
+        may = self.claimable(now_us)
+        # Claims read every partition where there are none, where this store object never moved (it has never
+        # looked at `_later`), and once `CLEAR_US` has passed since its last look.
+        if not self.tiered or not self.moves or now_us >= self.moves[-1] + CLEAR_US:
+            return may
+        return {i: m for i, m in may.items() if self._moved(m)}
+
+    def _moved(self, m: Stored) -> bool:
+        """Whether a move has run since `m` came to be as it is, with `m` within its reach: a move takes a row
+        due within `SOON_US` into `_soon`, and its look sees a sweep's rows due within `CLEAR_US`."""
+        since = self.since(m)
+        reach = CLEAR_US if m.claim is not None else SOON_US
+        return any(at >= since and m.due_us < at + reach for at in self.moves)
+
+    def earliest(self, now_us: int) -> int | None:
+        """The next due time a pump reads: of what a claim could take now or later."""
+        dues = [m.due_us for m in self.stored.values() if m.destination not in self.paused
+                and self.unleased(m, now_us)]
+        return min(dues, default=None)
+
+    def settle(self, delivered: Iterable[str], refused: Iterable[str], now_us: int) -> set[str]:
+        """What a pump did with what it took; returns the ids that must have been dead-lettered."""
+        for message_id in delivered:
+            del self.stored[message_id]
+            self.delivered[message_id] = self.delivered.get(message_id, 0) + 1
+        dead = set()
+        for message_id in refused:
+            m = self.stored[message_id]
+            m.failures += 1
+            m.claim = None  # a sweep's retry leaves the sweep
+            if m.failures > self.num_retries:
+                del self.stored[message_id]
+                self.dead[message_id] = m.destination
+                dead.add(message_id)
+            else:
+                m.due_us, m.since_us = now_us + self.retry_us, now_us
+        return dead
+
+    # -- sweeps ----------------------------------------------------------------------------------------
+    def start_sweep(self, claim: str, due_before_us: int, lease_us: int, now_us: int) -> int:
+        taken = [m for m in self.stored.values() if m.due_us <= now_us and m.due_us < due_before_us
+                 and m.destination not in self.paused and self.unleased(m, now_us)]
+        self.sweeps[claim] = Sweep(now_us + lease_us)
+        for m in taken:
+            m.claim = claim
+        return len(taken)
+
+    def held_by(self, claim: str) -> dict[str, Stored]:
+        return {i: m for i, m in self.stored.items() if m.claim == claim}
+
+    def finish_sweep(self, claim: str, now_us: int) -> int:
+        released = 0
+        for m in self.stored.values():
+            if m.claim == claim:
+                m.claim, m.since_us = None, now_us
+                released += 1
+        self.sweeps[claim] = Sweep(0, running=False)
+        return released
+
+    def renew(self, claim: str, lease_us: int, now_us: int) -> bool:
+        sweep = self.sweeps[claim]
+        if not sweep.running:
+            return False
+        sweep.lease_until_us = now_us + lease_us
+        return True
+
+    # -- the backlog -----------------------------------------------------------------------------------
+    def _selected(self, ids: Iterable[str] | None, destination: str | None, now_us: int) -> tuple[list[str], list[str]]:
+        """(changeable, in flight) of a selection by ids or destination."""
+        chosen = [i for i, m in self.stored.items() if (ids is None or i in ids)
+                  and (destination is None or m.destination == destination)]
+        busy = [i for i in chosen if not self.unleased(self.stored[i], now_us)]
+        return [i for i in chosen if i not in busy], busy
+
+    def cancel(self, ids: Iterable[str] | None, destination: str | None, now_us: int) -> tuple[set[str], set[str]]:
+        changed, busy = self._selected(None if ids is None else set(ids), destination, now_us)
+        for i in changed:
+            del self.stored[i]
+        return set(changed), set(busy)
+
+    def reschedule(self, ids: Iterable[str] | None, destination: str | None, due_us: int,
+                   now_us: int) -> tuple[set[str], set[str]]:
+        due_us = max(due_us, now_us)
+        changed, busy = self._selected(None if ids is None else set(ids), destination, now_us)
+        for i in changed:
+            m = self.stored[i]
+            if m.due_us != due_us:
+                m.due_us, m.since_us = due_us, now_us
+        return set(changed), set(busy)
+
+    def forget(self, destination: str, force: bool, now_us: int) -> bool:
+        """Whether forgetting is allowed; forgets (purging with `force`) when it is."""
+        mine = [i for i, m in self.stored.items() if m.destination == destination]
+        if any(not self.unleased(self.stored[i], now_us) for i in mine) or (mine and not force):
+            return False
+        for i in mine:
+            del self.stored[i]
+        self.known.discard(destination)
+        self.paused.discard(destination)
+        return True
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for m in self.stored.values():
+            out[m.destination] = out.get(m.destination, 0) + 1
+        return out
