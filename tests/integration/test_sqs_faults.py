@@ -533,3 +533,15 @@ def test_a_throttled_request_of_the_transport_raises_unavailable_naming_the_queu
         assert client.throttled[op] > 1
         assert total(plain, "orders") == 1
         assert plain.ack("orders", [received.receipt]) == 1
+
+
+def test_a_throttled_provisioning_is_unavailable_not_a_refusal(sqs_client):
+    """SQS throttling a queue's creation says nothing about the request: an outage to try again, not the
+    InvalidInputError of a queue SQS refuses."""
+    from airflow_delay_provider.core.errors import UnavailableError
+
+    client = Throttling(sqs_client, create_queue=None)
+    with pytest.raises(UnavailableError, match="'orders'.*Throttling") as failed:
+        SqsTransport(client, queue_delay=1).provision("orders")
+    no_credentials_in(sqs_client, str(failed.value))
+    assert SqsTransport(sqs_client, queue_delay=1).provision("orders")["queue"] == "orders"

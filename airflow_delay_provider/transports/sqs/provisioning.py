@@ -23,7 +23,7 @@ from airflow_delay_provider.transports.sqs.naming import (
     _is_fifo,
     delay_queue_name,
 )
-from airflow_delay_provider.transports.sqs.wire import _aws_error, _code
+from airflow_delay_provider.transports.sqs.wire import _aws_error, _code, _transient
 
 if TYPE_CHECKING:
     from airflow_delay_provider.transports.sqs.transport import SqsTransport
@@ -54,6 +54,8 @@ def provision(transport: SqsTransport, endpoint: str, queue_delay_seconds: int |
             transport._urls[delay_queue] = _create_or_update(transport, delay_queue, wanted)
             summary["delay_queue"] = delay_queue
     except ClientError as exc:
+        if _transient(exc):  # throttled or a server error: try again later, nothing is wrong with the request
+            raise UnavailableError(f"SQS could not create the queues of {endpoint!r} now: {_aws_error(exc)}") from None
         raise InvalidInputError(f"SQS refused to create the queues of {endpoint!r}: {_aws_error(exc)}") from None
     except BotoCoreError as exc:
         raise UnavailableError(f"could not reach SQS: {_aws_error(exc)}") from None
