@@ -389,7 +389,10 @@ def test_the_jdbc_reader_connects_with_the_stores_sslmode(spark_ready, pg, tmp_p
     script.write_text(_JDBC_READS)
     ran = subprocess.run([str(SPARK_SUBMIT), "--master", "local[1]", "--jars", sweep_app.DEFAULT_JDBC_JAR,
                           "--conf", "spark.ui.enabled=false", str(script), str(job)],
-                         env=dict(os.environ, SPARK_LOCAL_IP="127.0.0.1"), capture_output=True, text=True, timeout=300)
+                         # As the operator runs it: PySpark's spark-submit finds its Spark home with the venv's Python.
+                         env=dict(os.environ, SPARK_LOCAL_IP="127.0.0.1",
+                                  PATH=f"{SPARK_SUBMIT.parent}{os.pathsep}{os.environ.get('PATH', '')}"),
+                         capture_output=True, text=True, timeout=300)
     reads = [line[len("READS "):] for line in ran.stdout.splitlines() if line.startswith("READS ")]
     assert ran.returncode == 0 and reads, ran.stdout[-3000:] + ran.stderr[-3000:]
     got = json.loads(reads[-1])
