@@ -130,6 +130,29 @@ def pg(pg_schema):
 
 
 @pytest.fixture
+def pg_own_database():
+    """(url, schema, table) of a store in a database of the test's own, dropped at the end: for what waits for every
+    transaction of its database older than itself (REINDEX CONCURRENTLY), which other tests' transactions in the
+    shared database, or another program's beside the run, would otherwise hold up."""
+    _check_postgres()
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    from airflow_delay_provider.stores.engine import get_engine
+
+    name = f"adp_test_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
+    yield url, None, f"t_{uuid.uuid4().hex[:12]}"
+    get_engine(url).dispose()
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture
 def run_dag(airflow_home):
     """Run a DAG with dag.test() (triggers run in line) and return (state, {task_id: return value})."""
 

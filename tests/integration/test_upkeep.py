@@ -312,11 +312,13 @@ def _sparse_store(pg) -> tuple[SqlDelayedMessageStore, dict[str, int], dict[str,
     return store, before, sparse
 
 
-def test_indexes_left_sparse_by_mixed_delays_are_rebuilt(pg):
+def test_indexes_left_sparse_by_mixed_delays_are_rebuilt(pg_own_database):
     """Ids and default message ids grow with time, and messages due hours later keep a few entries on every page
     of their indexes after the rest were delivered: the upkeep rebuilds such an index (writes going on), leaves
-    the due index (which empties from its left edge) and the rest alone, and drops an interrupted rebuild's copy."""
-    store, before, sparse = _sparse_store(pg)
+    the due index (which empties from its left edge) and the rest alone, and drops an interrupted rebuild's copy.
+    In a database of its own: the rebuild gives way to any older transaction of its database (the next test), and
+    in the shared one other tests' (or another program's) transactions made it give way."""
+    store, before, sparse = _sparse_store(pg_own_database)
     rebuilt = {index.split(".")[-1].strip('"'): work for index, work, _ in store.maintenance.run() if work == "reindex"}
     assert rebuilt == {f"{store.table_name}_pkey": "reindex", f"{store.table_name}_message_id_key": "reindex"}
     after = _index_pages(store)
@@ -328,18 +330,18 @@ def test_indexes_left_sparse_by_mixed_delays_are_rebuilt(pg):
     assert len(store.browse(Selector(destination="orders"), limit=5)["messages"]) == 5
 
 
-def test_a_rebuild_gives_way_to_an_older_transaction_and_the_vacuums_go_on(pg):
+def test_a_rebuild_gives_way_to_an_older_transaction_and_the_vacuums_go_on(pg_own_database):
     """At its end REINDEX CONCURRENTLY waits for every transaction of the database older than it (a report, a
     backup, another program's long COPY): the upkeep gives up at its lock timeout, keeps the old index, still
     vacuums and analyses, drops the copy the rebuild left and tries again only later."""
-    store, _, sparse = _sparse_store(pg)
+    store, _, sparse = _sparse_store(pg_own_database)
     store.maintenance.thresholds = Thresholds(rebuild_min_pages=64, vacuum_base=100, vacuum_fraction=0.0,
                                               analyze_base=100, analyze_fraction=0.0)
     with store.engine.begin() as conn:
         conn.execute(text(f"DELETE FROM {store.qualified(store.table_name)} WHERE message_id <= 'm-000000050000'"))
     wait_for(lambda: (_counters(store)[0] or 0) >= 1000, 30, "the delete counters")
     soon = _soon(store).split(".")[-1].strip('"')
-    with psycopg.connect(pg[0].replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as report:
+    with psycopg.connect(pg_own_database[0].replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as report:
         report.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
         report.execute("SELECT 1")  # holds a snapshot, and no lock on the store's tables
         done = store.maintenance.run()
