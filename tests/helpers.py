@@ -76,15 +76,24 @@ def receive_until(queues: SqlTableTransport, queue: str, expected: set[str], tim
     return got + drain(queues, queue)
 
 
-def collect(transport, queue: str, expected: int, timeout: float) -> list:
+def collect(transport, queue: str, expected: int, timeout: float, bounds: bool = False) -> list:
     """Consume until `expected` distinct messages arrived and the queue is empty, or `timeout`;
-    returns (arrival time, message) for every delivery, duplicates included."""
+    returns (arrival time, message) for every delivery, duplicates included: the time its receive returned.
+
+    With `bounds`, (arrived after, arrived by, message): a receive returns what is in the queue (up to 500), so a
+    message arrived after the start of the last receive before its own that returned fewer (None before the first),
+    and by the end of its own. On a busy machine one receive can take seconds, and only the first bound is the
+    broker's lateness rather than the collector's."""
     got, seen = [], set()
+    cleared = None  # the start of the last receive that found the queue empty
     deadline = time.monotonic() + timeout
     while (len(seen) < expected or transport.depth(queue)["visible"]) and time.monotonic() < deadline:
+        started = utcnow()
         batch = transport.receive(queue, max_messages=500)
         now = utcnow()
-        got.extend((now, m) for m in batch)
+        got.extend(((cleared, now, m) if bounds else (now, m)) for m in batch)
+        if len(batch) < 500:
+            cleared = started
         seen.update(m.message_id for m in batch)
         if batch:
             transport.ack(queue, [m.receipt for m in batch])

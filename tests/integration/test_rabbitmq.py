@@ -101,19 +101,21 @@ def test_real_delays_arrive_on_time_and_in_order(rabbit):
     batch = [DelayedMessage("timed", b"x", now + timedelta(seconds=rng.randint(1, 6)), {"i": str(i)}, f"t-{i}")
              for i in range(300)]
     assert rabbit.send(batch) == {}
-    got = collect(rabbit, "timed", 300, timeout=15)
-    assert Counter(m.message_id for _, m in got) == Counter(m.message_id for m in batch)
+    got = collect(rabbit, "timed", 300, timeout=15, bounds=True)
+    assert Counter(m.message_id for _, _, m in got) == Counter(m.message_id for m in batch)
     due = {m.message_id: m.due_at for m in batch}
-    lateness = sorted((arrived - due[m.message_id]).total_seconds() for arrived, m in got)
-    assert lateness[0] >= -0.02, "a message arrived before its delay"  # 20 ms: receive-time clock granularity
+    arrived_by = sorted((by - due[m.message_id]).total_seconds() for _, by, m in got)
+    assert arrived_by[0] >= -0.02, "a message arrived before its delay"  # 20 ms: receive-time clock granularity
     # A level routed wrongly shifts every message whose delay has that bit (about half of them) by a second or
-    # more. The tail is the collector's, not the broker's: arrival is stamped when a receive of up to 500 returns,
-    # and on a busy machine one receive took over a second (p99 1.08 s in a full CI run). The lateness itself is
-    # measured by bench/bench_rabbitmq.py.
-    assert lateness[len(lateness) // 2] <= 1.0, lateness[len(lateness) // 2:][:5]
-    delays = [round((due[m.message_id] - now).total_seconds()) for _, m in sorted(got, key=lambda g: g[0])]
+    # more, at the broker. When the collector's receive returned is the collector's lateness too: on a busy machine
+    # one receive took over 4 s (the median message stamped 4.2 s late in a clean-clone run beside two stateful test
+    # runs); so the median of when each message arrived at the latest before it is checked, which no wait of the
+    # collector moves. The lateness itself is measured by bench/bench_rabbitmq.py.
+    arrived_after = sorted((after - due[m.message_id]).total_seconds() if after else -1.0 for after, _, m in got)
+    assert arrived_after[len(arrived_after) // 2] <= 1.0, arrived_after[len(arrived_after) // 2:][:5]
+    delays = [round((due[m.message_id] - now).total_seconds()) for _, _, m in sorted(got, key=lambda g: g[1])]
     assert delays == sorted(delays), "a later due time overtook an earlier one"
-    sample = next(m for _, m in got if m.message_id == "t-7")
+    sample = next(m for _, _, m in got if m.message_id == "t-7")
     assert sample.headers == {"i": "7"} and sample.due_at == due["t-7"]
 
 
