@@ -341,7 +341,8 @@ def test_a_rebuild_gives_way_to_an_older_transaction_and_the_vacuums_go_on(pg_ow
         conn.execute(text(f"DELETE FROM {store.qualified(store.table_name)} WHERE message_id <= 'm-000000050000'"))
     wait_for(lambda: (_counters(store)[0] or 0) >= 1000, 30, "the delete counters")
     soon = _soon(store).split(".")[-1].strip('"')
-    with psycopg.connect(pg_own_database[0].replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as report:
+    dsn = pg_own_database[0].replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(dsn, autocommit=True) as report:
         report.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
         report.execute("SELECT 1")  # holds a snapshot, and no lock on the store's tables
         done = store.maintenance.run()
