@@ -51,10 +51,12 @@ class _SqlClaim(Claim):
     due time; anything left unsettled is restored before commit; an error rolls all of it back.
     """
 
-    def __init__(self, conn: Connection, table: Table, rows: Iterable[Row[Any]], accepted: AcceptedIds) -> None:
+    def __init__(self, conn: Connection, table: Table, rows: Iterable[Row[Any]], accepted: AcceptedIds,
+                 tier: Callable[[int], int | None]) -> None:
         self.connection = conn
         self._table = table
         self._accepted = accepted
+        self._tier = tier
         rows = sorted(rows, key=lambda r: (r.due_at_us, r.id))  # RETURNING has no order
         self._rows = {row.message_id: row for row in rows}
         self._unsettled = set(self._rows)
@@ -79,6 +81,11 @@ class _SqlClaim(Claim):
 
     def _write_back(self, changes: Mapping[str, dict[str, Any]]) -> None:
         rows = [{**self._rows[m]._asdict(), "claim_id": None, **change} for m, change in changes.items()]
+        # Each in the partition of its due time: a retry an hour on goes to that hour's, not to `_soon`.
+        tiers = [self._tier(row["due_at_us"]) for row in rows]
+        if None not in tiers:
+            for row, tier in zip(rows, tiers, strict=True):
+                row["tier"] = tier
         self.connection.execute(insert(self._table), rows)
         self._unsettled.difference_update(changes)
 
@@ -92,14 +99,16 @@ class DueClaims:
     :param scope: the conditions every claim and read of the store object adds (`SqlDelayedMessageStore.restrict`).
     :param tiered: whether the messages are in the two partitions (stores/tiers.py).
     :param clear_until_us: until when `_later` holds nothing a claim could take (the move's last look).
+    :param tier: the partition a row due at a time goes to now (None: the store has none), for rows written back.
     """
 
     def __init__(self, db: Database, tables: StoreTables, accepted: AcceptedIds,
                  scope: Callable[[], list[ColumnElement[bool]]], tiered: Callable[[], bool],
-                 clear_until_us: Callable[[], float]) -> None:
+                 clear_until_us: Callable[[], float], tier: Callable[[int], int | None]) -> None:
         self.db = db
         self.tables = tables
         self.accepted = accepted
+        self.tier = tier
         self.scope = scope
         self.tiered = tiered
         self.clear_until_us = clear_until_us
@@ -221,7 +230,7 @@ class DueClaims:
         with self.db.errors("claim due messages"), self.db.engine.begin() as conn:
             self.db.in_index_order(conn)
             claim_rows = delete(t).where(self.taken(conn, ids, soon_only)).returning(*self.tables.row)
-            claim = _SqlClaim(conn, t, conn.execute(claim_rows).all(), self.accepted)
+            claim = _SqlClaim(conn, t, conn.execute(claim_rows).all(), self.accepted, self.tier)
             yield claim
             claim.restore_unsettled()
 

@@ -104,7 +104,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         t = self.tables
         self.writes = MessageWrites(self, t, self.accepted, self.settings, self.tiered, self.ringed)
         self.claims = DueClaims(self, t, self.accepted, lambda: self._scope, self.tiered,
-                                lambda: self.later.clear_until_us)
+                                lambda: self.later.clear_until_us, self._tier)
         self.later = LaterMessages(self, t, self.claims.earliest_due, self.ringed)
         self._tiered: bool | None = None
         self._ringed = False

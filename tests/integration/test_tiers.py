@@ -776,3 +776,15 @@ def test_the_next_hours_partition_is_read_in_order_of_its_pages_in_pieces_before
     assert {n["Node Type"] for n in scans} == {"Tid Range Scan"} and len(scans) == len(pieces)
     assert sum(n["Shared Hit Blocks"] + n["Shared Read Blocks"] for n in scans) >= pages
     assert store.later.warm(reaches - step) is None  # read once an hour
+
+
+def test_a_retry_an_hour_on_goes_to_that_hours_partition_not_to_soon(pg):
+    """A claim writes its retries back with their new due time: one a few seconds on goes to `_soon`, one an hour on
+    to its hour's partition (it went to `_soon`, which is meant to hold a minute of messages, and waited there)."""
+    store = _store(pg)
+    now = store.clock()
+    store.store([DelayedMessage("orders", b"x", now, message_id=i) for i in ("soon", "hour")])
+    with store.claim_due(store.clock(), 10) as claim:
+        claim.retry({"soon": now + timedelta(seconds=3), "hour": now + timedelta(hours=1)})
+    hour = store.tables.hours[tables.hour_tier(to_us(now + timedelta(hours=1))) - tables.FIRST_HOUR].name
+    assert _leaves(store) == {"soon": store.tables.soon.name, "hour": hour}
