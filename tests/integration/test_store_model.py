@@ -1,7 +1,8 @@
 """Every store held to the model of what a store promises (tests/store_model.py), by Hypothesis: random sequences of
 sends, pumps, sweeps, backlog actions, moves between partitions and steps of a clock the test controls, checked
 after every step against the model: what is stored (once per id), what was delivered (never early, never twice,
-everything that was due), what was dead-lettered.
+everything that was due), what was dead-lettered; and on PostgreSQL that each row no sweep holds is in the
+partition of its due time (as written, or as the moves since took it).
 
 The clock is the store's clock port (the database's clock on PostgreSQL) and the monotonic time of the store's and
 the pump's modules, moved only by the test: sequences cross turns of the hour, the move's reach, the read-ahead
@@ -30,7 +31,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from sqlalchemy import delete, select, text
+from sqlalchemy import delete, null, select, text
 
 from airflow_delay_provider.core import progress
 from airflow_delay_provider.core import pump as pump_module
@@ -43,6 +44,7 @@ from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.stores import backlog as backlog_module
 from airflow_delay_provider.stores import dedup, engine, sql, tiers, upkeep
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore, from_us, to_us
+from airflow_delay_provider.stores.tables import LATER, SOON, hour_tier, tier_of
 from airflow_delay_provider.testing.store import InMemoryStore
 from tests.conftest import PG_URL
 from tests.helpers import ClockedStore, HeldClock
@@ -265,7 +267,10 @@ class StoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.sql and self._running())
     @rule(data=st.data(), k=st.integers(1, 4))
     def sweep_step(self, data, k: int) -> None:
-        claim = data.draw(st.sampled_from(self._running()))
+        self._sweep_rows(data.draw(st.sampled_from(self._running())), k)
+
+    def _sweep_rows(self, claim: str, k: int) -> None:
+        """A part of a sweep sends (up to) `k` of the rows it holds."""
         low, high, _ = self.store.claimed_range(claim)
         rows = list(self.store.read_claimed(claim, low, high))[:k]
         leased = self.store.leased_rows(claim, rows)
@@ -275,9 +280,25 @@ class StoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.sql and self._running())
     @rule(data=st.data())
     def finish_sweep(self, data) -> None:
-        claim = data.draw(st.sampled_from(self._running()))
+        self._finish(data.draw(st.sampled_from(self._running())))
+
+    def _finish(self, claim: str) -> None:
         expected = self.model.finish_sweep(claim, self.now_us)
         assert self.store.finish_sweep(claim, "done", {}) == expected
+
+    @precondition(lambda self: self.sql)
+    @rule(refuse_all=st.booleans())
+    def sweep(self, refuse_all: bool) -> None:
+        """A whole sweep, as a sweep task runs one: lease what is due, send it (the transport refusing every message,
+        or as it is), finish."""
+        self.start_sweep(before=1, lease=600)
+        claim = f"s{self.sweep_count}"
+        refused, self.transport.refused = self.transport.refused, set(IDS) if refuse_all else self.transport.refused
+        try:
+            self._sweep_rows(claim, len(IDS))
+        finally:
+            self.transport.refused = refused
+        self._finish(claim)
 
     @precondition(lambda self: self.sql and self.model.sweeps)
     @rule(data=st.data(), lease=st.sampled_from([5, 60]))
@@ -349,19 +370,37 @@ class StoreMachine(RuleBasedStateMachine):
         have = {i: found[0] for i, found in rows.items()}
         want = {i: (m.destination, m.due_us, m.failures, m.claim if self.sql else None)
                 for i, m in self.model.stored.items()}
-        assert have == want
+        assert {i: row[:4] for i, row in have.items()} == want
         assert self.store.count_scheduled() == self.model.counts()
+        if self.checks_partitions:
+            misplaced = {i: (row[4], sorted(self._partitions(i))) for i, row in have.items()
+                         if row[3] is None and row[4] not in self._partitions(i)}
+            assert not misplaced, f"in the partition of another due time (found, allowed): {misplaced}"
+
+    @property
+    def checks_partitions(self) -> bool:
+        """Whether rows must be in the partition of their due time (stores/tiers.py): where the store object has
+        known the partitions since its first row."""
+        return self.model.tiered and self.store.is_postgres
+
+    def _partitions(self, message_id: str) -> set[int]:
+        """Where a row no sweep holds may be: the partition of its due time when it was written (sent, retried,
+        rescheduled, released), or one the moves since could have taken it to."""
+        m, ring = self.model.stored[message_id], self.store.ringed()
+        first, last = tier_of(m.due_us, m.since_us, ring), tier_of(m.due_us, self.now_us, ring)
+        return {first, last, *([hour_tier(m.due_us)] if ring and first == LATER and last == SOON else [])}
 
     def _rows(self) -> dict[str, list[tuple]]:
         rows: dict[str, list[tuple]] = {}
         if not self.sql:
             for i, m in self.store._messages.items():
-                rows.setdefault(i, []).append((m.destination, to_us(m.due_at), m.failures, None))
+                rows.setdefault(i, []).append((m.destination, to_us(m.due_at), m.failures, None, None))
             return rows
         t = self.store.table
+        tier = t.c.tier if self.checks_partitions else null()  # a store of schema version 7 has none
         with self.store.engine.connect() as conn:
             for row in conn.execute(select(t.c.message_id, t.c.destination, t.c.due_at_us, t.c.failures,
-                                           t.c.claim_id)):
+                                           t.c.claim_id, tier)):
                 rows.setdefault(row[0], []).append(tuple(row[1:]))
         return rows
 
@@ -369,6 +408,8 @@ class StoreMachine(RuleBasedStateMachine):
 class UpgradingStoreMachine(StoreMachine):
     """A store of schema version 7 (one table), migrated to the partitions by another process while this one
     works on it."""
+
+    checks_partitions = False  # rows written before this object saw the partitions go where it wrote them
 
     @initialize(window=st.sampled_from([0, 86_400]))
     def open_store(self, window: int) -> None:
@@ -462,3 +503,9 @@ def test_found_a_message_made_due_now_kept_its_id_refused_until_its_old_due_time
 def test_found_a_re_send_failed_on_a_store_migrated_to_partitions_meanwhile(held_clock, tmp_path, request):
     state = _machine("upgrade", held_clock, tmp_path, request, window=0, machine=UpgradingStoreMachine)
     _steps(state, ("upgrade_elsewhere", {}), ("send", {"items": [("m0", "a", -5), ("m0", "a", -5)]}))
+
+
+def test_found_a_sweeps_retry_stayed_in_the_partition_of_its_old_due_time(held_clock, tmp_path, request):
+    state = _machine("postgres", held_clock, tmp_path, request, window=0)
+    _steps(state, ("send", {"items": [("m0", "a", 61)]}), ("advance", {"seconds": 61}),
+           ("sweep", {"refuse_all": True}))
