@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -33,12 +34,20 @@ class CircuitBreaker:
         self._clock = clock
         self._sleep = sleep
         self.armed_at: float | None = None
+        self._failed_at = -math.inf  # when the wait after the last failure ended
         self._waiting: tuple[float, str] | None = None  # when `not_ready` last said what, while it waits
 
     def like(self, name: str) -> CircuitBreaker:
         """A breaker of its own with the same timings, for a second thing that can fail (a store and a broker:
         one's success must not disarm the other's outage)."""
         return CircuitBreaker(name, self.time_to_trigger, self.wait_after_failure, self._clock, self._sleep)
+
+    def attempt(self) -> None:
+        """Before each try: failures are an outage while they follow each other. One after nothing was tried for as
+        long as the breaker allows (a pump that waited for a due time, a caller back much later) arms it afresh; a
+        slow try that starts right after a failure is measured from the first."""
+        if self.armed_at is not None and self._clock() - self._failed_at >= self.time_to_trigger:
+            self.armed_at = None
 
     def success(self) -> None:
         if self.armed_at is not None:
@@ -68,6 +77,7 @@ class CircuitBreaker:
                 f"last error: {type(error).__name__}: {error}"
             ) from error
         self._sleep(self.wait_after_failure)
+        self._failed_at = self._clock()  # the next try follows this failure from the end of its wait
 
 
 class RateBreaker:

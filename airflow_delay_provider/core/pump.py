@@ -160,6 +160,7 @@ class Pump:
     def _begin(self, limit: int, due_before: datetime | None) -> _InFlight | _Failed | None:
         """Claim a batch (or take the one claimed ahead) and start sending it. None: nothing due; _FAILED: the
         store failed."""
+        self.dispatch_breaker.attempt()
         stack = ExitStack()
         try:
             self.store.check_ready()  # cheap once provisioned
@@ -172,6 +173,9 @@ class Pump:
             if not claim.messages:
                 stack.close()
                 self.fetch_breaker.success()
+                # Nothing to send now: no outage to measure. A retry that fails after the pump waited for it arms
+                # the dispatch breaker afresh, instead of counting the wait as failing time.
+                self.dispatch_breaker.success()
                 return None
             sending = self.by_destination.within_throttle(claim.messages)
             connection = claim.connection if self.exactly_once else None
@@ -398,10 +402,6 @@ class Pump:
             except Exception as exc:
                 self.fetch_breaker.failure(exc)
                 continue
-            if next_due is None or next_due > self._clock():
-                # Nothing left to send now: no outage to measure. A retry that fails after the pump has waited for
-                # it arms the breaker afresh, instead of counting the wait as failing time.
-                self.dispatch_breaker.success()
             if next_due is None and (due_before is not None or stop_when_idle):
                 return PumpResult(stats, "drained")
             if stop_when_idle:

@@ -509,3 +509,10 @@ def test_found_a_sweeps_retry_stayed_in_the_partition_of_its_old_due_time(held_c
     state = _machine("postgres", held_clock, tmp_path, request, window=0)
     _steps(state, ("send", {"items": [("m0", "a", 61)]}), ("advance", {"seconds": 61}),
            ("sweep", {"refuse_all": True}))
+
+
+def test_found_two_failed_batches_an_hour_apart_stopped_the_pump(held_clock, tmp_path, request):
+    """The pump's single batches an hour apart, with nothing tried in between: two failures, not an hour of them."""
+    state = _machine("memory", held_clock, tmp_path, request, window=0)
+    _steps(state, ("send", {"items": [("m0", "a", -5)]}), ("refuse", {"message_id": "m0", "refuse": True}),
+           ("one_batch", {"limit": 1}), ("advance", {"seconds": 3_600}), ("one_batch", {"limit": 1}))

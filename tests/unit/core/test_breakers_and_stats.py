@@ -30,6 +30,23 @@ def test_breaker_waits_each_failure_and_trips_after_time_to_trigger():
         breaker.failure(OSError("down"))
 
 
+def test_a_try_after_nothing_was_tried_for_as_long_as_the_breaker_allows_arms_it_afresh():
+    """Failures an hour apart are two failures, not an hour of them; a slow try that starts right after a failure
+    (a connection that takes 40 s to time out) still counts from the first."""
+    clock = FakeClock()
+    breaker = CircuitBreaker("dispatch", time_to_trigger=30, clock=clock, sleep=clock.sleep)
+    breaker.failure(OSError("refused"))
+    clock.now += 3_600
+    breaker.attempt()
+    failed_at = clock.now
+    breaker.failure(OSError("refused"))  # armed afresh: no CriticalError
+    assert breaker.armed_at == failed_at
+    breaker.attempt()  # right after the failure's wait
+    clock.now += 40  # the try itself takes 40 s
+    with pytest.raises(CriticalError, match="kept failing for 41 s"):
+        breaker.failure(OSError("timed out"))
+
+
 def test_breaker_success_disarms():
     clock = FakeClock()
     breaker = CircuitBreaker("dispatch", time_to_trigger=5, clock=clock, sleep=clock.sleep)
