@@ -7,7 +7,7 @@ JDBC_JAR := /usr/share/java/postgresql.jar
 CHROMIUM := /usr/bin/chromium
 export AIRFLOW_HOME := $(CURDIR)/.airflow
 
-.PHONY: demo test test-fast test-deep test-compat bench install clean dist docs check-wheel
+.PHONY: demo test test-fast test-deep test-compat bench bench-on-url install clean dist docs check-wheel
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -85,8 +85,14 @@ test-deep: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not services" -q
 
+# The benchmarks run on a throwaway PostgreSQL cluster with the installed server's shipped settings (initdb in a
+# temporary directory, removed at the end); `make bench PG_URL=postgresql+psycopg://...` names a server instead.
+PG_URL ?=
 bench: $(STAMP) $(JDBC_JAR)
 	$(BIN)/pip install --quiet -c constraints.txt matplotlib
+	$(BIN)/python bench/pgserver.py $(if $(PG_URL),--pg-url $(PG_URL)) -- $(MAKE) --no-print-directory bench-on-url
+
+bench-on-url:
 	$(BIN)/python bench/bench_store.py --plot docs/bench_store.png
 	$(BIN)/python bench/bench_rabbitmq.py
 	$(BIN)/python bench/bench_throughput.py --plot docs/bench_throughput.png

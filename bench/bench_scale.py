@@ -56,6 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import pgserver  # noqa: E402
 from bench_rabbitmq import rabbitmqctl  # noqa: E402
 from bench_store import TABLE_AND_PARTITIONS, libpq, peak_rss_mb, pyplot  # noqa: E402
 from bench_throughput import (  # noqa: E402
@@ -680,8 +681,7 @@ def plot(r: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1", help="RabbitMQ host (rabbitmqctl must reach the same broker)")
-    parser.add_argument("--pg-url", default=os.environ.get("DELAY_BENCH_PG_URL",
-                                                           "postgresql+psycopg://postgres@127.0.0.1:5432/test"))
+    pgserver.add_arguments(parser)
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1_000_000, 10_000_000])
     parser.add_argument("--burst", type=int, default=20_000)
     parser.add_argument("--transports", type=lambda s: s.split(","), default=["sql", "rabbitmq"])
@@ -702,19 +702,20 @@ def main() -> None:
     if args.sizes[0] != 0:
         args.sizes.insert(0, 0)  # the ratios need the empty store
     signal.signal(signal.SIGTERM, interrupt)
-    bench = Bench(args)
-    try:
-        bench.setup()
-        bench.r["machine"] = machine(args.pg_url, rabbitmq=True)
-        bench.run()
-    finally:
-        bench.teardown()
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(bench.r, indent=2, default=str))  # what there is, also after an error
-        log(f"wrote {args.json}")
-    report(bench.r)
-    if args.plot:
-        plot(bench.r, args.plot)
+    with pgserver.server(args):
+        bench = Bench(args)
+        try:
+            bench.setup()
+            bench.r["machine"] = machine(args.pg_url, rabbitmq=True)
+            bench.run()
+        finally:
+            bench.teardown()
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(bench.r, indent=2, default=str))  # what there is, also after an error
+            log(f"wrote {args.json}")
+        report(bench.r)
+        if args.plot:
+            plot(bench.r, args.plot)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ import io
 import json
 import logging
 import math
-import os
 import random
 import signal
 import statistics
@@ -58,6 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import pgserver  # noqa: E402
 from bench_store import TABLE_AND_PARTITIONS, libpq, peak_rss_mb, pyplot  # noqa: E402
 from bench_throughput import Children, interrupt, log, percentile, save_figure  # noqa: E402
 from machine import describe, machine  # noqa: E402
@@ -610,8 +610,7 @@ def plot(r: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pg-url", default=os.environ.get("DELAY_BENCH_PG_URL",
-                                                           "postgresql+psycopg://postgres@127.0.0.1:5432/test"))
+    pgserver.add_arguments(parser)
     parser.add_argument("--minutes", type=int, default=3)
     parser.add_argument("--rate", type=float, help="messages per second to send (default: half the measured maximum)")
     parser.add_argument("--prefill", type=int, help="messages stored before it starts (default: the backlog of a "
@@ -628,19 +627,20 @@ def main() -> None:
     if args.child:
         return child(json.loads(args.child))
     signal.signal(signal.SIGTERM, interrupt)
-    soak = Soak(args)
-    try:
-        soak.setup()
-        soak.r["machine"] = machine(args.pg_url)
-        soak.run()
-    finally:
-        soak.teardown()
-    report(soak.r)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(soak.r, indent=2, default=str))
-    log(f"wrote {args.json}")
-    if args.plot:
-        plot(soak.r, args.plot)
+    with pgserver.server(args):
+        soak = Soak(args)
+        try:
+            soak.setup()
+            soak.r["machine"] = machine(args.pg_url)
+            soak.run()
+        finally:
+            soak.teardown()
+        report(soak.r)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(soak.r, indent=2, default=str))
+        log(f"wrote {args.json}")
+        if args.plot:
+            plot(soak.r, args.plot)
 
 
 if __name__ == "__main__":

@@ -52,8 +52,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import pgserver  # noqa: E402
 from bench_rabbitmq import rabbitmqctl, raw_windowed  # noqa: E402
 from bench_store import libpq, peak_rss_mb, pyplot, raw_claim  # noqa: E402
+from machine import postgresql, settings_text  # noqa: E402
 
 from airflow_delay_provider.core.delays import utcnow  # noqa: E402
 from airflow_delay_provider.core.message import DelayedMessage  # noqa: E402
@@ -473,11 +475,11 @@ def header(bench: Bench) -> dict:
     mem_kb = next((int(line.split()[1]) for line in meminfo.splitlines() if line.startswith("MemTotal:")), 0)
     server = bench.admin._impl.server_properties  # what the broker says of itself on connecting
     version = server.get("version", "?")
-    with psycopg.connect(libpq(bench.args.pg_url)) as conn:
-        pg = conn.execute("SHOW server_version").fetchone()[0]
+    pg, settings = postgresql(bench.args.pg_url)
     return {"cpus": os.cpu_count(), "cpu_model": model, "ram_gib": round(mem_kb / 1024 / 1024, 1),
             "load_average_at_start": os.getloadavg()[0], "python": platform.python_version(),
-            "postgresql": pg, "rabbitmq": version.decode() if isinstance(version, bytes) else version,
+            "postgresql": pg, "postgresql_settings": settings,
+            "rabbitmq": version.decode() if isinstance(version, bytes) else version,
             "pika": pika.__version__, "psycopg": psycopg.__version__, "sqlalchemy": sqlalchemy.__version__,
             "platform": platform.platform()}
 
@@ -486,7 +488,8 @@ def report(r: dict, args) -> None:
     m, q = r["machine"], r["queues"]
     print(f"\n{m['cpus']} CPUs ({m['cpu_model']}), {m['ram_gib']} GiB RAM, load average "
           f"{m['load_average_at_start']:.1f} at start ({m.get('load_average_at_end', 0):.1f} at end); "
-          f"Python {m['python']}, PostgreSQL {m['postgresql']}, RabbitMQ {m['rabbitmq']}, pika {m['pika']}, "
+          f"Python {m['python']}, PostgreSQL {m['postgresql']} ({settings_text(m.get('postgresql_settings', {}))}), "
+          f"RabbitMQ {m['rabbitmq']}, pika {m['pika']}, "
           f"psycopg {m['psycopg']}, SQLAlchemy {m['sqlalchemy']}")
     levels = sorted({v["type"] for name, v in q.items() if name.startswith("delay.level-")})
     endpoint = ", ".join(f"{a[0]}={a[2]}" for a in q[QUEUE]["arguments"])
@@ -596,8 +599,7 @@ def interrupt(_signum, _frame) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1", help="RabbitMQ host (rabbitmqctl must reach the same broker)")
-    parser.add_argument("--pg-url", default=os.environ.get("DELAY_BENCH_PG_URL",
-                                                           "postgresql+psycopg://postgres@127.0.0.1:5432/test"))
+    pgserver.add_arguments(parser)
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--runs", type=int, default=5, help="latency runs per path")
     parser.add_argument("--repeat", type=int, default=3,
@@ -617,26 +619,27 @@ def main() -> None:
 
     # A SIGTERM unwinds like Ctrl-C, so the schema and vhost are dropped either way.
     signal.signal(signal.SIGTERM, interrupt)
-    bench = Bench(args)
-    try:
-        bench.setup()
-        bench.r["machine"] = header(bench)
-        bench.raw_limits()
-        bench.paired_rounds()
-        for kind in ("rabbitmq", "sql"):
-            log(f"latency: {args.runs} run(s) of a {args.messages} burst through {kind}")
-            bench.latency(kind)
-        for kind in args.multi_transports.split(","):
-            bench.many_pumps(kind.strip())
-        bench.r["machine"]["load_average_at_end"] = os.getloadavg()[0]
-    finally:
-        bench.teardown()
-    report(bench.r, args)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(bench.r, indent=2, default=str))
-    log(f"wrote {args.json}")
-    if args.plot:
-        plot(bench.r, args.plot)
+    with pgserver.server(args):
+        bench = Bench(args)
+        try:
+            bench.setup()
+            bench.r["machine"] = header(bench)
+            bench.raw_limits()
+            bench.paired_rounds()
+            for kind in ("rabbitmq", "sql"):
+                log(f"latency: {args.runs} run(s) of a {args.messages} burst through {kind}")
+                bench.latency(kind)
+            for kind in args.multi_transports.split(","):
+                bench.many_pumps(kind.strip())
+            bench.r["machine"]["load_average_at_end"] = os.getloadavg()[0]
+        finally:
+            bench.teardown()
+        report(bench.r, args)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(bench.r, indent=2, default=str))
+        log(f"wrote {args.json}")
+        if args.plot:
+            plot(bench.r, args.plot)
 
 
 if __name__ == "__main__":

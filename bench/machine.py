@@ -38,19 +38,30 @@ def machine(pg_url: str | None = None, rabbitmq: bool = False) -> dict:
             "load_average": round(os.getloadavg()[0], 2), "python": platform.python_version(),
             "platform": platform.platform()}
     if pg_url:
-        import psycopg
-
-        libpq = pg_url.replace("postgresql+psycopg://", "postgresql://")
-        with psycopg.connect(libpq) as conn:
-            info["postgresql"] = conn.execute("SHOW server_version").fetchone()[0]
-            info["postgresql_settings"] = dict(conn.execute(
-                "SELECT name, current_setting(name) FROM pg_settings WHERE name = ANY(%s) AND setting <> boot_val "
-                "ORDER BY name", [list(PG_SETTINGS)]).fetchall())
+        info["postgresql"], info["postgresql_settings"] = postgresql(pg_url)
     if rabbitmq:
         done = subprocess.run(["rabbitmqctl", "-q", "version"], capture_output=True, text=True, timeout=60)
         info["rabbitmq"] = done.stdout.strip() or "?"
     info["libraries"] = {name: v for name in LIBRARIES if (v := _version(name))}
     return info
+
+
+def postgresql(pg_url: str) -> tuple[str, dict[str, str]]:
+    """The server's version and those of PG_SETTINGS it runs with at other values than PostgreSQL's own defaults,
+    read from pg_settings at run time."""
+    import psycopg
+
+    libpq = pg_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(libpq) as conn:
+        version = conn.execute("SHOW server_version").fetchone()[0]
+        changed = dict(conn.execute(
+            "SELECT name, current_setting(name) FROM pg_settings WHERE name = ANY(%s) AND setting <> boot_val "
+            "ORDER BY name", [list(PG_SETTINGS)]).fetchall())
+    return version, changed
+
+
+def settings_text(changed: dict[str, str]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in changed.items()) or "settings as shipped"
 
 
 def describe(info: dict) -> str:
@@ -59,8 +70,7 @@ def describe(info: dict) -> str:
              f"{info['load_average']} at start", f"Python {info['python']}"]
     if "postgresql" in info:
         changed = info.get("postgresql_settings", {})
-        parts.append(f"PostgreSQL {info['postgresql']} ("
-                     + (", ".join(f"{k}={v}" for k, v in changed.items()) or "settings as shipped") + ")")
+        parts.append(f"PostgreSQL {info['postgresql']} ({settings_text(changed)})")
     if "rabbitmq" in info:
         parts.append(f"RabbitMQ {info['rabbitmq']}")
     parts.append(", ".join(f"{k} {v}" for k, v in info["libraries"].items()))
