@@ -25,7 +25,7 @@ Airflow's watchdog logs there. The rows add up: a row's dispatchers keep running
 One PostgreSQL schema and Airflow home of its own, removed at the end (also on Ctrl-C or SIGTERM).
 
     .venv/bin/python bench/bench_dispatchers.py
-    .venv/bin/python bench/bench_dispatchers.py --rig        # the README's rig table
+    .venv/bin/python bench/bench_dispatchers.py --rig        # the rig table of docs/benchmarks/dispatchers.md
     .venv/bin/python bench/bench_dispatchers.py --dispatchers 1,10,50,100 --messages 60
 """
 

@@ -11,7 +11,7 @@ this run's own, all removed afterwards:
 - SQS (moto): 200 messages, 10% due at once, the rest delayed 4-9 s through the -delay.fifo relay (1 s per
   cycle); the relay process is killed 4 times, 3 of them between handing a receive on and deleting it.
 
-Prints a markdown table (for the README's guarantees section) and the machine and versions.
+Prints a markdown table (for docs/benchmarks/faults.md) and the machine and versions.
 
     python bench/bench_faults.py
     python bench/bench_faults.py --messages 50000 --json bench/results/faults.json

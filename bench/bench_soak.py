@@ -23,7 +23,7 @@ first and last ten, which then compare a store not yet in its steady state with 
 and holds its snapshot that long (as a backup, a report or an index rebuild does): no row deleted meanwhile can
 be vacuumed, and the minutes show what that costs the pump and the consumer.
 
-    .venv/bin/python bench/bench_soak.py --minutes 130 --plot docs/bench_soak.png  # the README's figures
+    .venv/bin/python bench/bench_soak.py --minutes 130 --plot docs/bench_soak.png  # docs/benchmarks/soak.md
     .venv/bin/python bench/bench_soak.py                                          # 3 minutes (make bench)
     .venv/bin/python bench/bench_soak.py --minutes 6 --hold-snapshot 2:90         # a snapshot held for 90 s
     .venv/bin/python bench/bench_soak.py --minutes 12 --explain-over 1000         # plans of statements >= 1 s

@@ -1,6 +1,6 @@
 """Property-based tests (hypothesis) of the pure rules: delays, routing keys, SQS plans, policies, throttles.
 
-Each property is one the code promises in its docstrings or the README; an example that once broken
+Each property is one the code promises in its docstrings or the docs; an example that once broken
 it is kept as an `@example`.
 """
 
@@ -538,7 +538,7 @@ def test_policy_validation_accepts_exactly_the_allowed_ranges_and_names_the_attr
     data = {"healthyRetryPolicy": retry}
     if throttle is not None:
         data["throttlePolicy"] = {"maxReceivesPerSecond": throttle}
-    # an independent statement of the limits (README "Delivery policies")
+    # an independent statement of the limits (docs/using.md, "Retry policies")
     full = {"minDelayTarget": 20, "maxDelayTarget": 20, "numRetries": 3, "numNoDelayRetries": 0,
             "numMinDelayRetries": 0, "numMaxDelayRetries": 0, **values}
     ints = {k: v for k, v in full.items() if type(v) is int}
