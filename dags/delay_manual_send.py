@@ -6,7 +6,7 @@ from datetime import datetime
 
 from airflow.sdk import DAG, Param
 
-from airflow_delay_provider.dag_params import reject_unknown_conf
+from airflow_delay_provider.dag_params import deliver_at_param, delivery_policy_param, reject_unknown_conf
 from airflow_delay_provider.operators.send import SendDelayedMessageOperator
 
 with DAG(
@@ -24,20 +24,19 @@ with DAG(
         "body": Param('{"order": 1}', type="string", title="Body", description="Sent as UTF-8 text"),
         "delay_seconds": Param(60, type="integer", minimum=0, maximum=604800, title="Delay (seconds)",
                                description="0..604800 (7 days); ignored when Deliver at is set"),
-        "deliver_at": Param(None, type=["null", "string"], format="date-time", title="Deliver at",
-                            description="An ISO timestamp with a timezone; in the past means now"),
+        "deliver_at": deliver_at_param(),
         "queue_delay_seconds": Param(None, type=["null", "integer"], minimum=0, maximum=604800,
                                      title="Queue-level delay", description="Applies when the message has none"),
-        "retry_policy": Param("task default", type="string",
-                              enum=["task default", "http", "sqs", "lambda", "smtp", "sms", "mobile-push"],
-                              title="Retry policy",
-                              description="Built-in delivery policies, stored for the destination (sql transport)"),
+        # A built-in's name or a policy as JSON, stored for the destination (sql transport).
+        "retry_policy": delivery_policy_param(),
     },
     doc_md="""
 ### Send a delayed message by hand
 
 Trigger this DAG from the UI: the form refuses a delay outside 0..604,800 s, an empty destination or
-one with spaces, `*` or `#`, an unknown transport, and a deliver-at that is not a timestamp; a run
+one with spaces, `*` or `#`, an unknown transport, a deliver-at that is not a timestamp with a timezone,
+and a retry policy that is neither a built-in's name nor a JSON object (a JSON policy is checked in full
+before anything is sent); a run
 triggered with a conf key that is not one of these fields (a typo such as `delay`) fails before
 anything is sent. The task returns the message id. With `transport=sql` the message waits in the
 store (connection `delay_store_default`) until a dispatcher sends it when due

@@ -6,6 +6,7 @@ from datetime import datetime
 
 from airflow.sdk import DAG
 
+from airflow_delay_provider.dag_checks import skip_unless_set_up
 from airflow_delay_provider.operators.provision import ProvisionDelayInfrastructureOperator
 
 #: The one place that says what exists. Each key is a transport; a transport left out is not touched.
@@ -48,13 +49,18 @@ idempotent, so re-running is safe):
 - **sqs**: each endpoint's queue and, for unrestricted delays, its `-delay.fifo` relay queue.
 
 Trigger it after a deployment or when an endpoint is added. Connections: `delay_store_default`
-(the delayed-message store, one for every component), `rabbitmq_default`, `aws_default`.
+(the delayed-message store, one for every component), `rabbitmq_default`, `aws_default`. A broker whose
+connection is not defined is skipped, its task's log saying how to define it (`skip_unless_set_up`), so
+the run succeeds on a deployment with the store only; leave the check out where a broker must be there.
 """,
 ) as dag:
     tasks = {}
     for transport, options in CONFIG.items():
+        # The store is always there; a broker is provisioned once its connection is defined.
+        check = None if transport == "sql" else skip_unless_set_up(transport, options.get("transport_conn_id"))
         tasks[transport] = ProvisionDelayInfrastructureOperator(
-            task_id=f"provision_{transport}", transport=transport, create_store=transport == "sql", **options
+            task_id=f"provision_{transport}", transport=transport, create_store=transport == "sql",
+            pre_execute=check, **options
         )
     if "rabbitmq" in CONFIG:
         verify = ProvisionDelayInfrastructureOperator(

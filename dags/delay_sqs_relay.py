@@ -6,6 +6,7 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import DAG, Param
 
+from airflow_delay_provider.dag_checks import skip_unless_set_up
 from airflow_delay_provider.operators.provision import ProvisionDelayInfrastructureOperator
 from airflow_delay_provider.operators.sqs import RelayDelayedMessagesOperator
 
@@ -16,6 +17,8 @@ with DAG(
     schedule=timedelta(minutes=10),
     start_date=datetime(2026, 1, 1),
     catchup=False,
+    # Without an AWS connection (or region) every task is skipped, its log saying how to define one.
+    default_args={"pre_execute": skip_unless_set_up("sqs")},
     max_active_runs=2,  # a manual run can start beside the scheduled one
     params={"relay_seconds": Param(600, type="integer", minimum=1, maximum=86_400, title="Relay for (seconds)")},
     tags=["delay", "sqs"],
@@ -29,7 +32,8 @@ runs at once (a manual run beside the scheduled one: two relays share a delay qu
 message being invisible to one while the other holds it); a run that was missed is not made up
 (`catchup=False`), since the delay queue keeps its messages for days. The first task makes sure each
 endpoint's queues exist (idempotent), so the DAG works on a fresh deployment; connection
-`aws_default`. A manual run relays for `relay_seconds`.
+`aws_default`. A manual run relays for `relay_seconds`. Until an AWS connection (or a region in the
+environment) is there, the tasks are skipped, each log saying how to define it.
 """,
 ) as dag:
     provision = ProvisionDelayInfrastructureOperator(task_id="provision", transport="sqs", endpoints=ENDPOINTS,

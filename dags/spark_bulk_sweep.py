@@ -6,6 +6,7 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import DAG, DeltaDataIntervalTimetable
 
+from airflow_delay_provider.dag_checks import skip_unless_set_up
 from airflow_delay_provider.operators.sweep import BulkSweepOperator
 
 with DAG(
@@ -38,7 +39,9 @@ they run), and must reach the store and the broker by the connections' host name
 (`catchup=False`); past hours are swept with `airflow backfill create --dag-id spark_bulk_sweep
 --from-date ... --to-date ...`, one run per hour, which is safe: delivered messages are gone from the
 store, so a re-run of a window dispatches nothing twice. A manual run (no data interval) sweeps
-everything already due.
+everything already due. Without `spark_default` on a worker that cannot run a local Spark (no Java, no
+spark-submit) the sweep is skipped, its log saying what to install or define; remove the check
+(`pre_execute`) where the sweep must run.
 """,
 ) as dag:
     BulkSweepOperator(
@@ -48,4 +51,5 @@ everything already due.
         delivery_policy="http",
         driver_memory="1g",
         conf={"spark.ui.enabled": "false"},
+        pre_execute=skip_unless_set_up("spark"),
     )

@@ -264,7 +264,8 @@ _SERVICE_DIRS = ("integration", "faults", "deployment")
 #: The files of minutes each (Airflow's processes, Spark), run first: `make test` hands whole files to its workers
 #: in collection order, and one of these handed out near the end of a run ran on alone for minutes.
 _LONGEST_FILES = ("test_spark.py", "test_spark_cluster.py", "test_delivery.py", "test_dag_runs.py",
-                  "test_dag_run_outage.py", "test_smoke.py", "test_browser.py", "test_backlog_operators.py")
+                  "test_dag_run_outage.py", "test_smoke.py", "test_first_run.py", "test_browser.py",
+                  "test_backlog_operators.py")
 
 
 def pytest_collection_modifyitems(config, items):

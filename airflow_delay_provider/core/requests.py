@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from functools import partial
 from typing import Any, cast
 
@@ -12,8 +12,26 @@ from airflow_delay_provider.core.delays import resolve_delay, seconds_until, to_
 from airflow_delay_provider.core.errors import DelayError, InvalidInputError
 from airflow_delay_provider.core.message import DelayedMessage, check_destination, new_message_id
 
+#: What stands for now when a send request is checked as the DAG is parsed (relative delays need a "now").
+PARSE_TIME_NOW = datetime(2000, 1, 1, tzinfo=timezone.utc)
+
 #: The keys a message of a batch may have; anything else is a typo worth an error.
 MESSAGE_FIELDS = frozenset({"destination", "body", "headers", "delay_seconds", "deliver_at", "message_id"})
+
+
+def resolved_at_run_time(value: Any) -> bool:
+    """Whether an operator argument is known only when the task runs: Jinja text (rendered then), anything that is
+    not plain data (an XComArg, an upstream task's output), or plain data holding either. Everything else is a
+    literal of the DAG file, checked when the DAG is parsed."""
+    if isinstance(value, str):
+        return "{{" in value or "{%" in value
+    if value is None or isinstance(value, (bytes, int, float, datetime, timedelta)):
+        return False
+    if isinstance(value, Mapping):
+        return any(resolved_at_run_time(k) or resolved_at_run_time(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(resolved_at_run_time(v) for v in value)
+    return True
 
 
 def parse_moment(value: Any, field: str = "deliver_at") -> datetime | None:

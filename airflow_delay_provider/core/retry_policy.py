@@ -31,6 +31,8 @@ from airflow_delay_provider.core.errors import InvalidInputError
 BACKOFF_FUNCTIONS = ("arithmetic", "exponential", "geometric", "linear")
 MAX_RETRIES = 100
 MAX_DELAY_TARGET = 3600
+#: The built-in policies' names (SNS's, for its endpoint kinds).
+BUILT_IN_POLICIES = ("sqs", "lambda", "smtp", "sms", "mobile-push", "http")
 
 _RETRY_KEYS = {
     "minDelayTarget": "min_delay_target",
@@ -205,8 +207,7 @@ class DeliveryPolicy:
             return cls(10, 600, 50, 0, 2, 38, "exponential", builtin=True)
         if kind == "http":
             return cls()
-        raise PolicyError(f"no built-in policy {kind!r}; "
-                          "choose one of ['sqs', 'lambda', 'smtp', 'sms', 'mobile-push', 'http']")
+        raise PolicyError(f"no built-in policy {kind!r}; choose one of {list(BUILT_IN_POLICIES)}")
 
     @classmethod
     def immediate(cls, number_of_retries: int) -> DeliveryPolicy:

@@ -14,7 +14,13 @@ from airflow_delay_provider import metrics
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import InvalidInputError, UnavailableError
 from airflow_delay_provider.core.pump import PumpConfig
-from airflow_delay_provider.core.requests import parse_count, parse_destinations, parse_moment, parse_runtime
+from airflow_delay_provider.core.requests import (
+    parse_count,
+    parse_destinations,
+    parse_moment,
+    parse_runtime,
+    resolved_at_run_time,
+)
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.hooks.transport import check_transport
 from airflow_delay_provider.operators.base import DelayOperatorBase
@@ -94,6 +100,12 @@ class DispatchDueMessagesOperator(DelayOperatorBase):
         self.destination_prefix = destination_prefix
         self.max_messages = max_messages
         self.max_runtime = parse_runtime(max_runtime)
+        # The window, destinations and count the DAG file gives literally fail its import; templated ones, the task.
+        _window(*(None if resolved_at_run_time(v) else v for v in (due_from, due_before)))
+        if not resolved_at_run_time(destinations):
+            parse_destinations(destinations)
+        if not resolved_at_run_time(max_messages):
+            parse_count("max_messages", max_messages)
         self.deferrable = deferrable
         self.poll_interval = poll_interval
         # Checked here so a bad value fails when the DAG is parsed, not at run time.
@@ -109,11 +121,7 @@ class DispatchDueMessagesOperator(DelayOperatorBase):
     def _trigger(self, deadline: datetime) -> DispatchTrigger:
         """Everything the pump needs, as plain data: run in the triggerer, or opened here."""
         check_transport(self.transport)
-        due_before = parse_moment(self.due_before, "due_before")
-        due_from = parse_moment(self.due_from, "due_from")
-        if due_before is not None and due_from is not None and due_from >= due_before:
-            raise InvalidInputError(f"due_from ({due_from.isoformat()}) must be before due_before "
-                                    f"({due_before.isoformat()}): the window would be empty")
+        due_from, due_before = _window(self.due_from, self.due_before)
         return DispatchTrigger(
             delay_store_conn_id=self.delay_store_conn_id, table=self.table, db_schema=self.db_schema,
             transport=self.transport, transport_conn_id=self.transport_conn_id,
@@ -170,6 +178,15 @@ class DispatchDueMessagesOperator(DelayOperatorBase):
         result = {**_public(summary), "dispatched_in": where}
         self.log.info("Dispatch finished (%s): %s", result["stopped_because"], json.dumps(result))
         return result
+
+
+def _window(due_from: Any, due_before: Any) -> tuple[datetime | None, datetime | None]:
+    """The window's bounds, each an aware time or None; from before to."""
+    due_before, due_from = parse_moment(due_before, "due_before"), parse_moment(due_from, "due_from")
+    if due_before is not None and due_from is not None and due_from >= due_before:
+        raise InvalidInputError(f"due_from ({due_from.isoformat()}) must be before due_before "
+                                f"({due_before.isoformat()}): the window would be empty")
+    return due_from, due_before
 
 
 def _public(summary: dict) -> dict:

@@ -12,6 +12,7 @@ from airflow_delay_provider.core.delays import resolve_delay
 from airflow_delay_provider.core.errors import DelayProviderError, InvalidInputError
 from airflow_delay_provider.core.message import check_destination
 from airflow_delay_provider.core.ports import Transport
+from airflow_delay_provider.core.requests import resolved_at_run_time
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.operators.base import DelayOperatorBase
 from airflow_delay_provider.transports.registry import check_options, transport_kind
@@ -63,6 +64,9 @@ class ProvisionDelayInfrastructureOperator(DelayOperatorBase):
                 f"endpoint_options.queue_delay_seconds is {queue_delay}, but a {self.transport} queue's delay is at "
                 f"most {self._attribute_limit} s; allowed: 0..{self._attribute_limit}")
         self.error_queue = error_queue
+        if not resolved_at_run_time(endpoints):  # templated endpoints are checked when the task runs
+            for endpoint in [*endpoints, error_queue]:
+                check_destination(endpoint)
         self.create_store = create_store
         self.verify = verify
 

@@ -15,7 +15,13 @@ from airflow_delay_provider.core.breakers import CircuitBreaker, call_with_break
 from airflow_delay_provider.core.delays import MAX_DELAY_SECONDS
 from airflow_delay_provider.core.errors import InvalidInputError, UnavailableError
 from airflow_delay_provider.core.message import stable_message_id
-from airflow_delay_provider.core.requests import build_message, check_conf, parse_moment
+from airflow_delay_provider.core.requests import (
+    PARSE_TIME_NOW,
+    build_message,
+    check_conf,
+    parse_moment,
+    resolved_at_run_time,
+)
 from airflow_delay_provider.hooks.delay_store import DelayStoreMixin
 from airflow_delay_provider.operators.base import run_time
 from airflow_delay_provider.triggers.asset import asset_destination, dag_run_asset_name
@@ -27,7 +33,8 @@ HEADER_SCHEDULED_BY = "x-airflow-scheduled-by"
 
 
 def _templated(value: Any) -> bool:
-    return isinstance(value, str) and "{{" in value
+    """Known only when the task runs (Jinja text, an XComArg): checked then, not when the DAG is parsed."""
+    return resolved_at_run_time(value)
 
 
 def _asset_name(asset: Any) -> str | None:
@@ -96,7 +103,11 @@ class ScheduleDagRunOperator(DelayStoreMixin, BaseOperator):
         if not _templated(conf) and not isinstance(conf, str):
             check_conf(conf)
         if not _templated(delay_seconds) and not _templated(deliver_at):
-            self._build(datetime.fromisoformat("2000-01-01T00:00:00+00:00"), parse_only=True)
+            self._build(PARSE_TIME_NOW, parse_only=True)
+        elif not _templated(delay_seconds) and delay_seconds not in (None, ""):  # beside a templated deliver_at
+            build_message({"destination": "airflow.asset.x", "delay_seconds": delay_seconds}, PARSE_TIME_NOW)
+        elif not _templated(deliver_at):
+            parse_moment(deliver_at)
 
     def _target(self, partial_ok: bool = False) -> tuple[str | None, str, str]:
         """(target dag id or None, asset name, destination); templated parts are left for rendering."""

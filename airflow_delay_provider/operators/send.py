@@ -14,12 +14,22 @@ from airflow_delay_provider import metrics
 from airflow_delay_provider.core.breakers import CircuitBreaker, call_with_breaker
 from airflow_delay_provider.core.errors import InvalidInputError, UnavailableError
 from airflow_delay_provider.core.message import stable_message_id
-from airflow_delay_provider.core.requests import build_batch, destinations_of, parse_messages
+from airflow_delay_provider.core.requests import (
+    PARSE_TIME_NOW,
+    build_batch,
+    destinations_of,
+    parse_messages,
+    resolved_at_run_time,
+)
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.core.sending import send_natively
 from airflow_delay_provider.hooks.transport import check_transport
 from airflow_delay_provider.operators.base import DelayOperatorBase, run_time
 from airflow_delay_provider.transports.registry import transport_class
+
+#: What a value known only at run time stands as when the DAG is parsed: valid, so only the literals are judged.
+_STAND_INS: dict[str, Any] = {"destination": "stand-in", "body": "", "headers": None, "delay_seconds": None,
+                              "deliver_at": None}
 
 
 class SendDelayedMessageOperator(DelayOperatorBase):
@@ -87,6 +97,28 @@ class SendDelayedMessageOperator(DelayOperatorBase):
         self.message_id = message_id
         self.message_group_id = message_group_id
         self.time_to_trigger_store_circuit_breaker = time_to_trigger_store_circuit_breaker
+        self._check_literals()
+
+    def _check_literals(self) -> None:
+        """Check what the DAG file gives literally, as execute() does, when the DAG is parsed (a delay out of range
+        fails the import, naming the argument and the range); what is templated or comes from XCom is checked once
+        rendered. Stand-ins take the place of those, and of the store's clock and queue-level delays."""
+        fields = {"destination": self.destination, "body": self.body, "headers": self.headers,
+                  "delay_seconds": self.delay_seconds, "deliver_at": self.deliver_at}
+        defaults = {k: _STAND_INS[k] if resolved_at_run_time(v) else v for k, v in fields.items()}
+        later_batch = self.messages is not None and resolved_at_run_time(self.messages)
+        if later_batch and defaults["destination"] is None:  # each message may name its own
+            defaults["destination"] = _STAND_INS["destination"]
+        if self.messages is None or later_batch:
+            items = [{"message_id": None if resolved_at_run_time(self.message_id) else self.message_id}]
+        else:
+            items = parse_messages(self.messages)
+        queue_delay = None if resolved_at_run_time(self.queue_delay_seconds) else self.queue_delay_seconds
+        build_batch(items, defaults, PARSE_TIME_NOW, queue_delay, batch=self.messages is not None and not later_batch)
+        literal = [not resolved_at_run_time(v) for v in (self.delivery_policy, self.transport)]
+        if self.delivery_policy not in (None, "") and all(literal) and transport_class(self.transport).delays_natively:
+            raise InvalidInputError(f"delivery_policy applies to messages kept in the store (transport='sql'); "
+                                    f"{self.transport!r} delivers through the broker's own delays")
 
     def execute(self, context: Context) -> str | list[str]:
         check_transport(self.transport)

@@ -179,17 +179,18 @@ def test_bad_batch_stores_nothing_and_says_why(run_dag, pg, monkeypatch):
     store = DelayStoreHook(conn_id).get_store()
     store.create_schema()
     ok = {"destination": "q", "body": "fine", "delay_seconds": 5}
-    with DAG("t_bad", schedule=None, start_date=START) as dag:
-        SendDelayedMessageOperator(
-            task_id="send", delay_store_conn_id=conn_id,
-            messages=[ok, ok | {"message_id": "x2"}, {"destination": "q", "delay_seconds": 700_000}],
-        )
+    batch = [ok, ok | {"message_id": "x2"}, {"destination": "q", "delay_seconds": 700_000}]
+    # From the run's conf, the batch is known (and checked) only when the task runs.
+    with DAG("t_bad", schedule=None, start_date=START, params={"batch": batch}) as dag:
+        SendDelayedMessageOperator(task_id="send", delay_store_conn_id=conn_id, messages="{{ params.batch | tojson }}")
     state, states, _ = run_dag(dag)
     assert state == "failed" and states["send"] == "failed"
     assert store.count_scheduled() == {}
-    op = SendDelayedMessageOperator(task_id="x", delay_store_conn_id=conn_id, destination="q", headers={"n": 5})
+    # Written in the DAG file, the same batch fails its import, as does a header that is not text.
+    with pytest.raises(ValueError, match=r"messages\[2\]\.delay_seconds must be in 0\.\.604800 seconds"):
+        SendDelayedMessageOperator(task_id="x", delay_store_conn_id=conn_id, messages=batch)
     with pytest.raises(ValueError, match="header 'n' must have a str value"):
-        op.execute({"ti": type("TI", (), {"dag_id": "d", "run_id": "r", "task_id": "x", "map_index": -1})()})
+        SendDelayedMessageOperator(task_id="x", delay_store_conn_id=conn_id, destination="q", headers={"n": 5})
     assert store.count_scheduled() == {}
 
 

@@ -60,6 +60,15 @@ def _ops():
     return delay
 
 
+T = "{{ rendered }}"  # a templated argument: checked when the task runs, once rendered
+
+
+def _schedule():
+    from airflow_delay_provider.operators.schedule import ScheduleDagRunOperator
+
+    return ScheduleDagRunOperator
+
+
 # -- operators, when the DAG is parsed ------------------------------------------------------------------
 PARSE_TIME = [
     ("send_policy_range", lambda o: o.SendDelayedMessageOperator(
@@ -67,6 +76,44 @@ PARSE_TIME = [
      PolicyError, r"numRetries is 500; allowed: 0\.\.100"),
     ("send_policy_builtin", lambda o: o.SendDelayedMessageOperator(task_id="t", destination="q", delivery_policy="fax"),
      PolicyError, r"no built-in policy 'fax'; choose one of \['sqs', 'lambda', 'smtp', 'sms', 'mobile-push', 'http'\]"),
+    ("send_delay_days", lambda o: o.SendDelayedMessageOperator(task_id="t", destination="q",
+                                                                delay_seconds=timedelta(days=8)),
+     DelayError, r"^delay_seconds must be in 0\.\.604800 seconds \(7 days\), got 691200$"),
+    ("send_delay_text", lambda o: o.SendDelayedMessageOperator(task_id="t", destination="q", delay_seconds="soon"),
+     DelayError, r"^delay_seconds must be a number of seconds or a timedelta, got 'soon'"),
+    ("send_queue_delay", lambda o: o.SendDelayedMessageOperator(task_id="t", destination="q", queue_delay_seconds=-1),
+     DelayError, r"^queue_delay_seconds must be in 0\.\.604800 seconds"),
+    ("send_deliver_at", lambda o: o.SendDelayedMessageOperator(task_id="t", destination="q", deliver_at="tomorrow"),
+     DelayError, r"^deliver_at must be an ISO-8601 timestamp with a timezone, got 'tomorrow'"),
+    ("send_both", lambda o: o.SendDelayedMessageOperator(task_id="t", destination="q", delay_seconds=5,
+                                                         deliver_at="2026-01-01T00:00:00+00:00"),
+     DelayError, r"^give either delay_seconds or deliver_at, not both"),
+    ("send_no_destination", lambda o: o.SendDelayedMessageOperator(task_id="t", delay_seconds=5),
+     InvalidMessageError, r"destination must be a non-empty string, got None"),
+    ("send_destination_newline", lambda o: o.SendDelayedMessageOperator(task_id="t", destination="a\nb"),
+     InvalidMessageError, r"destination must be at most 255 characters without NUL or line breaks"),
+    ("send_batch_second_bad", lambda o: o.SendDelayedMessageOperator(
+        task_id="t", messages=[{"destination": "q", "delay_seconds": 5}, {"destination": "q", "delay_seconds": 10**6}]),
+     DelayError, r"^messages\[1\]\.delay_seconds must be in 0\.\.604800 seconds \(7 days\), got 1000000"),
+    ("send_policy_native", lambda o: o.SendDelayedMessageOperator(task_id="t", destination="q", transport="rabbitmq",
+                                                                  delivery_policy="http"),
+     InvalidInputError, r"delivery_policy applies to messages kept in the store \(transport='sql'\)"),
+    ("schedule_delay_days", lambda o: _schedule()(task_id="t", dag_id="d", delay_seconds=timedelta(days=8),
+                                                  deliver_at=T),
+     DelayError, r"^delay_seconds must be in 0\.\.604800 seconds \(7 days\), got 691200$"),
+    ("schedule_deliver_at", lambda o: _schedule()(task_id="t", dag_id="d", delay_seconds=T, deliver_at="tomorrow"),
+     DelayError, r"^deliver_at must be an ISO-8601 timestamp with a timezone"),
+    ("dispatch_due_before", lambda o: o.DispatchDueMessagesOperator(task_id="t", due_before="tomorrow"),
+     DelayError, r"^due_before must be an ISO-8601 timestamp with a timezone, got 'tomorrow'"),
+    ("dispatch_empty_window", lambda o: o.DispatchDueMessagesOperator(
+        task_id="t", due_from="2026-01-01T01:00:00+00:00", due_before="2026-01-01T00:00:00+00:00"),
+     InvalidInputError, r"due_from \(2026-01-01T01:00:00\+00:00\) must be before due_before"),
+    ("dispatch_destinations", lambda o: o.DispatchDueMessagesOperator(task_id="t", destinations=[1]),
+     InvalidInputError, r"destinations must be a list of destination names, got \[1\]"),
+    ("dispatch_max_messages", lambda o: o.DispatchDueMessagesOperator(task_id="t", max_messages=0),
+     InvalidInputError, r"max_messages must be a whole number >= 1, got 0"),
+    ("provision_endpoint", lambda o: o.ProvisionDelayInfrastructureOperator(task_id="t", endpoints=["fresh", "a\nb"]),
+     InvalidMessageError, r"destination must be at most 255 characters without NUL or line breaks"),
     ("dispatch_runtime_zero", lambda o: o.DispatchDueMessagesOperator(task_id="t", max_runtime=0),
      InvalidInputError, r"max_runtime must be a timedelta or a number of seconds > 0, got 0"),
     ("dispatch_runtime_text", lambda o: o.DispatchDueMessagesOperator(task_id="t", max_runtime="soon"),
@@ -147,55 +194,67 @@ def _provisioned(transport, name: str) -> bool:
         return conn.execute(select(transport.queues.c.name).where(transport.queues.c.name == name)).first() is not None
 
 
+def _rendered(operator, **values):
+    """The operator once its templates rendered: each of `values` was a template when the DAG was parsed (so it is
+    checked only now) and rendered to the bad value; literal bad values fail the import (PARSE_TIME)."""
+    for name, value in values.items():
+        assert name in operator.template_fields, name
+        setattr(operator, name, value)
+    return operator
+
+
 RUN_TIME = [
-    ("send_no_destination", lambda o, c: o.SendDelayedMessageOperator(
-        task_id="t", delay_store_conn_id=c, destination=None, delay_seconds=5).execute(TI),
+    ("send_no_destination", lambda o, c: _rendered(o.SendDelayedMessageOperator(
+        task_id="t", delay_store_conn_id=c, destination=T, delay_seconds=5), destination=None).execute(TI),
      InvalidMessageError, r"destination must be a non-empty string, got None"),
-    ("send_delay_text", lambda o, c: o.SendDelayedMessageOperator(
-        task_id="t", delay_store_conn_id=c, destination="orders", delay_seconds="soon").execute(TI),
+    ("send_delay_text", lambda o, c: _rendered(o.SendDelayedMessageOperator(
+        task_id="t", delay_store_conn_id=c, destination="orders", delay_seconds=T), delay_seconds="soon").execute(TI),
      DelayError, r"^delay_seconds must be a number of seconds or a timedelta, got 'soon'"),
-    ("send_delay_bool", lambda o, c: o.SendDelayedMessageOperator(
-        task_id="t", delay_store_conn_id=c, destination="orders", delay_seconds=True).execute(TI),
+    ("send_delay_bool", lambda o, c: _rendered(o.SendDelayedMessageOperator(
+        task_id="t", delay_store_conn_id=c, destination="orders", delay_seconds=T), delay_seconds=True).execute(TI),
      DelayError, r"^delay_seconds must be a number of seconds or a timedelta, got bool True"),
-    ("send_delay_huge", lambda o, c: o.SendDelayedMessageOperator(
-        task_id="t", delay_store_conn_id=c, destination="orders", delay_seconds=10**400).execute(TI),
+    ("send_delay_huge", lambda o, c: _rendered(o.SendDelayedMessageOperator(
+        task_id="t", delay_store_conn_id=c, destination="orders", delay_seconds=T), delay_seconds=10**400).execute(TI),
      DelayError, r"^delay_seconds must be in 0\.\.604800 seconds"),
-    ("send_queue_delay_text", lambda o, c: o.SendDelayedMessageOperator(
-        task_id="t", delay_store_conn_id=c, destination="orders", queue_delay_seconds="ten").execute(TI),
+    ("send_queue_delay_text", lambda o, c: _rendered(o.SendDelayedMessageOperator(
+        task_id="t", delay_store_conn_id=c, destination="orders", queue_delay_seconds=T),
+        queue_delay_seconds="ten").execute(TI),
      DelayError, r"^queue_delay_seconds must be an integer number of seconds, got 'ten'"),
-    ("send_message_id", lambda o, c: o.SendDelayedMessageOperator(
-        task_id="t", delay_store_conn_id=c, destination="orders", message_id="id\nwith a break").execute(TI),
+    ("send_message_id", lambda o, c: _rendered(o.SendDelayedMessageOperator(
+        task_id="t", delay_store_conn_id=c, destination="orders", message_id=T),
+        message_id="id\nwith a break").execute(TI),
      InvalidMessageError, r"message_id must be a printable string of 1\.\.200 characters"),
-    ("send_body_dict", lambda o, c: o.SendDelayedMessageOperator(
-        task_id="t", delay_store_conn_id=c, destination="orders", body={"a": 1}).execute(TI),
+    ("send_body_dict", lambda o, c: _rendered(o.SendDelayedMessageOperator(
+        task_id="t", delay_store_conn_id=c, destination="orders", body=T), body={"a": 1}).execute(TI),
      InvalidMessageError, r"body must be bytes or str, got dict; serialise it first"),
-    ("send_messages_dict", lambda o, c: o.SendDelayedMessageOperator(
-        task_id="t", delay_store_conn_id=c, messages={"destination": "orders"}).execute(TI),
+    ("send_messages_dict", lambda o, c: _rendered(o.SendDelayedMessageOperator(
+        task_id="t", delay_store_conn_id=c, messages=T), messages={"destination": "orders"}).execute(TI),
      InvalidInputError, r"messages must be a list of dicts, got dict"),
-    ("send_batch_second_bad", lambda o, c: o.SendDelayedMessageOperator(
-        task_id="t", delay_store_conn_id=c, messages=[{"destination": "orders", "delay_seconds": 5},
-                                                       {"destination": "orders", "delay_seconds": "x"}]).execute(TI),
+    ("send_batch_second_bad", lambda o, c: _rendered(o.SendDelayedMessageOperator(
+        task_id="t", delay_store_conn_id=c, messages=T), messages=[{"destination": "orders", "delay_seconds": 5},
+                                                                   {"destination": "orders", "delay_seconds": "x"}])
+     .execute(TI),
      DelayError, r"^messages\[1\]\.delay_seconds must be a number of seconds or a timedelta, got 'x'"),
-    ("dispatch_due_before", lambda o, c: o.DispatchDueMessagesOperator(
-        task_id="t", delay_store_conn_id=c, due_before="tomorrow", max_runtime=2).execute(TI),
+    ("dispatch_due_before", lambda o, c: _rendered(o.DispatchDueMessagesOperator(
+        task_id="t", delay_store_conn_id=c, due_before=T, max_runtime=2), due_before="tomorrow").execute(TI),
      DelayError, r"^due_before must be an ISO-8601 timestamp with a timezone, got 'tomorrow'"),
-    ("dispatch_due_from_naive", lambda o, c: o.DispatchDueMessagesOperator(
-        task_id="t", delay_store_conn_id=c, due_from="2026-01-01T00:00:00", max_runtime=2).execute(TI),
+    ("dispatch_due_from_naive", lambda o, c: _rendered(o.DispatchDueMessagesOperator(
+        task_id="t", delay_store_conn_id=c, due_from=T, max_runtime=2), due_from="2026-01-01T00:00:00").execute(TI),
      DelayError, r"^due_from must carry a timezone"),
-    ("dispatch_max_messages", lambda o, c: o.DispatchDueMessagesOperator(
-        task_id="t", delay_store_conn_id=c, max_messages=0, max_runtime=2).execute(TI),
+    ("dispatch_max_messages", lambda o, c: _rendered(o.DispatchDueMessagesOperator(
+        task_id="t", delay_store_conn_id=c, max_messages=T, max_runtime=2), max_messages=0).execute(TI),
      InvalidInputError, r"max_messages must be a whole number >= 1, got 0"),
-    ("dispatch_max_messages_fraction", lambda o, c: o.DispatchDueMessagesOperator(
-        task_id="t", delay_store_conn_id=c, max_messages="1.5", max_runtime=2).execute(TI),
+    ("dispatch_max_messages_fraction", lambda o, c: _rendered(o.DispatchDueMessagesOperator(
+        task_id="t", delay_store_conn_id=c, max_messages=T, max_runtime=2), max_messages="1.5").execute(TI),
      InvalidInputError, r"max_messages must be a whole number >= 1, got '1\.5'"),
-    ("dispatch_destinations", lambda o, c: o.DispatchDueMessagesOperator(
-        task_id="t", delay_store_conn_id=c, destinations=[1], max_runtime=2).execute(TI),
+    ("dispatch_destinations", lambda o, c: _rendered(o.DispatchDueMessagesOperator(
+        task_id="t", delay_store_conn_id=c, destinations=T, max_runtime=2), destinations=[1]).execute(TI),
      InvalidInputError, r"destinations must be a list of destination names, got \[1\]"),
-    ("dispatch_destinations_empty_name", lambda o, c: o.DispatchDueMessagesOperator(
-        task_id="t", delay_store_conn_id=c, destinations="orders,", max_runtime=2).execute(TI),
+    ("dispatch_destinations_empty_name", lambda o, c: _rendered(o.DispatchDueMessagesOperator(
+        task_id="t", delay_store_conn_id=c, destinations=T, max_runtime=2), destinations="orders,").execute(TI),
      InvalidMessageError, r"destination must be a non-empty string, got ''"),
-    ("provision_endpoint", lambda o, c: o.ProvisionDelayInfrastructureOperator(
-        task_id="t", delay_store_conn_id=c, endpoints=["fresh", "a\nb"]).execute(TI),
+    ("provision_endpoint", lambda o, c: _rendered(o.ProvisionDelayInfrastructureOperator(
+        task_id="t", delay_store_conn_id=c, endpoints=T), endpoints=["fresh", "a\nb"]).execute(TI),
      InvalidMessageError, r"destination must be at most 255 characters without NUL or line breaks"),
     ("provision_verify_sql", lambda o, c: o.ProvisionDelayInfrastructureOperator(
         task_id="t", delay_store_conn_id=c, endpoints=["fresh"], verify=True).execute(TI),
@@ -424,3 +483,53 @@ def test_bad_input_sends_nothing_to_sqs(aws_conn, sqs_client, sql_store):
         assert sqs.lifecycle("orders", delay_queue=True) == {"scheduled": 0, "visible": 0, "in_flight": 0}
         assert sorted(sqs_client.list_queues().get("QueueUrls", [])) == queues  # none made by mistake
     assert store.count_scheduled() == {"orders": 1}
+
+
+LITERAL_DAG = '''
+from datetime import datetime, timedelta
+from airflow.sdk import DAG
+from airflow_delay_provider.operators.send import SendDelayedMessageOperator
+
+with DAG(dag_id="literal_delay", schedule=None, start_date=datetime(2026, 1, 1)):
+    SendDelayedMessageOperator(task_id="send", destination="orders", delay_seconds=timedelta(days=8))
+'''
+
+#: Known only at run time: templates and XCom, everywhere a literal would be checked at import.
+RUN_TIME_DAG = '''
+from datetime import datetime
+from airflow.sdk import DAG, Param, task
+from airflow_delay_provider.operators.dispatch import DispatchDueMessagesOperator
+from airflow_delay_provider.operators.provision import ProvisionDelayInfrastructureOperator
+from airflow_delay_provider.operators.schedule import ScheduleDagRunOperator
+from airflow_delay_provider.operators.send import SendDelayedMessageOperator
+
+with DAG(dag_id="run_time_values", schedule=None, start_date=datetime(2026, 1, 1), params={"d": Param(5)}):
+    @task
+    def plan() -> list:
+        return [{"destination": "orders", "delay_seconds": 5}]
+
+    @task
+    def delay() -> int:
+        return 5
+
+    SendDelayedMessageOperator(task_id="templated", destination="{{ params.q }}", delay_seconds="{{ params.d }}",
+                               deliver_at="{% if false %}x{% endif %}", queue_delay_seconds="{{ params.d }}")
+    SendDelayedMessageOperator(task_id="from_xcom", messages=plan(), delay_seconds=delay())
+    SendDelayedMessageOperator(task_id="nested", messages=[{"destination": "{{ params.q }}", "delay_seconds": 5}])
+    ScheduleDagRunOperator(task_id="schedule", dag_id="target", conf=plan(), delay_seconds=delay())
+    DispatchDueMessagesOperator(task_id="dispatch", due_before="{{ data_interval_end }}",
+                                destinations="{{ params.q }}", max_messages="{{ params.d }}")
+    ProvisionDelayInfrastructureOperator(task_id="provision", endpoints="{{ params.q }}")
+'''
+
+
+def test_a_literal_delay_out_of_range_fails_the_dag_import_and_run_time_values_import(airflow_home, tmp_path):
+    from airflow.dag_processing.dagbag import DagBag
+
+    (tmp_path / "literal_delay.py").write_text(LITERAL_DAG)
+    (tmp_path / "run_time_values.py").write_text(RUN_TIME_DAG)
+    bag = DagBag(dag_folder=str(tmp_path))
+    assert set(bag.dag_ids) == {"run_time_values"}, bag.import_errors
+    [(path, error)] = bag.import_errors.items()
+    assert path.endswith("literal_delay.py")
+    assert "delay_seconds must be in 0..604800 seconds (7 days), got 691200" in error, error

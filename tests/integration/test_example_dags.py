@@ -101,7 +101,9 @@ def test_every_connection_the_example_dags_name_is_defined_in_compose(airflow_ho
     ({"destination": "has space"}, "destination"),
     ({"destination": ""}, "destination"),
     ({"deliver_at": "tomorrow"}, "deliver_at"),
+    ({"deliver_at": "2026-12-24T18:00:00"}, "deliver_at"),  # no timezone
     ({"retry_policy": "forever"}, "retry_policy"),
+    ({"retry_policy": "[1, 2]"}, "retry_policy"),
 ])
 def test_manual_send_form_refuses_bad_values(airflow_home, conf, field):
     from airflow.sdk.exceptions import ParamValidationError
@@ -114,6 +116,24 @@ def test_manual_send_form_accepts_good_values(airflow_home):
     values = form({"transport": "rabbitmq", "destination": "orders.cancel", "delay_seconds": 30,
                    "deliver_at": "2026-12-24T18:00:00+00:00"})
     assert values["transport"] == "rabbitmq" and values["delay_seconds"] == 30
+    # What the form's date picker sends, and a custom policy as JSON beside the built-ins' names.
+    policy = '{"healthyRetryPolicy": {"numRetries": 5, "minDelayTarget": 10, "maxDelayTarget": 300}}'
+    values = form({"deliver_at": "2026-12-24T18:00:00.000Z", "retry_policy": policy})
+    assert values["retry_policy"] == policy
+    assert form({"retry_policy": "mobile-push"})["retry_policy"] == "mobile-push"
+
+
+@pytest.mark.parametrize("value", ["tomorrow", "2026-12-24", "2026-12-24T18:00:00", "2026-13-01T00:00:00Z"])
+def test_manual_send_form_refuses_a_deliver_at_without_a_format_checker(airflow_home, value):
+    """Airflow checks `format: date-time` only where rfc3339-validator is installed (it is here, through the test
+    tools, but not in a plain install): the schema's pattern alone must refuse what is not a date-time."""
+    import jsonschema
+
+    schema = load("delay_manual_send").params.get_param("deliver_at").schema
+    jsonschema.validate("2026-12-24T18:00:00.000Z", schema)  # no format_checker: as an install without it
+    jsonschema.validate("2026-12-24 18:00+01:00", schema)
+    with pytest.raises(jsonschema.ValidationError, match="does not match"):
+        jsonschema.validate(value, schema)
 
 
 def test_order_timeout_cancels_an_unpaid_order_when_the_check_arrives(run_dag):
@@ -157,3 +177,19 @@ def test_manual_send_renders_the_transport_from_the_form(run_dag):
     stored = store.get(values["send"])
     assert stored is not None and stored.destination == "manual.q" and stored.body == b'{"order": 1}'
     assert store.policies()["manual.q"]["healthyRetryPolicy"]["numRetries"] == 50  # SNS's built-in smtp policy
+
+
+def test_manual_send_stores_a_custom_policy_given_as_json_and_refuses_a_bad_one(run_dag):
+    from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+
+    policy = '{"healthyRetryPolicy": {"numRetries": 7, "minDelayTarget": 5, "maxDelayTarget": 120}}'
+    state, states, values = run_dag(load("delay_manual_send"), {"destination": "manual.custom", "retry_policy": policy})
+    assert state == "success", states
+    store = DelayStoreHook().get_store()
+    stored = store.policies()["manual.custom"]["healthyRetryPolicy"]
+    assert (stored["numRetries"], stored["minDelayTarget"], stored["maxDelayTarget"]) == (7, 5, 120)
+    before = store.count_scheduled()
+    bad = '{"healthyRetryPolicy": {"numRetries": 500}}'  # a JSON object, so the form lets it through
+    state, states, _ = run_dag(load("delay_manual_send"), {"destination": "manual.bad", "retry_policy": bad})
+    assert state == "failed" and states["send"] == "failed"
+    assert store.count_scheduled() == before and "manual.bad" not in store.policies()

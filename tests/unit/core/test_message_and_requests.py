@@ -125,3 +125,19 @@ def test_ids_sort_by_time_so_the_store_indexes_grow_at_their_edge():
     assert int(mid.replace("-", "")[:12], 16) == int(run.timestamp() * 1000)
     assert stable_message_id("d", "r", "t", -1, 0) == str(uuid.uuid5(
         uuid.NAMESPACE_URL, "airflow-delay-provider:d/r/t/-1/0"))  # without a time: the ids of before
+
+
+def test_what_is_known_only_at_run_time_is_told_from_literals():
+    from datetime import datetime, timedelta
+
+    from airflow_delay_provider.core.requests import resolved_at_run_time
+
+    class Output:  # an XComArg or any value resolved when the task runs
+        pass
+
+    for value in ("{{ params.d }}", "{% if x %}1{% endif %}", Output(), [1, "{{ x }}"], {"k": {"d": "{{ x }}"}},
+                  ({"a": Output()},)):
+        assert resolved_at_run_time(value), value
+    for value in (None, "", "orders", b"{{", 5, 1.5, True, timedelta(days=8), datetime(2026, 1, 1), [1, "a"],
+                  {"destination": "q", "delay_seconds": 5}, ()):
+        assert not resolved_at_run_time(value), value
