@@ -297,9 +297,20 @@
     return loadMessages(null).catch(failed);
   }
 
+  /** The query of a link to the page: its own URL's (Airflow 3.3 hands the UI's on to the frame), else the UI's
+   * (Airflow 3.2 loads the frame without it; the UI is of the same origin, so the frame may read its URL). */
+  function linkQuery() {
+    if (window.location.search) return window.location.search;
+    try {
+      return window.parent !== window ? window.parent.location.search : "";
+    } catch (_) {
+      return "";  // framed by another origin
+    }
+  }
+
   /** The filters a link gives in the page's URL (?destination=&header=k=v&message_id=...&limit=), as a search. */
   function searchFromUrl() {
-    const params = new URLSearchParams(window.location.search), form = $("search").elements;
+    const params = new URLSearchParams(linkQuery()), form = $("search").elements;
     const destination = (params.get("destination") || "").trim();
     form.destination.value = destination;
     state.chartDestination = destination || null;
