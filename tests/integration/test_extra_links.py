@@ -89,3 +89,14 @@ def test_send_and_dispatch_tasks_link_to_the_page_on_their_destination_and_messa
     assert len(values["many"]) == MAX_LINKED_IDS + 1 and urls["many"] == f"{PAGE}?destination=q"
     assert urls["dispatch_q"] == f"{PAGE}?destination=q"
     assert urls["dispatch_all"] == PAGE
+
+
+@pytest.mark.parametrize("transport", ["rabbitmq", "sqs"])
+def test_a_send_through_a_brokers_own_delays_has_no_link(transport):
+    """Those messages are on the broker, not in the store the page shows: no link rather than an empty page
+    (worked out before any XCom is read: no run needed)."""
+    from airflow_delay_provider.links import SentMessagesLink
+    from airflow_delay_provider.operators.delay import SendDelayedMessageOperator
+
+    task = SendDelayedMessageOperator(task_id="native", destination="q", transport=transport)
+    assert SentMessagesLink().get_link(task, ti_key=None) == ""  # type: ignore[arg-type]

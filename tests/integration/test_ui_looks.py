@@ -88,6 +88,8 @@ def test_the_page_follows_airflows_mode_and_time_zone_with_no_layout_break_from_
             assert _frame(page).evaluate("document.documentElement.dataset.theme") == mode
             assert _frame(page).evaluate("getComputedStyle(document.body).backgroundColor") == BACKGROUND[mode]
             expect(frame.locator(f"#destinations tr[data-destination='{LONG_NAME}']")).to_contain_text("paused")
+            # The widest the counts get: the dead-letter column shown (and, for user and op, three buttons a row).
+            expect(frame.get_by_role("columnheader", name="Dead-lettered")).to_be_visible()
             for width in WIDTHS:
                 page.set_viewport_size({"width": width, "height": 900})
                 frame_width = _frame(page).evaluate(
