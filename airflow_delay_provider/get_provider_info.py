@@ -35,6 +35,9 @@ def get_provider_info() -> dict:
             "airflow_delay_provider.triggers.delay_store", "airflow_delay_provider.triggers.sqs",
             "airflow_delay_provider.triggers.asset"]}],
         "cli": ["airflow_delay_provider.cli.definition.get_delay_cli_commands"],
+        # The send and dispatch tasks' buttons to the Delayed messages page (the api-server builds them from here).
+        "extra-links": ["airflow_delay_provider.links.SentMessagesLink",
+                        "airflow_delay_provider.links.DestinationsLink"],
         "connection-types": [
             {
                 "hook-class-name": "airflow_delay_provider.hooks.delay_store.DelayStoreHook",

@@ -98,3 +98,12 @@ def airflow_process(args: list[str], env: dict[str, str], home: Path, ready: Cal
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+#: What counts as a layout break on a page: tests/layout_problems.js (a function evaluated in the page).
+LAYOUT_PROBLEMS_JS = (Path(__file__).parent / "layout_problems.js").read_text()
+
+
+def layout_problems(frame, toolbars: list[str]) -> list[str]:
+    """LAYOUT_PROBLEMS_JS in a Playwright frame (or page), the toolbars given as CSS selectors."""
+    return frame.evaluate(LAYOUT_PROBLEMS_JS, toolbars)

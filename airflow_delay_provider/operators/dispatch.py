@@ -23,6 +23,7 @@ from airflow_delay_provider.core.requests import (
 )
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.hooks.transport import check_transport
+from airflow_delay_provider.links import DestinationsLink
 from airflow_delay_provider.operators.base import DelayOperatorBase
 from airflow_delay_provider.triggers.delay_store import DispatchTrigger, provisioned
 
@@ -67,6 +68,7 @@ class DispatchDueMessagesOperator(DelayOperatorBase):
         first, then the one stored for it (by provisioning or a send), then `delivery_policy`.
     """
 
+    operator_extra_links = (DestinationsLink(),)
     template_fields: Sequence[str] = (
         "due_before", "due_from", "destinations", "destination_prefix", "max_messages", "max_runtime",
     )

@@ -24,6 +24,7 @@ from airflow_delay_provider.core.requests import (
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.core.sending import send_natively
 from airflow_delay_provider.hooks.transport import check_transport
+from airflow_delay_provider.links import SentMessagesLink
 from airflow_delay_provider.operators.base import DelayOperatorBase, run_time
 from airflow_delay_provider.transports.registry import transport_class
 
@@ -61,6 +62,7 @@ class SendDelayedMessageOperator(DelayOperatorBase):
         task fails.
     """
 
+    operator_extra_links = (SentMessagesLink(),)
     template_fields: Sequence[str] = (
         "transport", "destination", "body", "headers", "delay_seconds", "deliver_at", "queue_delay_seconds",
         "messages", "message_id", "delivery_policy", "message_group_id",

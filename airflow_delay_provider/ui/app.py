@@ -94,11 +94,14 @@ def failure_response(exc: BaseException, doing: str) -> JSONResponse:
     """The answer to a request that failed for the server's reason: what kind of failure, and the error id."""
     error_id = log_failure(exc, doing)
     if isinstance(exc, UnavailableError):
-        code, what = status.HTTP_503_SERVICE_UNAVAILABLE, "the delayed-message store is not reachable"
-    else:
-        code, what = status.HTTP_500_INTERNAL_SERVER_ERROR, "the server could not complete the request"
-    return JSONResponse({"detail": f"{what}; the server's log has the details under error id {error_id}",
-                         "error_id": error_id}, status_code=code)
+        # The connection's id, never its URL: the id is the deployment's name for it, the URL holds its secrets.
+        return JSONResponse({"detail": f"the delayed-message store of connection {conn_id()!r} is not reachable; "
+                                       f"the server's log has the details under error id {error_id}",
+                             "error_id": error_id, "conn_id": conn_id()},
+                            status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
+    return JSONResponse({"detail": "the server could not complete the request; the server's log has the details "
+                                   f"under error id {error_id}", "error_id": error_id},
+                        status_code=status.HTTP_500_INTERNAL_SERVER_ERROR)
 
 
 def dead_letter_counts(store: DelayStoreHook) -> dict[str, Any] | None:
@@ -232,7 +235,7 @@ def create_app() -> FastAPI:
         # The deployment's to fix, and its message says how: it names the connection, database, schema and
         # tables, never a password nor a statement.
         error_id = log_failure(exc, f"{request.method} {request.url.path}")
-        return JSONResponse({"detail": str(exc), "error_id": error_id},
+        return JSONResponse({"detail": str(exc), "error_id": error_id, "conn_id": conn_id()},
                             status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
 
     app.add_middleware(_Failures)

@@ -9,21 +9,11 @@ light: the FastAPI app and Airflow's api-server security are imported on the fir
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
-
-from airflow.configuration import conf
 from airflow.plugins_manager import AirflowPlugin
 
-#: Where the api-server mounts the page and its JSON endpoints (under `[api] base_url`'s path).
-URL_PREFIX = "/delay-backlog"
-#: The page's route in the UI: <base_url>/plugin/delayed-messages shows it in a frame.
-URL_ROUTE = "delayed-messages"
+from airflow_delay_provider.ui.paths import URL_PREFIX, URL_ROUTE, root
 
-
-def _root() -> str:
-    """The path of `[api] base_url` ("/" when unset), ending in "/"."""
-    path = urlsplit(conf.get("api", "base_url", fallback="") or "").path or "/"
-    return path if path.endswith("/") else path + "/"
+_root = root  # its name before paths.py
 
 
 class LazyBacklogApp:
@@ -48,8 +38,8 @@ class DelayBacklogPlugin(AirflowPlugin):
     external_views = [
         {
             "name": "Delayed messages",
-            "href": f"{_root()}{URL_PREFIX.strip('/')}/",
-            "icon": f"{_root()}{URL_PREFIX.strip('/')}/static/icon.svg",
+            "href": f"{root()}{URL_PREFIX.strip('/')}/",
+            "icon": f"{root()}{URL_PREFIX.strip('/')}/static/icon.svg",
             "url_route": URL_ROUTE,
             "category": "browse",
             "destination": "nav",

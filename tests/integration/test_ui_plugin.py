@@ -353,6 +353,9 @@ def test_an_unreachable_store_is_a_503_with_an_error_id_and_the_details_only_in_
     assert response.status_code == 503, response.text
     error_id = failure_id(response.json(), f"{user}@", where.split(":")[0], f":{where.split(':')[1]}", HIDDEN_DB)
     assert error_id in response.json()["detail"] and "not reachable" in response.json()["detail"]
+    # The connection by its id (the page's 503 view names it), never by its URL.
+    assert "of connection 'delay_ui_down'" in response.json()["detail"]
+    assert response.json()["conn_id"] == "delay_ui_down"
     line = logged(caplog, error_id)
     assert "UnavailableError" in line and f"{user}@{where}/{HIDDEN_DB}" in line
 
@@ -431,7 +434,7 @@ def _requests_say_the_store_is_not_there(client, caplog, conn_id: str, schema: s
         assert response.status_code == 503, (path, response.text)
         detail = response.json()["detail"]
         assert HIDDEN_PASSWORD not in response.text and "[SQL" not in response.text, response.text
-        assert f"connection {conn_id!r}" in detail, detail
+        assert f"connection {conn_id!r}" in detail and response.json()["conn_id"] == conn_id, detail
         if mistake == "not_provisioned":
             assert f"schema {schema!r}" in detail and f"table {table!r}" in detail, detail
             assert f"has no tables yet: run the provisioning DAG or `airflow delayed-messages db upgrade --conn-id " \
@@ -521,8 +524,10 @@ def api_server(tmp_path_factory):
         yield base, store
 
 
-def _log_in(browser, base: str, user: str):
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+def _log_in(browser, base: str, user: str, **context_options):
+    """A page of a new browser context (`context_options`: Playwright's, e.g. timezone_id), logged in as `user`
+    through Airflow's login form."""
+    context = browser.new_context(**{"viewport": {"width": 1400, "height": 1000}, **context_options})
     page = context.new_page()
     page.goto(base + "/", wait_until="networkidle")  # Airflow sends the browser to its login form
     page.get_by_label("Username").fill(user)

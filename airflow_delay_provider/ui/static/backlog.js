@@ -1,5 +1,6 @@
-// The backlog page: counts, the due-time histogram (plain SVG) and the message list, from this app's JSON
-// endpoints. Everything shown goes into the page as text nodes (never as HTML), so message ids, headers
+// The backlog page: counts, the due-time histogram (chart.js) and the message list, from this app's JSON
+// endpoints, with times in the user's zone and colours in Airflow's mode (prefs.js). Filters can come in the
+// page's URL (a task's extra link). Everything shown goes into the page as text nodes (never as HTML), so message ids, headers
 // and bodies cannot inject markup. Actions are offered only to users who may edit; the server checks again.
 "use strict";
 
@@ -7,7 +8,7 @@
   const REFRESH_MS = 15000;
   const state = {
     backlog: null, canEdit: false, chartDestination: null, query: {}, cursors: [], after: null, next: null,
-    page: [], selected: new Set(), busy: false,
+    page: [], selected: new Set(), busy: false, ids: [],
   };
   const $ = (id) => document.getElementById(id);
 
@@ -23,13 +24,6 @@
     for (const child of children.flat()) {
       if (child !== undefined && child !== null && child !== false) node.append(child instanceof Node ? child : String(child));
     }
-    return node;
-  }
-
-  function svg(tag, attrs, ...children) {
-    const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
-    for (const [key, value] of Object.entries(attrs || {})) node.setAttribute(key, String(value));
-    for (const child of children) node.append(child instanceof Node ? child : String(child));
     return node;
   }
 
@@ -49,6 +43,8 @@
       if (response.status === 401) detail = "your Airflow session has ended: reload the page to log in again";
       const error = new Error(`${response.status}: ${detail}`);
       error.status = response.status;
+      error.detail = detail;
+      error.connId = data && data.conn_id;
       throw error;
     }
     return data;
@@ -60,11 +56,15 @@
     status.className = kind || "";
   }
 
+  /** A name as text nodes with a break opportunity after each separator: a long name wraps between its parts. */
+  const breakable = (name) => name.split(/(?<=[._\-/:])/).flatMap((part, i) => (i ? [el("wbr"), part] : [part]));
+
   const plural = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
 
+  /** [the time in the user's zone (as Airflow's pages show it), how long from now]. */
   function when(iso) {
     const at = new Date(iso);
-    const text = at.toISOString().replace("T", " ").replace(/\.\d+Z$/, " UTC");
+    const text = window.airflowPrefs.formatTime(iso);
     const seconds = Math.round((at.getTime() - Date.now()) / 1000);
     const span = Math.abs(seconds);
     const amount = span < 90 ? `${span} s` : span < 5400 ? `${Math.round(span / 60)} min`
@@ -104,7 +104,7 @@
       if (message) say(message, "ok");
       await Promise.all([loadBacklog(), loadMessages(state.after)]);
     } catch (error) {
-      say(error.message, "error");
+      failed(error);
     } finally {
       state.busy = false;
       document.body.removeAttribute("aria-busy");
@@ -131,14 +131,20 @@
     return act(async () => {
       if (!await confirmAction(`Deliver ${plural(ids.length, "message")} now instead of at the scheduled time?\n\n${idList(ids)}`,
         "Run now")) return null;
+      const held = state.page.filter((m) => ids.includes(m.message_id) && m.paused && !m.in_flight);
       const report = await api("api/run-now", { message_ids: ids });
       state.selected.clear();
-      return describe("Made due now:", report.counts.rescheduled, report.counts);
+      // Due now, but a paused destination sends nothing until it is resumed: say so, not just "made due".
+      const count = report.counts.rescheduled, paused = Math.min(held.length, count);
+      if (!paused) return describe("Made due now:", count, report.counts);
+      const names = [...new Set(held.map((m) => `“${m.destination}”`))];
+      const waits = `${names.join(", ")} ${names.length > 1 ? "send" : "sends"} nothing until resumed`;
+      return paused === count ? describe("Made due now; held while paused:", count, report.counts, [waits])
+        : describe("Made due now:", count, report.counts, [`${paused} held while paused (${waits})`]);
     });
   }
 
-  function describe(done, count, counts) {
-    const notes = [];
+  function describe(done, count, counts, notes = []) {
     if (counts.in_flight) notes.push(`${counts.in_flight} in flight (a sweep holds them: not changed)`);
     if (counts.gone) notes.push(`${counts.gone} already gone (delivered or cancelled)`);
     if (counts.unknown) notes.push(`${counts.unknown} unknown`);
@@ -202,6 +208,7 @@
     state.canEdit = backlog.can_edit;
     $("who").textContent = `${backlog.user} · ${backlog.can_edit ? "may act" : "read only"} · store ${backlog.conn_id}`;
     $("updated").textContent = `updated ${when(backlog.at)[0]}`;
+    showUnavailable(null);
     renderDestinations();
     renderChart();
   }
@@ -229,8 +236,8 @@
         d.scheduled === 0 && el("button", { type: "button", class: "danger", onclick: () => forget(name) },
           "Forget…")) : "";
       return el("tr", { class: state.chartDestination === name ? "selected" : null, "data-destination": name },
-        el("td", {}, el("button", { type: "button", class: "link", title: "Show its messages and histogram",
-          onclick: () => showDestination(name) }, name)),
+        el("td", {}, el("button", { type: "button", class: "link name", title: "Show its messages and histogram",
+          onclick: () => showDestination(name) }, breakable(name))),
         el("td", { class: "num" }, d.scheduled), el("td", { class: "num" }, d.due),
         el("td", { class: "num" }, d.in_flight),
         dead !== null && el("td", { class: "num" }, dead[name] || 0),
@@ -242,7 +249,8 @@
     $("destinations").tBodies[0].replaceChildren(...rows);
     const paused = names.filter((n) => destinations[n].paused).length;
     $("destinations").tFoot.replaceChildren(el("tr", {},
-      el("td", {}, el("button", { type: "button", class: "link", onclick: () => showDestination(null) }, "All destinations")),
+      el("td", {}, el("button", { type: "button", class: "link all", onclick: () => showDestination(null) },
+        "All destinations")),
       el("td", { class: "num" }, totals.scheduled), el("td", { class: "num" }, totals.due),
       el("td", { class: "num" }, totals.in_flight),
       dead !== null && el("td", { class: "num" }, `${dl.total}${dl.more ? "+" : ""}`),
@@ -261,35 +269,7 @@
       if (name === null || dest === name) for (const [key] of BUCKETS) counts[key] += d.histogram[key] || 0;
     }
     $("histogram-title").textContent = `When the scheduled messages of ${name === null ? "all destinations" : `“${name}”`} are due`;
-    const W = 520, H = 230, left = 48, right = 10, top = 22, bottom = 34;
-    const max = Math.max(1, ...Object.values(counts));
-    const step = niceStep(max / 4), top_value = Math.ceil(max / step) * step;
-    const y = (v) => top + (H - top - bottom) * (1 - v / top_value);
-    const band = (W - left - right) / BUCKETS.length;
-    const label = BUCKETS.map(([key, text]) => `${text}: ${counts[key]}`).join(", ");
-    const chart = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": `Messages by due time: ${label}` });
-    for (let v = 0; v <= top_value; v += step) {
-      chart.append(svg("line", { class: "grid", x1: left, x2: W - right, y1: y(v), y2: y(v) }),
-        svg("text", { x: left - 6, y: y(v) + 4, "text-anchor": "end" }, v.toLocaleString()));
-    }
-    BUCKETS.forEach(([key, text], i) => {
-      const x = left + i * band + band * 0.15, width = band * 0.7, value = counts[key];
-      const bar = svg("rect", { class: `bar ${key}`, x, width, y: y(value), height: Math.max(0, y(0) - y(value)),
-        "data-bucket": key, "data-count": value });
-      bar.append(svg("title", {}, `${text}: ${value}`));
-      chart.append(bar,
-        svg("text", { class: "value", x: x + width / 2, y: y(value) - 5, "text-anchor": "middle" }, value.toLocaleString()),
-        svg("text", { x: x + width / 2, y: H - bottom + 18, "text-anchor": "middle" }, text));
-    });
-    chart.append(svg("line", { class: "axis", x1: left, x2: W - right, y1: y(0), y2: y(0) }));
-    $("chart").replaceChildren(chart);
-  }
-
-  function niceStep(raw) {
-    if (raw <= 1) return 1;
-    const power = 10 ** Math.floor(Math.log10(raw));
-    for (const m of [1, 2, 5, 10]) if (raw <= m * power) return m * power;
-    return 10 * power;
+    $("chart").replaceChildren(window.backlogChart.draw(BUCKETS, counts));
   }
 
   function showDestination(name) {
@@ -304,18 +284,51 @@
   // -- the message list ----------------------------------------------------------------------------------
   function search() {
     const form = $("search").elements;
+    const id = form.message_id.value.trim();
+    // The form's id, else the ids a link named (a send task's extra link: the messages it sent).
     state.query = {
       destination: form.destination.value.trim(), header: form.header.value.trim(),
-      message_id: form.message_id.value.trim(), limit: form.limit.value,
+      message_id: id ? [id] : state.ids, limit: form.limit.value,
     };
+    $("id-filter").hidden = Boolean(id) || !state.ids.length;
+    $("id-filter-text").textContent = `Only the ${plural(state.ids.length, "message")} the link names.`;
     state.cursors = [];
     state.selected.clear();
-    return loadMessages(null).catch((error) => say(error.message, "error"));
+    return loadMessages(null).catch(failed);
+  }
+
+  /** The query of a link to the page: its own URL's (Airflow 3.3 hands the UI's on to the frame), else the UI's
+   * (Airflow 3.2 loads the frame without it; the UI is of the same origin, so the frame may read its URL). */
+  function linkQuery() {
+    if (window.location.search) return window.location.search;
+    try {
+      return window.parent !== window ? window.parent.location.search : "";
+    } catch (_) {
+      return "";  // framed by another origin
+    }
+  }
+
+  /** The filters a link gives in the page's URL (?destination=&header=k=v&message_id=...&limit=), as a search. */
+  function searchFromUrl() {
+    const params = new URLSearchParams(linkQuery()), form = $("search").elements;
+    const destination = (params.get("destination") || "").trim();
+    form.destination.value = destination;
+    state.chartDestination = destination || null;
+    form.header.value = params.get("header") || "";
+    const ids = [...new Set(params.getAll("message_id").map((id) => id.trim()).filter(Boolean))];
+    if (ids.length === 1) form.message_id.value = ids[0];
+    else state.ids = ids;
+    if ([...form.limit.options].some((option) => option.value === params.get("limit"))) {
+      form.limit.value = params.get("limit");
+    }
+    return search();
   }
 
   async function loadMessages(after) {
     const params = new URLSearchParams();
-    for (const [key, value] of Object.entries(state.query)) if (value) params.append(key, value);
+    for (const [key, value] of Object.entries(state.query)) {
+      for (const one of Array.isArray(value) ? value : [value]) if (one) params.append(key, one);
+    }
     if (after) params.set("after", after);
     const result = await api(`api/messages?${params}`);
     state.after = after;
@@ -344,7 +357,8 @@
           onchange: (event) => select(m.message_id, event.target.checked) })),
         el("td", { class: "id" }, m.message_id),
         el("td", { class: "dest" }, m.destination),
-        el("td", { class: "due" }, at, el("span", { class: "rel" }, relative)),
+        el("td", { class: "due" }, el("span", { class: "day" }, at.slice(0, 10)), " ",
+          el("span", { class: "clock" }, at.slice(11)), el("span", { class: "rel" }, relative)),
         el("td", { class: "hdrs" }, headers.length ? el("ul", { class: "headers" }, headers.map(([k, v]) => el("li", {}, `${k}=${v}`))) : ""),
         el("td", { class: "num" }, m.failures),
         el("td", {}, m.in_flight ? el("span", { class: "badge in-flight" }, "in flight")
@@ -387,32 +401,66 @@
   function page(direction) {
     if (direction === "next" && state.next) {
       state.cursors.push(state.after);
-      return loadMessages(state.next).catch((error) => say(error.message, "error"));
+      return loadMessages(state.next).catch(failed);
     }
     if (direction === "prev" && state.cursors.length) {
-      return loadMessages(state.cursors.pop()).catch((error) => say(error.message, "error"));
+      return loadMessages(state.cursors.pop()).catch(failed);
     }
     state.cursors = [];
-    return loadMessages(null).catch((error) => say(error.message, "error"));
+    return loadMessages(null).catch(failed);
   }
 
   function refresh() {
-    return Promise.all([loadBacklog(), loadMessages(state.after)]).catch((error) => say(error.message, "error"));
+    return Promise.all([loadBacklog(), loadMessages(state.after)]).catch(failed);
+  }
+
+  /** A failed load: said in the status line; a 503 (the store cannot be used) also names the connection. */
+  function failed(error) {
+    say(error.message, "error");
+    if (error.status === 503) showUnavailable(error);
+  }
+
+  function showUnavailable(error) {
+    $("unavailable").hidden = !error;
+    if (!error) return;
+    $("unavailable-conn").textContent = error.connId
+      ? `The page shows the store of the Airflow connection “${error.connId}” ([delay_provider] ui_conn_id).`
+      : "The page's store connection ([delay_provider] ui_conn_id) cannot be used.";
+    $("unavailable-detail").textContent = error.detail;
+  }
+
+  function showZone() {
+    const { zone, chosen } = window.airflowPrefs.timeZone();
+    $("zone").textContent = `Times in ${zone}, ${chosen ? "the time zone chosen in Airflow's user menu"
+      : "this browser's (Airflow's user menu can choose another)"}.`;
   }
 
   document.addEventListener("DOMContentLoaded", () => {
     $("search").addEventListener("submit", (event) => { event.preventDefault(); search(); });
-    $("clear").addEventListener("click", () => { $("search").reset(); state.chartDestination = null; renderChart(); search(); });
+    $("clear").addEventListener("click", () => {
+      $("search").reset();
+      state.chartDestination = null;
+      state.ids = [];
+      renderChart();
+      search();
+    });
+    $("id-filter-clear").addEventListener("click", () => { state.ids = []; search(); });
     $("refresh").addEventListener("click", refresh);
     $("first").addEventListener("click", () => page("first"));
     $("prev").addEventListener("click", () => page("prev"));
     $("next").addEventListener("click", () => page("next"));
     $("bulk-cancel").addEventListener("click", () => cancel([...state.selected]));
     $("bulk-run-now").addEventListener("click", () => runNow([...state.selected]));
-    state.query = { limit: $("search").elements.limit.value };
-    refresh();
+    showZone();
+    window.airflowPrefs.onChange(() => {  // the user chose another zone (or theme) in Airflow's UI
+      showZone();
+      if (state.backlog) $("updated").textContent = `updated ${when(state.backlog.at)[0]}`;
+      renderMessages();
+    });
+    loadBacklog().catch(failed);
+    searchFromUrl();
     setInterval(() => {
-      if (!document.hidden && !state.busy && $("confirm").hidden) loadBacklog().catch((error) => say(error.message, "error"));
+      if (!document.hidden && !state.busy && $("confirm").hidden) loadBacklog().catch(failed);
     }, REFRESH_MS);
   });
 })();
