@@ -46,6 +46,7 @@ def main() -> None:
     airflow = str(Path(sys.executable).parent / "airflow")
     ours = [airflow, "delayed-messages", *([args.subcommand] if args.subcommand else []), "--help"]
     theirs = [airflow, "dags", "--help"]
+    info = machine()  # its load average: at the start
     with tempfile.TemporaryDirectory() as home:
         # A home of its own, as a user's: the config is written by the first run, which is not counted.
         env = {**os.environ, "AIRFLOW_HOME": home, "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
@@ -55,7 +56,6 @@ def main() -> None:
         for _ in range(args.n):
             times["theirs"].append(cpu_seconds(theirs, env))
             times["ours"].append(cpu_seconds(ours, env))
-    info = machine()
     info["load_average_end"] = round(os.getloadavg()[0], 2)
     print(describe(info) + f"; load average {info['load_average_end']} at end")
     median = {k: statistics.median(v) for k, v in times.items()}

@@ -9,7 +9,7 @@ import shlex
 import sys
 from collections.abc import Callable
 from functools import wraps
-from typing import Any
+from typing import Any, NoReturn
 
 from airflow.utils import cli as cli_utils
 from airflow.utils.providers_configuration_loader import providers_configuration_loaded
@@ -48,10 +48,12 @@ def flag_message(message: str) -> str:
 
 
 def _command(func: Callable[[DelayStoreHook, argparse.Namespace], dict | str], items: str | None = None,
-             item_name: str = "name", hide: tuple[str, ...] = ()) -> Callable[[argparse.Namespace], None]:
+             item_name: str = "name", hide: tuple[str, ...] = (),
+             note: Callable[[dict], str | None] | None = None) -> Callable[[argparse.Namespace], None]:
     """Run one command: the hook from --conn-id/--table/--db-schema, the report on stdout in --output's format
-    (`items`, `item_name`, `hide`: see output.render; text as it is), and a refused input or a store not reachable
-    or not there as one line on stderr with exit status 1."""
+    (`items`, `item_name`, `hide`: see output.render; text as it is) followed by what `note` says of it on stderr
+    (where a program reading stdout does not get it), and a refused input or a store not reachable or not there as
+    one line on stderr with exit status 1."""
 
     @wraps(func)
     @cli_utils.action_cli
@@ -67,6 +69,9 @@ def _command(func: Callable[[DelayStoreHook, argparse.Namespace], dict | str], i
                 print(report, flush=True)
             else:
                 render(report, getattr(args, "output", None) or default_output(), items, item_name, hide)
+                said = note(report) if note else None
+                if said:
+                    print(said, file=sys.stderr, flush=True)
         except BrokenPipeError:
             # The reader stopped early (`... | head`), which is not an error. Python would report the failed
             # flush of stdout at exit, so stdout goes to /dev/null first.
@@ -75,7 +80,7 @@ def _command(func: Callable[[DelayStoreHook, argparse.Namespace], dict | str], i
     return run
 
 
-def _refuse(message: str) -> None:
+def _refuse(message: str) -> NoReturn:
     """A command line that cannot be run as given: one line on stderr, exit status 1."""
     raise SystemExit(f"error: {message}")
 
@@ -142,8 +147,7 @@ def resume(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
     return hook.resume(args.destinations)
 
 
-@_command
-def purge(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
+def _purge(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
     destination = args.destination
     if args.old_destination is not None:
         if destination is not None and destination != args.old_destination:
@@ -188,19 +192,27 @@ def _delete_dead_letters(hook: DelayStoreHook, args: argparse.Namespace) -> dict
         _refuse("select the dead letters to delete with --id and/or --destination, or all of them with --all")
     transport = _transport(hook, args)
     try:
-        report = hook.delete_dead_letters(transport, error_queue=args.error_queue, destination=args.destination,
-                                          message_ids=ids, everything=args.all, dry_run=not args.yes)
+        return hook.delete_dead_letters(transport, error_queue=args.error_queue, destination=args.destination,
+                                        message_ids=ids, everything=args.all, dry_run=not args.yes)
     finally:
         transport.close()
-    if report["dry_run"]:
-        again = shlex.join(arg for arg in sys.argv[1:] if arg != "--yes")
-        more = " (or more: only the first part of the queue was looked at)" if report["more"] else ""
-        print(f"Dry run: nothing was deleted; {report['would_delete']} dead letter(s){more} would be. To delete "
-              f"them: airflow {again} --yes", file=sys.stderr, flush=True)
-    return report
 
 
-dead_letters = _command(_dead_letters, items="dead_letters", item_name="message_id")
+def _confirm(report: dict) -> str | None:
+    """After a dry run (a purge's, a deletion's): how to do what it counted."""
+    if not report.get("dry_run"):
+        return None
+    again = shlex.join(arg for arg in sys.argv[1:] if arg != "--yes")
+    if "would_purge" in report:
+        return (f"Dry run: nothing was purged; {report['would_purge']} scheduled message(s) would be. To purge them: "
+                f"airflow {again} --yes")
+    more = " (or more: only the first part of the queue was looked at)" if report["more"] else ""
+    return (f"Dry run: nothing was deleted; {report['would_delete']} dead letter(s){more} would be. To delete them: "
+            f"airflow {again} --yes")
+
+
+dead_letters = _command(_dead_letters, items="dead_letters", item_name="message_id", note=_confirm)
+purge = _command(_purge, note=_confirm)
 
 
 @_command

@@ -96,6 +96,8 @@ def test_purge_takes_destination_as_a_flag_and_every_command_prints_each_output_
     piped = _ok(_cli("purge", *base, "--destination", destination))  # no --output, stdout a pipe: JSON
     assert json.loads(piped.stdout) == {"destination": destination, "dry_run": True, "would_purge": 3, "in_flight": 0}
     assert "deprecated" not in piped.stderr
+    assert (f"Dry run: nothing was purged; 3 scheduled message(s) would be. To purge them: airflow delayed-messages "
+            f"purge --conn-id {conn_id} --destination {destination} --yes") in piped.stderr, piped.stderr
     old_style = _ok(_cli("purge", *base, destination, "-o", "yaml"))  # as scripts wrote it before --destination
     assert yaml.safe_load(old_style.stdout)["would_purge"] == 3
     assert f"`purge DESTINATION` is deprecated: write `purge --destination {destination}`" in old_style.stderr
