@@ -1,28 +1,59 @@
-"""The `airflow delayed-messages` commands: parse the arguments, call the store hook, print JSON."""
+"""The `airflow delayed-messages` commands: parse the arguments, call the store hook, print the report."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import re
+import shlex
 import sys
 from collections.abc import Callable
 from functools import wraps
-from typing import Any
+from typing import Any, NoReturn
 
 from airflow.utils import cli as cli_utils
 from airflow.utils.providers_configuration_loader import providers_configuration_loaded
 
+from airflow_delay_provider.cli.output import default_output, render
 from airflow_delay_provider.core.errors import DelayProviderError
 from airflow_delay_provider.hooks.delay_store import DelayStoreHook
 from airflow_delay_provider.hooks.transport import transport_hook, transport_options
 from airflow_delay_provider.stores.engine import safe_url
 
+#: The hook's words for what a user gave, as the command line's flags. The hook speaks to operators and the page
+#: too, so its errors name parameters; a command-line user sees the flags instead.
+_FLAGS = (
+    (r"select messages by message_ids, by headers \(e\.g\. \{'order-id': '42'\}\) or by destination",
+     "select messages with --id, --header KEY=VALUE or --destination"),
+    (r"select the dead letters to delete by message_ids and/or destination, or all of them with everything=True",
+     "select the dead letters to delete with --id and/or --destination, or all of them with --all"),
+    (r"headers \(the header match\)", "--header"),
+    (r"\bdelay_seconds=0\b", "--delay-seconds 0"),
+    (r"\bmessage_ids\b", "--id"),
+    (r"\bdeliver_at\b", "--deliver-at"),
+    (r"\bdelay_seconds\b", "--delay-seconds"),
+    (r"\bdue_from\b", "--due-from"),
+    (r"\bdue_before\b", "--due-before"),
+    (r"\bmax_messages\b", "--max-messages"),
+    (r"\bmax_per_second\b", "--max-per-second"),
+    (r"^(limit|after) (must)", r"--\1 \2"),
+)
 
-def _command(func: Callable[[DelayStoreHook, argparse.Namespace], dict | str],
-             as_json: bool = True) -> Callable[[argparse.Namespace], None]:
-    """Run one command: the hook from --conn-id/--table/--db-schema, the report as JSON (or text) on stdout, and
-    a refused input or a store not reachable or not there as one line on stderr with exit status 1."""
+
+def flag_message(message: str) -> str:
+    """A hook's error as a command-line user reads it: the flags in place of the parameters."""
+    for pattern, flag in _FLAGS:
+        message = re.sub(pattern, flag, message)
+    return message
+
+
+def _command(func: Callable[[DelayStoreHook, argparse.Namespace], dict | str], items: str | None = None,
+             item_name: str = "name", hide: tuple[str, ...] = (),
+             note: Callable[[dict], str | None] | None = None) -> Callable[[argparse.Namespace], None]:
+    """Run one command: the hook from --conn-id/--table/--db-schema, the report on stdout in --output's format
+    (`items`, `item_name`, `hide`: see output.render; text as it is) followed by what `note` says of it on stderr
+    (where a program reading stdout does not get it), and a refused input or a store not reachable or not there as
+    one line on stderr with exit status 1."""
 
     @wraps(func)
     @cli_utils.action_cli
@@ -31,16 +62,33 @@ def _command(func: Callable[[DelayStoreHook, argparse.Namespace], dict | str],
         hook = DelayStoreHook(args.conn_id, table=args.table, db_schema=args.db_schema)
         try:
             report = func(hook, args)
-        except DelayProviderError as exc:
-            raise SystemExit(f"error: {exc}") from None
+        except (DelayProviderError, NotImplementedError) as exc:  # a transport that cannot do it says why
+            raise SystemExit(f"error: {flag_message(str(exc))}") from None
         try:
-            print(json.dumps(report, indent=2, default=str) if as_json else report, flush=True)
+            if isinstance(report, str):
+                print(report, flush=True)
+            else:
+                render(report, getattr(args, "output", None) or default_output(), items, item_name, hide)
+                said = note(report) if note else None
+                if said:
+                    print(said, file=sys.stderr, flush=True)
         except BrokenPipeError:
             # The reader stopped early (`... | head`), which is not an error. Python would report the failed
             # flush of stdout at exit, so stdout goes to /dev/null first.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
     return run
+
+
+def _refuse(message: str) -> NoReturn:
+    """A command line that cannot be run as given: one line on stderr, exit status 1."""
+    raise SystemExit(f"error: {message}")
+
+
+def _command_of(items: str, item_name: str, hide: tuple[str, ...] = ()) -> Callable[
+        [Callable[[DelayStoreHook, argparse.Namespace], dict]], Callable[[argparse.Namespace], None]]:
+    """_command as a decorator, for a report whose `items` are the table's rows."""
+    return lambda func: _command(func, items, item_name, hide)
 
 
 def _ids(args: argparse.Namespace) -> list[str] | None:
@@ -53,7 +101,7 @@ def _selector(args: argparse.Namespace) -> dict[str, Any]:
     for pair in args.headers or ():
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"error: --header takes KEY=VALUE, got {pair!r}")
+            _refuse(f"--header takes KEY=VALUE, got {pair!r}")
         headers[key] = value
     return {"message_ids": _ids(args), "destination": args.destination, "headers": headers or None}
 
@@ -63,12 +111,12 @@ def _transport(hook: DelayStoreHook, args: argparse.Namespace) -> Any:
         **transport_options(args.transport, {}))
 
 
-@_command
+@_command_of("destinations", "destination", hide=("buckets",))  # the page's labels of the histogram
 def backlog(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
     return hook.backlog(args.destination)
 
 
-@_command
+@_command_of("messages", "message_id")
 def browse(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
     return hook.browse(**_selector(args), due_from=args.due_from, due_before=args.due_before, limit=args.limit,
                        after=args.after, show_bodies=not args.no_bodies)
@@ -99,9 +147,18 @@ def resume(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
     return hook.resume(args.destinations)
 
 
-@_command
-def purge(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
-    return hook.purge(args.destination, dry_run=not args.yes)
+def _purge(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
+    destination = args.destination
+    if args.old_destination is not None:
+        if destination is not None and destination != args.old_destination:
+            _refuse(f"two destinations given ({args.old_destination!r} and --destination {destination!r}): "
+                    "give one, with --destination")
+        destination = args.old_destination
+        print(f"warning: `purge DESTINATION` is deprecated: write `purge --destination {destination}`",
+              file=sys.stderr, flush=True)
+    if destination is None:
+        _refuse("purge needs --destination DESTINATION (the destination whose scheduled messages go)")
+    return hook.purge(destination, dry_run=not args.yes)
 
 
 @_command
@@ -113,14 +170,49 @@ def forget(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
         transport.close()
 
 
-@_command
-def dead_letters(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
+def _dead_letters(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
+    """`dead-letters [list]` lists them; `dead-letters delete` deletes them (a dry run without --yes)."""
+    if args.action == "delete":
+        return _delete_dead_letters(hook, args)
+    if args.all or args.yes:
+        _refuse(f"{'--all' if args.all else '--yes'} is for `dead-letters delete`; a listing changes nothing")
     transport = _transport(hook, args)
     try:
         return hook.dead_letters(transport, error_queue=args.error_queue, destination=args.destination,
                                  message_ids=_ids(args), limit=args.limit)
     finally:
         transport.close()
+
+
+def _delete_dead_letters(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
+    ids = _ids(args)
+    if args.all and (ids or args.destination):
+        _refuse("--all deletes every dead letter of the error queue: give it without --id and --destination")
+    if not (args.all or ids or args.destination):
+        _refuse("select the dead letters to delete with --id and/or --destination, or all of them with --all")
+    transport = _transport(hook, args)
+    try:
+        return hook.delete_dead_letters(transport, error_queue=args.error_queue, destination=args.destination,
+                                        message_ids=ids, everything=args.all, dry_run=not args.yes)
+    finally:
+        transport.close()
+
+
+def _confirm(report: dict) -> str | None:
+    """After a dry run (a purge's, a deletion's): how to do what it counted."""
+    if not report.get("dry_run"):
+        return None
+    again = shlex.join(arg for arg in sys.argv[1:] if arg != "--yes")
+    if "would_purge" in report:
+        return (f"Dry run: nothing was purged; {report['would_purge']} scheduled message(s) would be. To purge them: "
+                f"airflow {again} --yes")
+    more = " (or more: only the first part of the queue was looked at)" if report["more"] else ""
+    return (f"Dry run: nothing was deleted; {report['would_delete']} dead letter(s){more} would be. To delete them: "
+            f"airflow {again} --yes")
+
+
+dead_letters = _command(_dead_letters, items="dead_letters", item_name="message_id", note=_confirm)
+purge = _command(_purge, note=_confirm)
 
 
 @_command
@@ -156,4 +248,4 @@ def _upgrade(hook: DelayStoreHook, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-db_upgrade = _command(_upgrade, as_json=False)
+db_upgrade = _command(_upgrade)

@@ -1,7 +1,9 @@
 """The `airflow delayed-messages` command group, registered through the provider's `cli` entry.
 
-Every command acts through DelayStoreHook's backlog methods, as the operators and the UI page do,
-and prints its JSON report; `db upgrade` creates or upgrades the store's tables, the only command that does.
+Every command acts through DelayStoreHook's backlog methods, as the operators and the UI page do, and prints its
+report as `--output` says (a table on a terminal, JSON in a pipe); `db upgrade` creates or upgrades the store's
+tables, the only command that does. Airflow imports this module at every `airflow` invocation, to build its
+parser: it imports nothing but Airflow's CLI definitions, and each command's code is loaded when it runs.
 """
 
 from __future__ import annotations
@@ -27,8 +29,21 @@ ARG_NO_BODIES = Arg(("--no-bodies",), action="store_true", help="show body sizes
 ARG_DELIVER_AT = Arg(("--deliver-at",), help="the new due time, an ISO time with offset (not in the past)")
 ARG_DELAY = Arg(("--delay-seconds",), type=float, help="the new due time, seconds from now (0: run now)")
 ARG_DESTINATIONS = Arg(("destinations",), nargs="+", metavar="DESTINATION", help="the destinations")
-ARG_PURGE_DESTINATION = Arg(("destination",), help="the destination whose scheduled messages go")
+ARG_PURGE_DESTINATION = Arg(("--destination",), help="the destination whose scheduled messages go")
+# The destination as a positional argument, as purge took it first: kept for existing scripts.
+ARG_OLD_DESTINATION = Arg(("old_destination",), nargs="?", metavar="DESTINATION",
+                          help="deprecated: write --destination DESTINATION")
 ARG_YES = Arg(("--yes",), action="store_true", help="really purge (without it: a dry run that only counts)")
+ARG_DEAD_LETTERS_ACTION = Arg(("action",), nargs="?", choices=("list", "delete"), default="list",
+                              metavar="{list,delete}",
+                              help="list (the default): show them; delete: remove them from the error queue "
+                                   "(a dry run without --yes)")
+ARG_ALL = Arg(("--all",), action="store_true", help="delete: every dead letter of the error queue")
+ARG_DELETE_YES = Arg(("--yes",), action="store_true",
+                     help="delete: really delete (without it: a dry run that lists what would go)")
+ARG_OUTPUT = Arg(("-o", "--output"), choices=("table", "json", "yaml", "plain"), metavar="(table, json, yaml, plain)",
+                 help="Output format. Allowed values: json, yaml, plain, table (default: table on a terminal, json "
+                      "when piped or redirected)")
 ARG_FORCE = Arg(("--force",), action="store_true",
                 help="forget even with scheduled messages (purged) or dead letters (left in the error queue)")
 ARG_TRANSPORT = Arg(("--transport",), default="sql", help="the transport of the error queue: sql, rabbitmq or sqs")
@@ -39,7 +54,8 @@ ARG_RATE = Arg(("--max-per-second",), type=float, help="redrive at most this man
 ARG_DRY_RUN = Arg(("--dry-run",), action="store_true",
                   help="only print the schema versions that would be applied; change nothing")
 
-_STORE = (ARG_CONN_ID, ARG_TABLE, ARG_DB_SCHEMA)
+_STORE_ONLY = (ARG_CONN_ID, ARG_TABLE, ARG_DB_SCHEMA)
+_STORE = (*_STORE_ONLY, ARG_OUTPUT)
 _SELECT = (ARG_IDS, ARG_DESTINATION, ARG_HEADER)
 
 COMMANDS = (
@@ -60,14 +76,16 @@ COMMANDS = (
     ActionCommand(name="resume", help="Resume paused destinations",
                   func=lazy_load_command(_COMMANDS + "resume"), args=(*_STORE, ARG_DESTINATIONS)),
     ActionCommand(name="purge", help="Remove every scheduled message of a destination (a dry run without --yes)",
-                  func=lazy_load_command(_COMMANDS + "purge"), args=(*_STORE, ARG_PURGE_DESTINATION, ARG_YES)),
+                  func=lazy_load_command(_COMMANDS + "purge"),
+                  args=(*_STORE, ARG_PURGE_DESTINATION, ARG_OLD_DESTINATION, ARG_YES)),
     ActionCommand(name="forget", help="Forget destinations (a mistyped name): refused while messages or dead letters "
                   "remain, unless --force", func=lazy_load_command(_COMMANDS + "forget"),
                   args=(*_STORE, ARG_DESTINATIONS, ARG_FORCE, ARG_TRANSPORT, ARG_TRANSPORT_CONN, ARG_ERROR_QUEUE)),
-    ActionCommand(name="dead-letters", help="List the error queue's messages with their failure details",
+    ActionCommand(name="dead-letters", help="List the error queue's messages with their failure details, or "
+                  "delete them (`dead-letters delete`: by --id, --destination or --all; a dry run without --yes)",
                   func=lazy_load_command(_COMMANDS + "dead_letters"),
-                  args=(*_STORE, ARG_TRANSPORT, ARG_TRANSPORT_CONN, ARG_ERROR_QUEUE, ARG_IDS, ARG_DESTINATION,
-                        ARG_LIMIT)),
+                  args=(ARG_DEAD_LETTERS_ACTION, *_STORE, ARG_TRANSPORT, ARG_TRANSPORT_CONN, ARG_ERROR_QUEUE, ARG_IDS,
+                        ARG_DESTINATION, ARG_LIMIT, ARG_ALL, ARG_DELETE_YES)),
     ActionCommand(name="redrive", help="Send dead letters back to their destinations through the store",
                   func=lazy_load_command(_COMMANDS + "redrive"),
                   args=(*_STORE, ARG_TRANSPORT, ARG_TRANSPORT_CONN, ARG_ERROR_QUEUE, ARG_IDS, ARG_DESTINATION,
@@ -77,7 +95,7 @@ COMMANDS = (
                      ActionCommand(name="upgrade", help="Create the store's tables or upgrade them to this release's "
                                    "schema version (and the SQL-table queues' tables where they exist); prints the "
                                    "versions it applies", func=lazy_load_command(_COMMANDS + "db_upgrade"),
-                                   args=(*_STORE, ARG_DRY_RUN)),
+                                   args=(*_STORE_ONLY, ARG_DRY_RUN)),
                  )),
 )
 

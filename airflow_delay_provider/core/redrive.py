@@ -1,4 +1,4 @@
-"""Dead letters: what the pump gave up on, listed from the error queue and redriven into the store.
+"""Dead letters: what the pump gave up on, listed from the error queue, redriven into the store or deleted.
 
 The pump sends a message it gives up on to the error queue, with headers saying where it was going,
 when it failed first and last, how often and why (`DelayedMessage.dead_lettered`). A listing peeks
@@ -8,7 +8,8 @@ now, with its failures reset, the failure headers removed and an `x-delay-redriv
 the message on the error queue only once the store has committed. A crash in between stores it again
 (at least once; the store skips an id that is stored right now). Messages it does not select stay
 in the error queue: released at the end where the transport can (`Releasable`), otherwise visible
-again once their visibility timeout ends.
+again once their visibility timeout ends. A deletion selects and settles as a redrive does, and acks what it
+selects without storing it.
 """
 
 from __future__ import annotations
@@ -255,3 +256,52 @@ def _commit(store: DelayedMessageStore, transport: Transport, run: _Run,
         run.destinations[message.destination] = run.destinations.get(message.destination, 0) + 1
         run.done_ids.add(m.message_id)
         run.left.discard(m.message_id)
+
+
+def _summary(message: ReceivedMessage) -> dict[str, Any]:
+    """A dead letter as a deletion lists it: which one, where it was going, and why it failed."""
+    full = describe(message, body_bytes=0)
+    return {key: full[key] for key in ("message_id", "destination", "attempts", "last_failed_at", "last_error")}
+
+
+def delete_dead_letters(transport: Transport, error_queue: str = "error", destination: Any = None,
+                        message_ids: Any = None, everything: bool = False, dry_run: bool = True, *,
+                        hold_seconds: float = HOLD_SECONDS) -> dict[str, Any]:
+    """Delete dead letters of `error_queue`: those of one original `destination` and/or with the given
+    `message_ids`, or, with `everything`, all of them. `dry_run` (the default) deletes nothing and lists what
+    would go, looking without consuming (among the first SCAN_LIMIT messages: `more` says whether there may be
+    others); a transport that cannot look so refuses it, saying why. Otherwise messages are received and the
+    selected ones acked, the others released (as a redrive leaves what it does not select)."""
+    selector = Selector.build(message_ids, destination, allow_everything=True)
+    chosen = bool(selector.message_ids or selector.destination)
+    if chosen == everything:
+        raise InvalidInputError("select the dead letters to delete by message_ids and/or destination, or all of them "
+                                "with everything=True" + (" (not both)" if everything else ""))
+    if dry_run:
+        peeked = transport.peek(error_queue, SCAN_LIMIT)
+        matched = [m for m in peeked if _selects(selector, m)]
+        return {"error_queue": error_queue, "selector": selector.describe(), "dry_run": True,
+                "would_delete": len(matched), "dead_letters": [_summary(m) for m in matched[:MAX_SKIPPED_SHOWN]],
+                "scanned": len(peeked), "more": len(peeked) == SCAN_LIMIT}
+    wanted = set(selector.message_ids)
+    deleted: dict[str, int] = {}
+    gone: set[str] = set()
+    left: dict[Any, None] = {}  # receipts of those received and not selected: released at the end
+    left_ids: set[str] = set()
+    try:
+        while not (wanted and wanted <= gone):
+            batch = transport.receive(error_queue, BATCH_SIZE, visibility_timeout=hold_seconds)
+            left.update((m.receipt, None) for m in batch if not _selects(selector, m))
+            if not batch or all(m.message_id in left_ids for m in batch):
+                break  # empty, or back to messages seen already (their hold ended): the whole queue was read
+            selected = [m for m in batch if _selects(selector, m)]
+            left_ids.update(m.message_id for m in batch if not _selects(selector, m))
+            transport.ack(error_queue, [m.receipt for m in selected])
+            for m in selected:
+                name = m.headers.get(HEADER_FAILED_DESTINATION) or "(unknown)"
+                deleted[name] = deleted.get(name, 0) + 1
+                gone.add(m.message_id)
+    finally:
+        _release(transport, error_queue, list(left))
+    return {"error_queue": error_queue, "selector": selector.describe(), "dry_run": False,
+            "deleted": sum(deleted.values()), "destinations": dict(sorted(deleted.items())), "left": len(left_ids)}

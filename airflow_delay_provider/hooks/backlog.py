@@ -11,6 +11,7 @@ from typing import Any
 from airflow_delay_provider.core.backlog import BODY_PREVIEW_BYTES, Selector, new_due_time
 from airflow_delay_provider.core.errors import DestinationNotFoundError, InvalidInputError
 from airflow_delay_provider.core.ports import Transport
+from airflow_delay_provider.core.redrive import delete_dead_letters as delete_from_error_queue
 from airflow_delay_provider.core.redrive import list_dead_letters
 from airflow_delay_provider.core.redrive import redrive as redrive_dead_letters
 from airflow_delay_provider.core.requests import parse_count
@@ -100,7 +101,8 @@ class BacklogActions:
                     dead[name] = found
             if dead and not force:
                 raise InvalidInputError(f"cannot forget {sorted(dead)}: the error queue {error_queue!r} still holds "
-                                        "their dead letters; redrive or remove them first, or forget with force")
+                                        "their dead letters; redrive or delete them first (`airflow delayed-messages "
+                                        "dead-letters delete`), or forget with force")
         report = store.forget_destinations(names, force=force)
         report["dead_letters_left"] = sorted(dead)
         report["dead_letters_checked"] = checked
@@ -114,6 +116,16 @@ class BacklogActions:
         consuming (RabbitMQ: see Transport.peek) refuses, saying why."""
         return list_dead_letters(transport, error_queue, destination=destination or None,
                                  message_ids=message_ids, limit=parse_count("limit", limit) or 50)
+
+    def delete_dead_letters(self, transport: Transport, error_queue: str = "error", destination: Any = None,
+                            message_ids: Any = None, everything: bool = False, dry_run: bool = True) -> dict[str, Any]:
+        """Delete dead letters of `error_queue` of `transport`: by original destination and/or message ids, or
+        all with `everything`; `dry_run` (default) lists what would go and deletes nothing. Refused, saying how to
+        create them, where the store or the SQL-table queues are not there (nothing is created)."""
+        self.checked_store()
+        transport.check_ready()
+        return delete_from_error_queue(transport, error_queue, destination=destination or None,
+                                       message_ids=message_ids, everything=everything, dry_run=dry_run)
 
     def redrive(self, transport: Transport, error_queue: str = "error", destination: Any = None,
                 message_ids: Any = None, max_messages: Any = None, max_per_second: Any = None) -> dict[str, Any]:

@@ -103,7 +103,7 @@ def test_the_command_line_lists_cancels_pauses_and_purges_without_showing_the_pa
     from airflow_delay_provider.core.delays import utcnow
     from airflow_delay_provider.core.message import DelayedMessage
 
-    store.store([DelayedMessage("orders", b"hello", utcnow() + timedelta(seconds=90 + i), {"order-id": str(i)},
+    store.store([DelayedMessage("orders", b"hello", utcnow() + timedelta(seconds=600 + i), {"order-id": str(i)},
                                 message_id=f"cli-{i}") for i in range(3)])
     env = {**os.environ}
     base = ("--conn-id", conn_id)
@@ -119,8 +119,8 @@ def test_the_command_line_lists_cancels_pauses_and_purges_without_showing_the_pa
     by_header = json.loads(_cli("run-now", *base, "--header", "order-id=2", env=env).stdout)
     assert by_header["rescheduled"] == ["cli-2"]
     assert json.loads(_cli("pause", *base, "orders", env=env).stdout)["changed"] == ["orders"]
-    assert json.loads(_cli("purge", *base, "orders", env=env).stdout)["would_purge"] == 2
-    assert json.loads(_cli("purge", *base, "orders", "--yes", env=env).stdout)["purged"] == 2
+    assert json.loads(_cli("purge", *base, "--destination", "orders", env=env).stdout)["would_purge"] == 2
+    assert json.loads(_cli("purge", *base, "--destination", "orders", "--yes", env=env).stdout)["purged"] == 2
     assert store.count_scheduled() == {}
 
     refused = _cli("cancel", *base, env=env)

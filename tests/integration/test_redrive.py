@@ -20,7 +20,13 @@ from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import HEADER_FAILED_DESTINATION, DelayedMessage
 from airflow_delay_provider.core.ports import Transport
 from airflow_delay_provider.core.pump import Pump, PumpConfig
-from airflow_delay_provider.core.redrive import FAILURE_HEADERS, HEADER_REDRIVEN, list_dead_letters, redrive
+from airflow_delay_provider.core.redrive import (
+    FAILURE_HEADERS,
+    HEADER_REDRIVEN,
+    delete_dead_letters,
+    list_dead_letters,
+    redrive,
+)
 from tests.helpers import collect, make_store, make_transport
 
 ORDERS = [f"o-{i}" for i in range(3)]  # refused by their destination twice: attempts 2
@@ -140,6 +146,37 @@ def test_dead_letters_are_listed_redriven_and_delivered_once(setup):
         assert not FAILURE_HEADERS & set(m.headers)
         assert m.body == f"body {m.message_id}".encode()
     assert store.count_scheduled() == {} and visible(transport, "error", 0) == 0
+    assert poison_depth(transport) == 0
+
+
+def test_dead_letters_are_deleted_by_destination_by_id_and_all_and_a_dry_run_deletes_nothing(setup):
+    store, transport = setup
+    dead_letter_some(store, transport)
+    if transport.can_peek:
+        dry = delete_dead_letters(transport, "error", destination="orders")
+        assert (dry["dry_run"], dry["would_delete"], dry["more"]) == (True, 3, False)
+        assert sorted(d["message_id"] for d in dry["dead_letters"]) == ORDERS
+        assert {d["destination"] for d in dry["dead_letters"]} == {"orders"}
+        assert "503 from orders" in dry["dead_letters"][0]["last_error"]
+        assert delete_dead_letters(transport, "error", everything=True)["would_delete"] == 7
+        assert visible(transport, "error", 7) == 7  # looked, consumed nothing
+    else:
+        with pytest.raises(NotImplementedError, match="x-delivery-limit"):
+            delete_dead_letters(transport, "error", destination="orders")
+    with pytest.raises(InvalidInputError, match="or all of them with everything=True$"):
+        delete_dead_letters(transport, "error", dry_run=False)
+    with pytest.raises(InvalidInputError, match=r"everything=True \(not both\)"):
+        delete_dead_letters(transport, "error", destination="orders", everything=True, dry_run=False)
+
+    by_destination = delete_dead_letters(transport, "error", destination="orders", dry_run=False)
+    assert (by_destination["deleted"], by_destination["destinations"], by_destination["left"]) == (3, {"orders": 3}, 4)
+    assert visible(transport, "error", 4) == 4  # those not selected were given back at once
+    by_id = delete_dead_letters(transport, "error", message_ids=["n-1", "nope"], dry_run=False)
+    assert (by_id["deleted"], by_id["destinations"]) == (1, {"nowhere": 1})
+    assert visible(transport, "error", 3) == 3
+    rest = delete_dead_letters(transport, "error", everything=True, dry_run=False)
+    assert (rest["deleted"], rest["left"]) == (3, 0)
+    assert visible(transport, "error", 0) == 0 and store.count_scheduled() == {}
     assert poison_depth(transport) == 0
 
 

@@ -185,3 +185,34 @@ def test_the_index_lists_every_page_and_links_resolve():
             if target and "://" not in target and not (page.parent / target).exists():
                 broken.append(f"{page.name}: {match['target']}")
     assert not broken, f"links to files that do not exist: {broken}"
+
+
+def _command_lines() -> list[tuple[str, str]]:
+    """(where, command) of every `airflow delayed-messages ...` line in the pages' shell blocks."""
+    found = []
+    pages = [*PAGES, *sorted((ROOT / "docs" / "how-it-works").glob("*.md"))]
+    for block in (b for page in pages for b in _blocks(page)):
+        if block.lang not in ("sh", "bash", "shell", "console", ""):
+            continue
+        for n, line in enumerate(block.text.splitlines()):
+            command = line.removeprefix("$ ").split(" #")[0].split(" |")[0].strip()
+            if command.startswith("airflow delayed-messages"):
+                found.append((f"{block.page.relative_to(ROOT)}:{block.line + n + 1}", command))
+    return found
+
+
+def test_every_command_line_shown_on_the_pages_parses():
+    """The commands a reader copies are taken by Airflow's parser as written (flags, choices, positionals)."""
+    import shlex
+
+    from airflow.cli.cli_parser import get_parser
+
+    lines = _command_lines()
+    assert len(lines) >= 10, lines
+    parser, wrong = get_parser(), []
+    for where, command in lines:
+        try:
+            parser.parse_args(shlex.split(command)[1:])
+        except SystemExit:
+            wrong.append(f"{where}: {command}")
+    assert not wrong, f"commands Airflow's parser refuses: {wrong}"

@@ -1,0 +1,225 @@
+"""`airflow delayed-messages` as a user runs it, on SQLite and the real PostgreSQL: the destination as --destination
+everywhere (purge's positional kept, deprecated), `--output table|json|yaml|plain` with a table on a terminal and
+JSON in a pipe, errors naming the flags, and `dead-letters delete` (a dry run without --yes; refusing a store that
+is not there, creating nothing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import subprocess
+import sys
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import yaml
+from sqlalchemy import create_engine, text
+
+from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.core.pump import Pump, PumpConfig
+from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
+from airflow_delay_provider.transports.sql import SqlTableTransport
+from tests.conftest import PG_URL
+from tests.integration.test_airflow import _pg_conn
+
+AIRFLOW = str(Path(sys.executable).parent / "airflow")
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """One command with stdout a pipe (as a script reads it)."""
+    return subprocess.run([AIRFLOW, "delayed-messages", *args], capture_output=True, text=True, env={**os.environ},
+                          timeout=180)
+
+
+def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, (result.args, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+def _refused(result: subprocess.CompletedProcess, *said: str) -> str:
+    """A user error: exit status 1, one line on stderr saying what, no traceback, no report on stdout."""
+    assert result.returncode == 1, (result.args, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr and result.stdout == "", (result.stdout, result.stderr)
+    for words in said:
+        assert words in result.stderr, (words, result.stderr)
+    return result.stderr
+
+
+def _sqlite_store(tmp_path: Path, monkeypatch) -> tuple[str, SqlDelayedMessageStore, SqlTableTransport]:
+    path = tmp_path / "store.db"
+    conn_id = f"cli_{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(
+        {"conn_type": "delay_store", "schema": str(path), "extra": {"driver": "sqlite"}}))
+    return conn_id, _store(f"sqlite:///{path}", None, "delayed_messages"), SqlTableTransport(f"sqlite:///{path}")
+
+
+def _store(url: str, schema: str | None, table: str) -> SqlDelayedMessageStore:
+    store = SqlDelayedMessageStore(url, table=table, schema=schema)
+    store.create_schema()
+    return store
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def where(request, tmp_path, monkeypatch, airflow_home):
+    """(conn_id, store, queues): a store and its SQL-table queues (the same database) behind a connection."""
+    if request.param == "sqlite":
+        return _sqlite_store(tmp_path, monkeypatch)
+    schema, table = request.getfixturevalue("pg_schema"), f"c_{uuid.uuid4().hex[:10]}"
+    return _pg_conn(monkeypatch, schema, table), _store(PG_URL, schema, table), SqlTableTransport(PG_URL, schema=schema)
+
+
+@pytest.fixture
+def on_sqlite(tmp_path, monkeypatch, airflow_home):
+    """As `where`, on SQLite only: for what does not depend on the database."""
+    return _sqlite_store(tmp_path, monkeypatch)
+
+
+def _schedule(store: SqlDelayedMessageStore, destination: str, n: int) -> list[str]:
+    ids = [f"{destination}-{i}" for i in range(n)]
+    store.store([DelayedMessage(destination, b"hello", utcnow() + timedelta(minutes=5 + i), {"k": str(i)}, mid)
+                 for i, mid in enumerate(ids)])
+    return ids
+
+
+def test_purge_takes_destination_as_a_flag_and_every_command_prints_each_output_format(where):
+    conn_id, store, _ = where
+    destination = f"orders_{uuid.uuid4().hex[:6]}"
+    ids = _schedule(store, destination, 3)
+    base = ("--conn-id", conn_id)
+
+    piped = _ok(_cli("purge", *base, "--destination", destination))  # no --output, stdout a pipe: JSON
+    assert json.loads(piped.stdout) == {"destination": destination, "dry_run": True, "would_purge": 3, "in_flight": 0}
+    assert "deprecated" not in piped.stderr
+    assert (f"Dry run: nothing was purged; 3 scheduled message(s) would be. To purge them: airflow delayed-messages "
+            f"purge --conn-id {conn_id} --destination {destination} --yes") in piped.stderr, piped.stderr
+    old_style = _ok(_cli("purge", *base, destination, "-o", "yaml"))  # as scripts wrote it before --destination
+    assert yaml.safe_load(old_style.stdout)["would_purge"] == 3
+    assert f"`purge DESTINATION` is deprecated: write `purge --destination {destination}`" in old_style.stderr
+
+    table = _ok(_cli("browse", *base, "--destination", destination, "--output", "table")).stdout.splitlines()
+    assert re.split(r"\s*\|\s*", table[0])[:3] == ["message_id", "destination", "due_at"], table[0]
+    assert set(table[1]) <= {"=", "+"}, table[1]  # the header's rule, as Airflow's own tables have it
+    assert [line.split("|")[0].strip() for line in table[2:5]] == ids
+    assert any(line.startswith("next ") for line in table), table  # the page's cursor, below the messages
+    plain = _ok(_cli("backlog", *base, "-o", "plain")).stdout.splitlines()
+    assert plain[0].split()[:3] == ["destination", "scheduled", "due"], plain
+    assert plain[1].split()[:2] == [destination, "3"], plain
+    assert not any("label" in line for line in plain)  # the page's histogram labels are left to json/yaml
+
+    purged = _ok(_cli("purge", *base, "--destination", destination, "--yes", "-o", "json"))
+    assert json.loads(purged.stdout)["purged"] == 3 and store.count_scheduled() == {}
+
+
+def test_a_table_on_a_terminal_and_json_in_a_pipe_by_default(on_sqlite):
+    conn_id, store, _ = on_sqlite
+    ids = _schedule(store, "orders", 2)
+    # stdout a terminal, as when a user types the command
+    leader, follower = pty.openpty()
+    try:
+        done = subprocess.run([AIRFLOW, "delayed-messages", "browse", "--conn-id", conn_id], stdout=follower,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "250"}, timeout=180)
+        os.close(follower)
+        shown = b""
+        while chunk := _read(leader):
+            shown += chunk
+    finally:
+        os.close(leader)
+    assert done.returncode == 0, done.stderr
+    screen = re.sub(r"\x1b\[[0-9;]*m", "", shown.decode())  # colours, if the terminal gets any
+    assert re.search(r"message_id\s*\|\s*destination", screen), screen
+    assert all(re.search(rf"^{mid}\s*\|\s*orders", screen, re.MULTILINE) for mid in ids), screen
+    assert not screen.lstrip().startswith("{")
+    piped = _ok(_cli("browse", "--conn-id", conn_id))
+    assert [m["message_id"] for m in json.loads(piped.stdout)["messages"]] == ids
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 65536)
+    except OSError:  # Linux: EIO once the other end is closed and everything was read
+        return b""
+
+
+def test_errors_name_the_flags_and_what_is_allowed(on_sqlite):
+    conn_id, _, _ = on_sqlite
+    base = ("--conn-id", conn_id)
+    everything = _refused(_cli("cancel", *base), "select messages with --id, --header KEY=VALUE or --destination")
+    too_many = _refused(_cli("browse", *base, "--limit", "5000"), "--limit must be an int in 1..1000, got 5000")
+    neither = _refused(_cli("reschedule", *base, "--id", "x"), "give exactly one of --deliver-at (a time) or "
+                       "--delay-seconds (0 runs it now)")
+    no_destination = _refused(_cli("purge", *base), "purge needs --destination DESTINATION")
+    for said in (everything, too_many, neither, no_destination):
+        assert not re.search(r"(?<![-\w])(message_ids|deliver_at|delay_seconds|limit must)\b", said), said
+
+
+def _dead_letter(store: SqlDelayedMessageStore, queues: SqlTableTransport, error_queue: str) -> dict[str, list[str]]:
+    """Dead letters written by the pump: messages for destinations never provisioned, per destination."""
+    queues.create_schema()
+    queues.provision(error_queue)
+    lost = {f"lost_{uuid.uuid4().hex[:6]}": 3, f"gone_{uuid.uuid4().hex[:6]}": 2}
+    ids = {name: [f"{name}-{i}" for i in range(n)] for name, n in lost.items()}
+    past = utcnow() - timedelta(seconds=1)
+    store.store([DelayedMessage(name, b"x", past, {}, mid) for name, mids in ids.items() for mid in mids])
+    result = Pump(store, queues, PumpConfig(error_queue=error_queue), sleep=lambda _: None).run(stop_when_idle=True)
+    assert result.stats.dead_lettered == 5 and queues.depth(error_queue)["visible"] == 5
+    return ids
+
+
+def test_dead_letters_delete_is_a_dry_run_without_yes_and_deletes_by_destination_id_and_all(where):
+    conn_id, store, queues = where
+    error_queue = f"err_{uuid.uuid4().hex[:8]}"
+    ids = _dead_letter(store, queues, error_queue)
+    lost, gone = list(ids)
+    base = ("--conn-id", conn_id, "--error-queue", error_queue)
+
+    dry = _ok(_cli("dead-letters", "delete", *base, "--destination", lost))
+    report = json.loads(dry.stdout)
+    assert (report["dry_run"], report["would_delete"]) == (True, 3)
+    assert sorted(d["message_id"] for d in report["dead_letters"]) == ids[lost]
+    assert {d["destination"] for d in report["dead_letters"]} == {lost}
+    assert "nothing was deleted; 3 dead letter(s) would be" in dry.stderr
+    assert (f"To delete them: airflow delayed-messages dead-letters delete --conn-id {conn_id} --error-queue "
+            f"{error_queue} --destination {lost} --yes") in dry.stderr, dry.stderr
+    assert queues.depth(error_queue)["visible"] == 5  # a dry run deletes nothing
+
+    by_destination = json.loads(_ok(_cli("dead-letters", "delete", *base, "--destination", lost, "--yes")).stdout)
+    assert (by_destination["deleted"], by_destination["destinations"], by_destination["left"]) == (3, {lost: 3}, 2)
+    assert queues.depth(error_queue) == {"visible": 2, "in_flight": 0}  # the others given back at once
+    by_id = _ok(_cli("dead-letters", "delete", *base, "--id", f"{ids[gone][0]},nope", "--yes", "-o", "plain"))
+    assert re.search(r"^deleted\s+1\s*$", by_id.stdout, re.MULTILINE), by_id.stdout
+    assert [m.message_id for m in queues.peek(error_queue, 10)] == [ids[gone][1]]
+    rest = json.loads(_ok(_cli("dead-letters", "delete", *base, "--all", "--yes")).stdout)
+    assert (rest["deleted"], rest["destinations"]) == (1, {gone: 1})
+    assert queues.depth(error_queue) == {"visible": 0, "in_flight": 0}
+    listing = json.loads(_ok(_cli("dead-letters", *base)).stdout)  # `dead-letters` alone still lists
+    assert listing["count"] == 0 and listing["error_queue"] == error_queue
+
+
+def test_dead_letters_delete_refuses_a_store_that_is_not_there_and_creates_nothing(where, tmp_path, monkeypatch):
+    conn_id, store, _ = where
+    if store.is_postgres:
+        typo = f"{store.schema}_typo"
+        result = _cli("dead-letters", "delete", "--conn-id", conn_id, "--db-schema", typo, "--all", "--yes")
+        _refused(result, f"schema {typo!r}", "has no tables yet", "airflow delayed-messages db upgrade")
+        engine = create_engine(PG_URL)
+        try:
+            with engine.connect() as conn:
+                assert not conn.execute(text("SELECT count(*) FROM pg_namespace WHERE nspname = :s"),
+                                        {"s": typo}).scalar()
+        finally:
+            engine.dispose()
+    else:
+        path = tmp_path / "tpyo.db"
+        missing = f"cli_{uuid.uuid4().hex[:8]}"
+        monkeypatch.setenv(f"AIRFLOW_CONN_{missing.upper()}", json.dumps(
+            {"conn_type": "delay_store", "schema": str(path), "extra": {"driver": "sqlite"}}))
+        for yes in ((), ("--yes",)):
+            result = _cli("dead-letters", "delete", "--conn-id", missing, "--all", *yes)
+            _refused(result, f"connection {missing!r}", "has no tables yet", "airflow delayed-messages db upgrade")
+            assert not path.exists()
