@@ -89,7 +89,7 @@ with DAG(
     dispatch = DispatchDueMessagesOperator(
         task_id="dispatch",
         destinations=[QUEUE],  # this shop's checks only: other DAGs' messages are theirs to dispatch
-        due_before="{{ dag_run.start_date + macros.timedelta(seconds=params.timeout_seconds + 60) }}",
+        due_before="{{ ti.xcom_pull(task_ids='schedule_check', key='due_before') }}",  # the check's due time
         deferrable=True,
         max_runtime=timedelta(hours=1),
     )

@@ -53,9 +53,9 @@ with DAG(
     dispatch = DispatchDueMessagesOperator(
         task_id="dispatch",
         destinations=[QUEUE],  # the demo's own messages, whatever else the store holds
-        # A fixed window: the run's start plus the longest delay. Rendered from the run, it stays the
-        # same when the task resumes after a deferral (a "now" would move the window along).
-        due_before="{{ dag_run.start_date + macros.timedelta(seconds=params.max_delay + 60) }}",
+        # Just past the last due time the send stored (its XCom `due_before`): a fixed window, the same when
+        # the task resumes after its deferral, whenever the tasks got a slot.
+        due_before="{{ ti.xcom_pull(task_ids='send', key='due_before') }}",
         deferrable=True,  # the pump runs in the triggerer; the task resumes once, to report
         max_runtime=timedelta(minutes=5),
     )

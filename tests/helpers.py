@@ -242,3 +242,15 @@ class ClockedStore(SqlDelayedMessageStore):
 
     def upkeep(self) -> None:
         pass
+
+
+class FakeTI:
+    """What an operator's execute() reads of its task instance outside Airflow (the keys its message ids derive
+    from), and what it pushes to XCom besides its return value (`pushed`)."""
+
+    def __init__(self, dag_id: str = "d", run_id: str = "r", task_id: str = "t", map_index: int = -1) -> None:
+        self.dag_id, self.run_id, self.task_id, self.map_index = dag_id, run_id, task_id, map_index
+        self.pushed: dict[str, object] = {}
+
+    def xcom_push(self, key: str, value: object) -> None:
+        self.pushed[key] = value

@@ -34,7 +34,9 @@ _STAND_INS: dict[str, Any] = {"destination": "stand-in", "body": "", "headers": 
 
 
 class SendDelayedMessageOperator(DelayOperatorBase):
-    """Schedule one message (or a batch) for delivery after a delay; returns the message id(s).
+    """Schedule one message (or a batch) for delivery after a delay; returns the message id(s), and pushes the
+    XCom `due_before`: just past the last due time it scheduled, the window of a dispatcher of these messages
+    (`due_before="{{ ti.xcom_pull(task_ids='send', key='due_before') }}"`).
 
     `transport="sql"` keeps the message in the delayed-message store until a dispatch task sends
     it; `transport="rabbitmq"` or `"sqs"` hands it to the broker's own delays at once (nothing to
@@ -179,5 +181,8 @@ class SendDelayedMessageOperator(DelayOperatorBase):
         for m in batch[:20]:
             self.log.info("Scheduled %s for %s at %s", m.message_id, m.destination, m.due_at.isoformat())
         metrics.count_sent(Counter(m.destination for m in batch))
+        # The window of a dispatcher of this task's own messages: due_before is exclusive, so just past the last
+        # due time, on the store's clock (a window counted from the run's start closes early when tasks queue).
+        ti.xcom_push(key="due_before", value=(max(m.due_at for m in batch) + timedelta(microseconds=1)).isoformat())
         ids = [m.message_id for m in batch]
         return ids if self.messages is not None else ids[0]

@@ -27,9 +27,10 @@ from airflow_delay_provider.core.errors import (
 )
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy, PolicyError
+from tests.helpers import FakeTI
 
 SECRET = "Pw-7c1e-NEVER-SHOWN"
-TI = {"ti": type("TI", (), {"dag_id": "d", "run_id": "r", "task_id": "t", "map_index": -1})()}
+TI = {"ti": FakeTI()}
 
 
 def _conn(monkeypatch, conn: dict) -> str:

@@ -9,14 +9,12 @@ import pytest
 
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import DelayError, InvalidInputError
-from tests.helpers import collect
+from tests.helpers import FakeTI, collect
 from tests.integration.test_airflow import _rabbit_conn
-
-TI = type("TI", (), {"dag_id": "d", "run_id": "r", "task_id": "t", "map_index": -1})
 
 
 def _context(task_id: str) -> dict:
-    return {"ti": type("TI", (TI,), {"task_id": task_id})()}
+    return {"ti": FakeTI(task_id=task_id)}
 
 
 @pytest.fixture
