@@ -207,7 +207,7 @@ def test_upgrade_from_version_4_runs_under_pumps_and_loses_nothing(pg):
     url, schema, table = pg
     old = SqlDelayedMessageStore(url, table=table, schema=schema)
     assert old.migrate(up_to=4) == [1, 2, 3, 4]
-    batches = [messages(100, "orders", delay=d, start=100 * i) for i, d in enumerate((-1.0, 1.0, 2.5))]
+    batches = [messages(100, "orders", delay=d, start=100 * i) for i, d in enumerate((-1.0, 1.0, 8.0))]
     for batch in batches:
         old.store(batch)
     last_due = max(m.due_at for batch in batches for m in batch)

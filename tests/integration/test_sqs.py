@@ -193,7 +193,7 @@ def test_sqs_operators_provision_send_relay_dispatch(run_dag, aws_conn, sqs_clie
         native = SendDelayedMessageOperator(task_id="native", destination="orders", body="long", delay_seconds=4, **sqs)
         stored = SendDelayedMessageOperator(task_id="stored", destination="orders", body="stored", delay_seconds=1,
                                             delay_store_conn_id="store_sqs")
-        dispatch = DispatchDueMessagesOperator(task_id="dispatch", max_runtime=10, max_messages=1, **sqs)
+        dispatch = DispatchDueMessagesOperator(task_id="dispatch", max_runtime=120, max_messages=1, **sqs)
         relay = RelayDelayedMessagesOperator(task_id="relay", endpoint="orders", max_runtime=8, wait_time_seconds=1,
                                              deferrable=True, poll_interval=0.3, **sqs)
         provision >> slow >> [native, stored] >> dispatch >> relay
