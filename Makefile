@@ -12,7 +12,7 @@ export AIRFLOW_HOME := $(CURDIR)/.airflow
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[spark,test,docs]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[all,test,docs]'
 	@# The Spark provider's pyspark-client writes into pyspark/; reinstall pyspark last so it is whole.
 	$(BIN)/pip install --quiet --no-deps --force-reinstall -c constraints.txt pyspark
 	@# The editable build's leftover metadata: on sys.path from the checkout (python -m pytest) it would

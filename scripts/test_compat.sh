@@ -16,7 +16,7 @@ if [ ! -f "$venv/.installed" ] || [ "$constraints" -nt "$venv/.installed" ] || [
     rm -rf "$venv"
     python3 -m venv "$venv"
     "$venv/bin/pip" install --quiet --upgrade pip
-    "$venv/bin/pip" install --quiet -c "$constraints" "$wheel[spark,test]"
+    "$venv/bin/pip" install --quiet -c "$constraints" "$wheel[all,test]"
     # The Spark provider's pyspark-client writes into pyspark/: reinstall pyspark last so it is whole.
     "$venv/bin/pip" install --quiet --no-deps --force-reinstall -c "$constraints" pyspark
     "$venv/bin/pip" check

@@ -6,6 +6,7 @@ FIFO id rules, delay plans and their cost), `bodies` (body encoding, and bodies 
 The names below are what other code imports from here.
 """
 
+from airflow_delay_provider.core.errors import missing_extra
 from airflow_delay_provider.transports.sqs.naming import (
     DELAY_QUEUE_SUFFIX,
     FIFO_DELAY_QUEUE_SUFFIX,
@@ -19,9 +20,15 @@ from airflow_delay_provider.transports.sqs.naming import (
     delay_queue_name,
     estimate_cost,
 )
-from airflow_delay_provider.transports.sqs.relay import RelayCounts
-from airflow_delay_provider.transports.sqs.transport import MAX_BATCH_BYTES, SqsTransport
-from airflow_delay_provider.transports.sqs.wire import ATTR_MESSAGE_ID, BATCH_SIZE
+
+try:
+    from airflow_delay_provider.transports.sqs.relay import RelayCounts
+    from airflow_delay_provider.transports.sqs.transport import MAX_BATCH_BYTES, SqsTransport
+    from airflow_delay_provider.transports.sqs.wire import ATTR_MESSAGE_ID, BATCH_SIZE
+except ImportError as error:
+    if not (error.name or "").startswith("boto"):
+        raise
+    raise missing_extra("amazon", error) from error  # installed without the [amazon] extra
 
 __all__ = [
     "ATTR_MESSAGE_ID",
