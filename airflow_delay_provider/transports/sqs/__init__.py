@@ -7,7 +7,14 @@ The names below are what other code imports from here.
 """
 
 from airflow_delay_provider.core.errors import missing_extra
-from airflow_delay_provider.transports.sqs.naming import (
+
+try:
+    import botocore  # noqa: F401
+except ImportError as error:  # installed without the [amazon] extra
+    raise missing_extra("amazon", error) from error
+
+# After the check above, each import names what it takes (the reference resolves them).
+from airflow_delay_provider.transports.sqs.naming import (  # noqa: E402
     DELAY_QUEUE_SUFFIX,
     FIFO_DELAY_QUEUE_SUFFIX,
     HEADER_MESSAGE_GROUP,
@@ -20,15 +27,9 @@ from airflow_delay_provider.transports.sqs.naming import (
     delay_queue_name,
     estimate_cost,
 )
-
-try:
-    from airflow_delay_provider.transports.sqs.relay import RelayCounts
-    from airflow_delay_provider.transports.sqs.transport import MAX_BATCH_BYTES, SqsTransport
-    from airflow_delay_provider.transports.sqs.wire import ATTR_MESSAGE_ID, BATCH_SIZE
-except ImportError as error:
-    if not (error.name or "").startswith("boto"):
-        raise
-    raise missing_extra("amazon", error) from error  # installed without the [amazon] extra
+from airflow_delay_provider.transports.sqs.relay import RelayCounts  # noqa: E402
+from airflow_delay_provider.transports.sqs.transport import MAX_BATCH_BYTES, SqsTransport  # noqa: E402
+from airflow_delay_provider.transports.sqs.wire import ATTR_MESSAGE_ID, BATCH_SIZE  # noqa: E402
 
 __all__ = [
     "ATTR_MESSAGE_ID",
