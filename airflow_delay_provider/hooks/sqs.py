@@ -49,6 +49,10 @@ class SqsDelayHook(SqsHook):
             defined = False
         create = (f"airflow connections add {conn_id or 'aws_default'} --conn-type aws "
                   "--conn-extra '{\"region_name\": \"eu-west-1\"}'")
+        if conn_id is None:
+            return ("SQS needs an AWS region: no aws connection was given (aws_conn_id=None) and the environment names "
+                    "no region: set AWS_DEFAULT_REGION where the tasks and the triggerer run, or name a connection "
+                    f"with one ({create})")
         if not defined:
             return (f"SQS needs an AWS region and credentials, and the aws connection {conn_id!r} is not defined: "
                     f"create it ({create}, with --conn-login/--conn-password for access keys or without them for the "

@@ -93,3 +93,9 @@ def test_a_connection_without_a_region_says_where_the_region_goes(no_region_anyw
 def test_the_environments_region_is_enough_without_a_connection(no_region_anywhere, monkeypatch):
     monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-1")
     assert SqsDelayHook(aws_conn_id="aws_default").get_conn().meta.region_name == "eu-west-1"
+
+
+def test_no_connection_at_all_and_no_region_says_to_set_one(no_region_anywhere):
+    with pytest.raises(ConnectionSetupError, match=r"no aws connection was given \(aws_conn_id=None\) and the "
+                                                   "environment names no region: set AWS_DEFAULT_REGION"):
+        SqsDelayHook(aws_conn_id=None).get_conn()
