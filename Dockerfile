@@ -8,4 +8,4 @@ RUN apt-get update \
 USER airflow
 COPY --chown=airflow:root pyproject.toml README.md constraints.txt /opt/airflow-delay-provider/
 COPY --chown=airflow:root airflow_delay_provider /opt/airflow-delay-provider/airflow_delay_provider
-RUN pip install --no-cache-dir -c /opt/airflow-delay-provider/constraints.txt "/opt/airflow-delay-provider[spark]"
+RUN pip install --no-cache-dir -c /opt/airflow-delay-provider/constraints.txt "/opt/airflow-delay-provider[all]"

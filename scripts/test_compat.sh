@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# make test-compat-<minor>: the built wheel (not editable) in a venv of that Airflow minor's own, from its committed
-# constraints (constraints.txt is Airflow 3.3's, constraints-airflow-<minor>.txt the others'), `pip check` and
-# `airflow providers list`, then the fast tier, the store and transport contracts (PostgreSQL, RabbitMQ, moto) and
-# the deployment smoke test against it. The venv is made again whenever the wheel or the constraints are newer.
+# make test-compat-<version>: the built wheel (not editable) in a venv of that Airflow version's own, from its committed
+# constraints (constraints.txt is Airflow 3.3.2's, constraints-airflow-<version>.txt the others': 3.2 for 3.2.2, 3.3.0
+# for the oldest 3.3), `pip check` and `airflow providers list`, then the fast tier, the store and transport contracts
+# (PostgreSQL, RabbitMQ, moto) and the deployment smoke test against it. The venv is made again whenever the wheel or
+# the constraints are newer.
 set -euo pipefail
 minor=$1
 cd "$(dirname "$0")/.."
@@ -16,7 +17,7 @@ if [ ! -f "$venv/.installed" ] || [ "$constraints" -nt "$venv/.installed" ] || [
     rm -rf "$venv"
     python3 -m venv "$venv"
     "$venv/bin/pip" install --quiet --upgrade pip
-    "$venv/bin/pip" install --quiet -c "$constraints" "$wheel[spark,test]"
+    "$venv/bin/pip" install --quiet -c "$constraints" "$wheel[all,test]"
     # The Spark provider's pyspark-client writes into pyspark/: reinstall pyspark last so it is whole.
     "$venv/bin/pip" install --quiet --no-deps --force-reinstall -c "$constraints" pyspark
     "$venv/bin/pip" check
@@ -25,7 +26,7 @@ fi
 installed=$(date +%s)
 version=$("$venv/bin/python" -c "import airflow; print(airflow.__version__)")
 echo "Airflow $version in $venv ($((installed - started)) s to install)"
-case "$version" in "$minor".*) ;; *) echo "expected Airflow $minor.x, found $version"; exit 1;; esac
+case "$version" in "$minor" | "$minor".*) ;; *) echo "expected Airflow $minor(.x), found $version"; exit 1;; esac
 # Without the AIRFLOW_HOME of `make` (tests/conftest.py gives each run a home of its own).
 unset AIRFLOW_HOME
 # Airflow finds the installed wheel through its entry point (the deployment smoke test's processes run it too).

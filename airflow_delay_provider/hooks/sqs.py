@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
-from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
-from airflow.providers.amazon.aws.hooks.sqs import SqsHook
+from airflow.sdk.exceptions import AirflowNotFoundException
 
-from airflow_delay_provider.transports.sqs import (
-    DELAY_QUEUE_SUFFIX,
-    FIFO_DELAY_QUEUE_SUFFIX,
-    NATIVE_MAX_DELAY,
-    SqsTransport,
-)
+from airflow_delay_provider.core.errors import ConnectionSetupError
+from airflow_delay_provider.extras import optional_feature_error
+
+try:
+    from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
+    from airflow.providers.amazon.aws.hooks.sqs import SqsHook
+    from botocore.exceptions import NoRegionError
+
+    from airflow_delay_provider.transports.sqs import (
+        DELAY_QUEUE_SUFFIX,
+        FIFO_DELAY_QUEUE_SUFFIX,
+        NATIVE_MAX_DELAY,
+        SqsTransport,
+    )
+except ImportError as error:  # installed without the [amazon] extra
+    raise optional_feature_error("amazon", error) from error
 
 
 class SqsDelayHook(SqsHook):
@@ -21,6 +31,34 @@ class SqsDelayHook(SqsHook):
     Takes SqsHook's arguments, `aws_conn_id` (default `aws_default`) among them. With a
     `large_body_bucket`, bodies too large for SQS go to that S3 bucket through the same connection.
     """
+
+    @cached_property
+    def conn(self) -> Any:
+        """The SQS client; without a region anywhere (connection, AWS_DEFAULT_REGION, AWS config file) an error that
+        says what to create, instead of botocore's NoRegionError."""
+        try:
+            return super().conn
+        except NoRegionError as error:
+            raise ConnectionSetupError(self._no_region()) from error
+
+    def _no_region(self) -> str:
+        conn_id = self.aws_conn_id
+        try:
+            defined = bool(conn_id) and self.get_connection(conn_id) is not None
+        except AirflowNotFoundException:
+            defined = False
+        create = (f"airflow connections add {conn_id or 'aws_default'} --conn-type aws "
+                  "--conn-extra '{\"region_name\": \"eu-west-1\"}'")
+        if conn_id is None:
+            return ("SQS needs an AWS region: no aws connection was given (aws_conn_id=None) and the environment names "
+                    "no region: set AWS_DEFAULT_REGION where the tasks and the triggerer run, or name a connection "
+                    f"with one ({create})")
+        if not defined:
+            return (f"SQS needs an AWS region and credentials, and the aws connection {conn_id!r} is not defined: "
+                    f"create it ({create}, with --conn-login/--conn-password for access keys or without them for the "
+                    "machine's own credentials), or set AWS_DEFAULT_REGION where the tasks and the triggerer run")
+        return (f"SQS needs an AWS region, and the aws connection {conn_id!r} names none: add region_name to its "
+                f"extra (as in {create}), or set AWS_DEFAULT_REGION where the tasks and the triggerer run")
 
     @classmethod
     def for_transport(cls, conn_id: str, db_schema: str | None = None) -> SqsDelayHook:

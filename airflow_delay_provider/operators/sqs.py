@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict
 from datetime import datetime, timedelta
 from typing import Any
 
+from airflow.exceptions import AirflowProviderDeprecationWarning
 from airflow.sdk import Context
 
 from airflow_delay_provider.core.delays import utcnow
@@ -28,10 +30,13 @@ class RelayDelayedMessagesOperator(DelayOperatorBase):
     warning when retention leaves less than the `max_relay_downtime` transport option for the relay to
     be down), then long-polls it, sending each message back for another cycle or on to the endpoint
     with the rest of its delay. The transport must be SQS (`transport="sqs"`, the default here), reached
-    through the `aws` connection `transport_conn_id` (default `aws_default`). Returns counts: relayed,
-    handed_over, failed, held (by the throttle, for a later receive), dead_lettered (refused by SQS for good).
+    through the `aws` connection `aws_conn_id`. Returns counts: relayed, handed_over, failed, held (by the
+    throttle, for a later receive), dead_lettered (refused by SQS for good).
 
     :param endpoint: the endpoint whose `-delay.fifo` queue to relay (templated).
+    :param aws_conn_id: the `aws` connection (default `aws_default`; templated), as the amazon provider's
+        operators name it. `transport_conn_id`, its earlier name here, still works and warns
+        (AirflowProviderDeprecationWarning).
     :param max_runtime: how long to relay (timedelta or seconds; default 5 minutes; templated).
     :param wait_time_seconds: how long each long poll waits for messages (seconds, 0..20 as SQS allows;
         default 20); shortened near the end of `max_runtime`.
@@ -45,12 +50,13 @@ class RelayDelayedMessagesOperator(DelayOperatorBase):
         as the dispatch's dead letters do (default `error`); while that fails too, it waits in the delay queue.
     """
 
-    template_fields: Sequence[str] = ("endpoint", "max_runtime")
+    template_fields: Sequence[str] = ("endpoint", "max_runtime", "aws_conn_id")
 
     def __init__(
         self,
         *,
         endpoint: str,
+        aws_conn_id: str | None = None,
         max_runtime: timedelta | float | str = timedelta(minutes=5),
         wait_time_seconds: int = 20,
         deferrable: bool = False,
@@ -60,7 +66,11 @@ class RelayDelayedMessagesOperator(DelayOperatorBase):
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("transport", "sqs")
-        super().__init__(**kwargs)
+        if kwargs.get("transport_conn_id") is not None:
+            warnings.warn("RelayDelayedMessagesOperator(transport_conn_id=...) is deprecated: name the aws connection "
+                          "with aws_conn_id, as the amazon provider's operators do",
+                          AirflowProviderDeprecationWarning, stacklevel=2)
+        super().__init__(aws_conn_id=aws_conn_id, **kwargs)
         # Only its throttlePolicy applies here: SQS itself redelivers what the relay fails to move.
         self.delivery_policy = None if delivery_policy is None else DeliveryPolicy.parse(delivery_policy)
         if self.transport != "sqs":
@@ -71,6 +81,15 @@ class RelayDelayedMessagesOperator(DelayOperatorBase):
         self.deferrable = deferrable
         self.poll_interval = poll_interval
         self.error_queue = check_destination(error_queue)
+
+    # One attribute under both names: aws_conn_id is the templated field, and the base class reads transport_conn_id.
+    @property
+    def transport_conn_id(self) -> str | None:
+        return self.aws_conn_id
+
+    @transport_conn_id.setter
+    def transport_conn_id(self, value: str | None) -> None:
+        self.aws_conn_id = value
 
     def execute(self, context: Context) -> dict:
         transport = self.get_transport()

@@ -9,7 +9,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import Context
 
 from airflow_delay_provider import metrics
@@ -18,6 +17,7 @@ from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.pump import PumpConfig
 from airflow_delay_provider.core.requests import parse_moment
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
+from airflow_delay_provider.extras import optional_feature_error
 from airflow_delay_provider.operators.base import DelayOperatorBase
 from airflow_delay_provider.spark import sweep as sweep_app
 from airflow_delay_provider.spark.pythons import executor_setup
@@ -31,6 +31,11 @@ from airflow_delay_provider.spark.setup import (
     finished_summary,
     resolve_target,
 )
+
+try:
+    from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+except ImportError as error:  # installed without the [spark] extra
+    raise optional_feature_error("spark", error) from error
 
 __all__ = ["APPLICATION", "READERS", "BulkSweepOperator", "SparkSetupError"]  # SparkSetupError: its old home
 

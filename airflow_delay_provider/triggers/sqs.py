@@ -7,7 +7,11 @@ from typing import Any
 
 from airflow.triggers.base import TriggerEvent
 
+from airflow_delay_provider.extras import check_extra
 from airflow_delay_provider.triggers.base import DelayTrigger, parse_time, sleep_until_next_poll
+
+# Found, not imported: the hook (and boto3) load when the trigger first runs.
+check_extra("amazon")
 
 
 class SqsDelayQueueTrigger(DelayTrigger):

@@ -184,7 +184,7 @@ def test_sqs_operators_provision_send_relay_dispatch(run_dag, aws_conn, sqs_clie
 
     monkeypatch.setenv("AIRFLOW_CONN_STORE_SQS", json.dumps(
         {"conn_type": "delay_store", "schema": str(tmp_path / "store.db"), "extra": {"driver": "sqlite"}}))
-    sqs = {"transport": "sqs", "transport_conn_id": aws_conn, "transport_options": {"queue_delay": 1},
+    sqs = {"transport": "sqs", "aws_conn_id": aws_conn, "transport_options": {"queue_delay": 1},
            "delay_store_conn_id": "store_sqs"}
     with DAG("t_sqs", schedule=None, start_date=datetime(2026, 1, 1)) as dag:
         provision = ProvisionDelayInfrastructureOperator(task_id="provision", endpoints=["orders"], **sqs)

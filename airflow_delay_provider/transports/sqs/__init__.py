@@ -6,7 +6,15 @@ FIFO id rules, delay plans and their cost), `bodies` (body encoding, and bodies 
 The names below are what other code imports from here.
 """
 
-from airflow_delay_provider.transports.sqs.naming import (
+from airflow_delay_provider.core.errors import missing_extra
+
+try:
+    import botocore  # noqa: F401
+except ImportError as error:  # installed without the [amazon] extra
+    raise missing_extra("amazon", error) from error
+
+# After the check above, each import names what it takes (the reference resolves them).
+from airflow_delay_provider.transports.sqs.naming import (  # noqa: E402
     DELAY_QUEUE_SUFFIX,
     FIFO_DELAY_QUEUE_SUFFIX,
     HEADER_MESSAGE_GROUP,
@@ -19,9 +27,9 @@ from airflow_delay_provider.transports.sqs.naming import (
     delay_queue_name,
     estimate_cost,
 )
-from airflow_delay_provider.transports.sqs.relay import RelayCounts
-from airflow_delay_provider.transports.sqs.transport import MAX_BATCH_BYTES, SqsTransport
-from airflow_delay_provider.transports.sqs.wire import ATTR_MESSAGE_ID, BATCH_SIZE
+from airflow_delay_provider.transports.sqs.relay import RelayCounts  # noqa: E402
+from airflow_delay_provider.transports.sqs.transport import MAX_BATCH_BYTES, SqsTransport  # noqa: E402
+from airflow_delay_provider.transports.sqs.wire import ATTR_MESSAGE_ID, BATCH_SIZE  # noqa: E402
 
 __all__ = [
     "ATTR_MESSAGE_ID",
