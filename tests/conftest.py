@@ -261,11 +261,12 @@ def sqs_client(aws_conn):
 
 
 _SERVICE_DIRS = ("integration", "faults", "deployment")
-#: The files of minutes each (Airflow's processes, Spark), run first: `make test` hands whole files to its workers
-#: in collection order, and one of these handed out near the end of a run ran on alone for minutes.
-_LONGEST_FILES = ("test_spark.py", "test_spark_cluster.py", "test_delivery.py", "test_dag_runs.py",
-                  "test_dag_run_outage.py", "test_smoke.py", "test_first_run.py", "test_browser.py",
-                  "test_backlog_operators.py")
+#: The files of minutes each (the stateful store test, Airflow's processes, Spark, the command line's processes),
+#: run first, longest first: `make test` hands whole files to its workers in collection order, and one of these
+#: handed out near the end of a run ran on alone for minutes.
+_LONGEST_FILES = ("test_store_model.py", "test_spark_cluster.py", "test_spark.py", "test_delivery.py",
+                  "test_dag_runs.py", "test_first_run.py", "test_cli.py", "test_dag_run_outage.py", "test_smoke.py",
+                  "test_browser.py", "test_backlog_operators.py", "test_ui_plugin.py", "test_ui_looks.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -275,4 +276,5 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if any(part in _SERVICE_DIRS for part in item.path.parts):
             item.add_marker(pytest.mark.services)
-    items.sort(key=lambda item: item.path.name not in _LONGEST_FILES)
+    rank = {name: n for n, name in enumerate(_LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -60,7 +60,7 @@ POLICY = DeliveryPolicy(min_delay_target=RETRY_SECONDS, max_delay_target=RETRY_S
 #: beyond them (`_far`).
 DELAYS = [-5, 0, 1, 3, 29, 31, 59, 61, 300, 3_500, 3_700, 7_200, 100_000, 200_000]
 STEPS = [0.001, 0.5, 1, 3, 5, 10, 29, 31, 59, 61, 300, 1_800, 3_600, 90_000]
-EXAMPLES = {"memory": 200, "sqlite": 100, "postgres": 200, "upgrade": 30}
+EXAMPLES = {"memory": 200, "sqlite": 60, "postgres": 100, "upgrade": 20}
 
 
 def _examples(kind: str) -> int:
