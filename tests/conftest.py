@@ -264,9 +264,10 @@ _SERVICE_DIRS = ("integration", "faults", "deployment")
 #: The files of minutes each (the stateful store test, Airflow's processes, Spark, the command line's processes),
 #: run first, longest first: `make test` hands whole files to its workers in collection order, and one of these
 #: handed out near the end of a run ran on alone for minutes.
-_LONGEST_FILES = ("test_store_model.py", "test_spark_cluster.py", "test_spark.py", "test_delivery.py",
-                  "test_dag_runs.py", "test_first_run.py", "test_cli.py", "test_dag_run_outage.py", "test_smoke.py",
-                  "test_browser.py", "test_backlog_operators.py", "test_ui_plugin.py", "test_ui_looks.py")
+_LONGEST_FILES = ("test_store_model.py", "test_delivery.py", "test_spark.py", "test_browser.py",
+                  "test_spark_cluster.py", "test_dag_runs.py", "test_store_readiness.py", "test_first_run.py",
+                  "test_backlog_operators.py", "test_ui_plugin.py", "test_ui_looks.py", "test_dag_run_outage.py",
+                  "test_smoke.py", "test_extra_links.py", "test_cli.py")
 
 
 def pytest_collection_modifyitems(config, items):
