@@ -279,3 +279,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.services)
     rank = {name: n for n, name in enumerate(_LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.fixture
+def no_region_anywhere(monkeypatch, tmp_path):
+    """No AWS connection and no region in the environment nor in an AWS config file, as on a machine that never ran
+    `aws configure`."""
+    for name in ("AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE", "AIRFLOW_CONN_AWS_DEFAULT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))

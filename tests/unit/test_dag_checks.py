@@ -17,15 +17,6 @@ def _skip_reason(check) -> str:
     return str(info.value)
 
 
-@pytest.fixture
-def no_aws(monkeypatch, tmp_path):
-    """No AWS connection, and no region in the environment or in AWS config files."""
-    for name in ("AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE", "AIRFLOW_CONN_AWS_DEFAULT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-
-
 def test_a_missing_rabbitmq_connection_skips_with_how_to_define_it(monkeypatch):
     monkeypatch.delenv("AIRFLOW_CONN_RABBITMQ_DEFAULT", raising=False)
     reason = _skip_reason(skip_unless_set_up("rabbitmq"))
@@ -37,7 +28,7 @@ def test_a_missing_rabbitmq_connection_skips_with_how_to_define_it(monkeypatch):
     assert "no connection 'rabbit_b'" in _skip_reason(skip_unless_set_up("rabbitmq", "rabbit_b"))
 
 
-def test_sqs_is_skipped_without_a_connection_or_a_region_only(monkeypatch, no_aws):
+def test_sqs_is_skipped_without_a_connection_or_a_region_only(monkeypatch, no_region_anywhere):
     reason = _skip_reason(skip_unless_set_up("sqs"))
     assert "Amazon SQS is not set up (no connection 'aws_default', and no AWS region in the environment)" in reason
     assert """AIRFLOW_CONN_AWS_DEFAULT='{"conn_type": "aws", "extra": {"region_name": "eu-west-1"}}'""" in reason

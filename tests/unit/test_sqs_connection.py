@@ -62,15 +62,6 @@ def test_aws_conn_id_is_a_template_and_the_rendered_value_is_the_one_used():
     assert relay._transport_hook().aws_conn_id == "aws_rendered"
 
 
-@pytest.fixture
-def no_region_anywhere(monkeypatch, tmp_path):
-    """No region in the environment nor in an AWS config file, as on a machine that never ran `aws configure`."""
-    for name in ("AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE", "AIRFLOW_CONN_AWS_DEFAULT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
-
-
 def test_a_missing_aws_default_says_what_to_create(no_region_anywhere):
     with pytest.raises(ConnectionSetupError) as raised:
         SqsDelayHook(aws_conn_id="aws_default").get_transport()
