@@ -56,6 +56,7 @@ import time
 from collections.abc import Callable
 
 from sqlalchemy import Select, Table, TextClause, literal_column, select, text
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import OperationalError
 
 from airflow_delay_provider.stores.background import BackgroundWork
@@ -123,6 +124,7 @@ class LaterMessages(BackgroundWork):
         self._full_again = False
         #: The next hour's partition read so far ahead of its turn: (hour, pages read, pages it had at the start).
         self._warmed = (-1, 0, 0)
+        self._vacuum_named: int | None = None  # the hour whose truncation was last said to wait for a vacuum
         self._tid_ranges: bool | None = None  # whether the server reads a range of pages alone (PostgreSQL 14 on)
         messages = db.qualified(tables.messages.name)
         self._pick_later = self._picking(db.qualified(tables.later.name))
@@ -331,7 +333,10 @@ class LaterMessages(BackgroundWork):
     def rest(self) -> bool:
         """Truncate the partition of the hour just past (schema version 9) once it is empty, once an hour: its
         dead rows go at once, with no vacuum. Never waits for a lock (another transaction reading all the
-        partitions, a long report): the next move tries again. Returns whether it truncated."""
+        partitions, a long report, a vacuum of it): the next move tries again, 5 s on. Waiting would queue every
+        reader of the partition behind the lock it asks for, and a vacuum would not yield to it anyway: autovacuum
+        does not vacuum these partitions (schema version 11) but to prevent wraparound, which never yields, and a
+        VACUUM someone runs never does. Returns whether it truncated."""
         hour = to_us(self.db.clock()) // HOUR_US
         if self.rested_hour == hour:
             return False
@@ -351,7 +356,7 @@ class LaterMessages(BackgroundWork):
             except OperationalError as exc:
                 if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
                     raise
-                log.debug("truncating %s waits for its readers: at the next move", name)
+                self._name_vacuum(conn, name, hour)
                 return False
             # Under the lock nothing can add a row; one added before it is seen here.
             if conn.execute(first).first() is not None:
@@ -360,3 +365,21 @@ class LaterMessages(BackgroundWork):
         self.rested_hour = hour
         log.info("truncated %s, the partition of the messages due in the hour past", name)
         return True
+
+    def _name_vacuum(self, conn: Connection, name: str, hour: int) -> None:
+        """Say, once an hour, that the truncation waits for a vacuum of the partition: autovacuum's to prevent
+        wraparound (which no option turns off, nor makes yield) or one someone ran (a nightly `vacuumdb`). Other
+        holders (a report reading every partition) end within moments, and are not named."""
+        vacuums = conn.execute(text(
+            "SELECT a.pid, a.backend_type = 'autovacuum worker', a.query LIKE '%to prevent wraparound%' "
+            "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.relation = to_regclass(:t) "
+            "AND l.granted AND l.pid <> pg_backend_pid() AND (a.backend_type = 'autovacuum worker' "
+            "OR ltrim(lower(a.query)) LIKE 'vacuum%')"), {"t": name}).all()
+        if not vacuums or self._vacuum_named == hour:
+            log.debug("truncating %s waits for its readers: at the next move", name)
+            return
+        self._vacuum_named = hour
+        pid, auto, wraparound = vacuums[0]
+        who = ("autovacuum, to prevent wraparound" if wraparound else "autovacuum" if auto else "a VACUUM someone ran")
+        log.info("truncating %s waits for a vacuum of it (%s, pid %s): the moves go on meanwhile, and the truncation "
+                 "follows it", name, who, pid)
