@@ -598,3 +598,33 @@ def test_with_run_dag_id_the_next_message_waits_for_the_run_of_the_previous_one(
     assert (first, second) == ("run-1", "run-2") and waited < 10.0
     assert len(asked) >= 3
     assert dag_run_asset("target").watchers[0].trigger.run_dag_id == "target"
+
+
+def test_with_run_dag_id_the_run_count_is_asked_once_the_stream_opens_before_anything_is_due(store_conn, monkeypatch):
+    """The triggerer builds the API that answers GetDRCount at its first request, seconds of imports: asked when
+    the stream opens, that happens while nothing is due, not at the first due message."""
+    from airflow.sdk.execution_time import task_runner
+
+    conn_id, store, _ = store_conn
+    asked = []
+
+    class Comms:
+        async def asend(self, msg):
+            asked.append(msg.dag_id)
+            return SimpleNamespace(count=0)
+
+    monkeypatch.setattr(task_runner, "SUPERVISOR_COMMS", Comms(), raising=False)
+
+    async def scenario():
+        manager = SharedStreamManager(ack_timeout=30)
+        key, stream = await _subscribe(manager, _trigger(conn_id, run_dag_id="target"))
+        pending = asyncio.ensure_future(_next_event(stream, manager, key))
+        while not asked:
+            await asyncio.sleep(0.05)
+        done = pending.done()
+        pending.cancel()
+        await manager.unsubscribe(1, key)
+        return done
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 30)) is False  # asked, with no event: nothing was due
+    assert asked == ["target"] and store.count_scheduled() == {}
