@@ -242,6 +242,9 @@ def dags_test_figure(tmp: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="delays of 2 and 15 s only, bursts of 1,000")
+    parser.add_argument("--code", type=Path,
+                        help="a checkout whose airflow_delay_provider the deployment's processes import instead of "
+                             "this one's (an earlier commit, for a before/after in one sitting)")
     parser.add_argument("--per-delay", type=int, default=5, help="messages per delay and path")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "deployment.json")
     args = parser.parse_args()
@@ -287,7 +290,8 @@ def main() -> None:
     total = max(delays) + 120
     # Unpausing the delayed-run target starts its watcher at the file's next parse: parse often.
     airflow = Deployment(tmp / "rig", dags, connections=connections,
-                         env={"AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "5"})
+                         env={"AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "5",
+                              **({"PYTHONPATH": str(args.code.resolve())} if args.code else {})})
     dag_run_due: dict[str, datetime] = {}
     arrivals = Arrivals()
     due: dict[str, tuple[str, object]] = {}  # message id -> (path label, due time)
@@ -392,6 +396,7 @@ def main() -> None:
     results["dags_test"] = dags_test_figure(tmp)
     results["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
     results["versions"] = versions()
+    results["code"] = str(args.code) if args.code else "this checkout"
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2, default=str))
     report(results)

@@ -88,13 +88,14 @@ class DueMessageProducer(_Producer):
         self.store = await t.hook.aget_store()
         # Created or upgraded only where the connection's auto_migrate allows it; otherwise StoreNotReadyError.
         await asyncio.to_thread(t.hook.prepare_for_writes, self.store)
+        if t.run_dag_id is not None:
+            # Asked once before the claim opens (after it, messages are handed over): the first request builds the
+            # triggerer's in-process API, 8-12 s of imports on a loaded machine, which otherwise held up the first
+            # due message's run.
+            await self._run_count()
         await asyncio.to_thread(self.store.open_event_claim, self.claim_id, t.destination, t.lease_seconds)
         self._claimed = True
         self._renewer = asyncio.create_task(self._renew(), name=f"lease renewal {self.claim_id}")
-        if t.run_dag_id is not None:
-            # Asked once now, while nothing is due: the first request builds the triggerer's in-process API
-            # (its imports took 8.7 s on a loaded machine), which otherwise held up the first due message's run.
-            await self._run_count()
         log.info("handing over due messages of %s as asset events (claim %s, lease %.0f s)", t.destination,
                  self.claim_id, t.lease_seconds)
 
