@@ -19,6 +19,7 @@ __all__ = ["EXTRAS", "OptionalFeatureError", "check_extra", "optional_feature_er
 _MODULES = {
     "amazon": ("airflow.providers.amazon", "boto3", "botocore"),
     "spark": ("airflow.providers.apache.spark", "pyspark"),
+    "messaging": ("airflow.providers.common.messaging",),
 }
 
 

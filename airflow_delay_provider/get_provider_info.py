@@ -34,6 +34,8 @@ def get_provider_info() -> dict:
         "triggers": [{"integration-name": INTEGRATION, "python-modules": [
             "airflow_delay_provider.triggers.delay_store", "airflow_delay_provider.triggers.sqs",
             "airflow_delay_provider.triggers.asset"]}],
+        # The `delay` scheme of MessageQueueTrigger (the messaging extra; without it Airflow turns it off).
+        "queues": ["airflow_delay_provider.queues.delay.DelayMessageQueueProvider"],
         "cli": ["airflow_delay_provider.cli.definition.get_delay_cli_commands"],
         # The send and dispatch tasks' buttons to the Delayed messages page (the api-server builds them from here).
         "extra-links": ["airflow_delay_provider.links.SentMessagesLink",

@@ -45,7 +45,8 @@ from airflow_delay_provider.compat import AIRFLOW_VERSION, shared_stream  # noqa
 
 # Delayed DAG runs need Airflow 3.3's shared streams; on 3.2 they are refused (tests/unit/test_compat.py checks
 # that), so their own tests are not collected there, and the header says so.
-NEEDS_SHARED_STREAMS = ["unit/triggers/test_asset.py", "integration/test_dag_runs.py", "deployment/test_dag_runs.py",
+NEEDS_SHARED_STREAMS = ["unit/triggers/test_asset.py", "unit/triggers/test_message_queue.py",
+                        "integration/test_dag_runs.py", "deployment/test_dag_runs.py",
                         "deployment/test_dag_run_outage.py"]
 collect_ignore = [] if shared_stream else NEEDS_SHARED_STREAMS
 

@@ -60,6 +60,8 @@ EXTRAS = {
     "amazon": "SQS (transport='sqs', SqsDelayHook, RelayDelayedMessagesOperator, SqsDelayQueueTrigger) needs the "
               "amazon provider and boto3",
     "spark": "Spark sweeps (BulkSweepOperator, airflow_delay_provider.spark) need the Spark provider and PySpark",
+    "messaging": "The `delay` scheme of MessageQueueTrigger (airflow_delay_provider.queues.delay) needs the common "
+                 "messaging provider",
 }
 
 

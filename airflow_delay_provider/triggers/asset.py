@@ -229,3 +229,19 @@ class DueMessageEventTrigger(DelayStoreMixin, SerializedFields, BaseEventTrigger
         finally:
             await stream.aclose()
             await producer.aclose()
+
+
+class DueMessageQueueTrigger(DueMessageEventTrigger):
+    """DueMessageEventTrigger as the `delay` scheme of Airflow's common `MessageQueueTrigger` builds it
+    (airflow_delay_provider.queues.delay): the same trigger, whose `destination` may also be an asset's name
+    (`order_timeout` watches `airflow.asset.order_timeout`, where `ScheduleDagRunOperator(asset="order_timeout")`
+    and `asset_destination("order_timeout")` send). Its other arguments are DueMessageEventTrigger's.
+
+        Asset("order_timeout", watchers=[AssetWatcher(
+            name="order_timeout.due", trigger=MessageQueueTrigger(scheme="delay", destination="order_timeout"))])
+    """
+
+    def __init__(self, *, destination: str, **kwargs: Any) -> None:
+        if isinstance(destination, str) and destination and not is_event_destination(destination):
+            destination = asset_destination(destination)
+        super().__init__(destination=destination, **kwargs)

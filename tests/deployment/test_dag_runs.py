@@ -23,12 +23,16 @@ from tests.helpers import store_connection
 TARGET, SCHEDULER = "delay_dag_run_target", "delay_dag_run_scheduler"
 ASSET = f"delayed_dag_run.{TARGET}"
 DEST = f"airflow.asset.{ASSET}"
+# The same, written with Airflow's common MessageQueueTrigger (scheme "delay").
+QUEUE_TARGET = "delay_message_queue_target"
+QUEUE_ASSET = f"delayed_dag_run.{QUEUE_TARGET}"
+QUEUE_DEST = f"airflow.asset.{QUEUE_ASSET}"
 
 
 @pytest.fixture(scope="module")
 def dags(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dag_run_dags")
-    for name in (TARGET, SCHEDULER):
+    for name in (TARGET, SCHEDULER, QUEUE_TARGET):
         shutil.copy(ROOT / "dags" / f"{name}.py", folder / f"{name}.py")
     (folder / "dag_run_bad_targets.py").write_text(BAD_TARGETS)
     return folder
@@ -52,35 +56,38 @@ def airflow(deployment, dags, pg_schema, store):
     # Unpausing starts the watcher at the file's next parse: parse often, so the tests need not wait 30 s.
     rig = deployment(dags, connections=connections, env={"AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "5"})
     rig.unpause(TARGET)
+    rig.unpause(QUEUE_TARGET)
     wait_for(lambda: store.event_claims(DEST), 120, "the target's asset watcher to start in the triggerer")
+    wait_for(lambda: store.event_claims(QUEUE_DEST), 120, "the message-queue target's watcher to start")
     return rig
 
 
 
 
-def target_runs(airflow, since: datetime) -> list[dict] | None:
+def target_runs(airflow, since: datetime, dag_id: str = TARGET, task_id: str = "cancel_if_unpaid") -> list[dict] | None:
     """The target's asset-triggered runs created since `since`, each with its handled payloads; None while one
     has not finished."""
-    runs = [r for r in airflow.dag_runs(TARGET, run_type="asset_triggered")
+    runs = [r for r in airflow.dag_runs(dag_id, run_type="asset_triggered")
             if parse_time(r["queued_at"]) >= since]
     if any(r["state"] not in ("success", "failed") for r in runs):
         return None
     for run in runs:
-        run["handled"] = (airflow.xcom(TARGET, run["dag_run_id"], "cancel_if_unpaid") or []
+        run["handled"] = (airflow.xcom(dag_id, run["dag_run_id"], task_id) or []
                           if run["state"] == "success" else [])
     return runs
 
 
-def wait_for_messages(airflow, store, since: datetime, ids: set[str], timeout: float) -> list[dict]:
+def wait_for_messages(airflow, store, since: datetime, ids: set[str], timeout: float, dag_id: str = TARGET,
+                      asset: str = ASSET, task_id: str = "cancel_if_unpaid") -> list[dict]:
     """The target's runs once every message of `ids` was acknowledged (removed from the store only after its event
     was recorded, so every event that will ever be recorded for them is) and every such event was handled by a
     finished run: a message handed over twice shows as a second event, and its run is waited for too."""
     wait_for(lambda: all(store.get(i) is None for i in ids), timeout, "every message to be acknowledged")
-    events = sorted(m for e in airflow.asset_events(ASSET)
+    events = sorted(m for e in airflow.asset_events(asset)
                     if (m := ((e.get("extra") or {}).get("payload") or {}).get("message_id")) in ids)
 
     def all_handled() -> list[dict] | None:
-        runs = target_runs(airflow, since)
+        runs = target_runs(airflow, since, dag_id, task_id)
         handled = None if runs is None else sorted(m for m in _handled(runs) if m in ids)
         return runs if handled == events else None
 
@@ -125,6 +132,28 @@ def test_each_due_message_starts_one_run_with_its_payload_never_early(airflow, s
             assert payload["conf"] == {"order_id": "via-form"}
     assert store.count_scheduled(destination=DEST) == {}
     airflow.pause(SCHEDULER)
+
+
+def test_a_dag_scheduled_with_the_common_message_queue_trigger_runs_once_per_due_message(airflow, store):
+    """`MessageQueueTrigger(scheme="delay", ...)`, Airflow's common form, gives the same delayed runs as
+    `dag_run_asset()`: each due message one run with its payload, none early, none twice."""
+    since = utcnow() - timedelta(seconds=2)
+    now = store.clock()
+    messages = [DelayedMessage(QUEUE_DEST, json.dumps({"n": d}).encode(), now + timedelta(seconds=d), {},
+                               f"mq-{d}-{uuid.uuid4().hex[:6]}") for d in (4, 9, 14, 19)]
+    store.store(messages)
+    ids = {m.message_id for m in messages}
+    runs = wait_for_messages(airflow, store, since, ids, timeout=150, dag_id=QUEUE_TARGET, asset=QUEUE_ASSET,
+                             task_id="handle")
+    handled = [m for m in _handled(runs) if m in ids]
+    assert sorted(handled) == sorted(ids), handled  # each once
+    assert all(len(r["handled"]) == 1 for r in runs), [r["handled"] for r in runs]  # one run per message
+    due = {m.message_id: m.due_at for m in messages}
+    for run in runs:
+        [payload] = run["handled"]
+        assert datetime.fromisoformat(payload["due_at"]) == due[payload["message_id"]]
+        assert parse_time(run["queued_at"]) >= due[payload["message_id"]], run  # never before its due time
+    assert store.count_scheduled(destination=QUEUE_DEST) == {}
 
 
 def test_a_triggerer_killed_with_events_pending_loses_no_run(airflow, store):

@@ -29,10 +29,11 @@ def form(conf: dict) -> dict:
 
 EXAMPLE_DAGS = {"demo_delayed_delivery", "delay_manual_send", "delay_scheduled_sweep", "delay_continuous_dispatch",
                 "delay_sqs_relay", "delay_order_timeout", "delay_provision_all", "spark_bulk_sweep",
-                "delay_dag_run_scheduler", "delay_dag_run_target"}
+                "delay_dag_run_scheduler", "delay_dag_run_target", "delay_message_queue_target"}
 
 
-NEEDS_SHARED_STREAMS = {"delay_dag_run_scheduler", "delay_dag_run_target"}  # delayed DAG runs: Airflow 3.3
+# Delayed DAG runs: Airflow 3.3.
+NEEDS_SHARED_STREAMS = {"delay_dag_run_scheduler", "delay_dag_run_target", "delay_message_queue_target"}
 
 
 def _bag():

@@ -1,6 +1,8 @@
-"""Without the [amazon] and [spark] extras the core package works and their features say which extra to install.
+"""Without the [amazon], [spark] and [messaging] extras the core package works and their features say which extra
+to install.
 
-A child Python in which boto3, botocore, PySpark and the amazon and Spark providers cannot be imported (a
+A child Python in which boto3, botocore, PySpark and the amazon, Spark and common messaging providers cannot be
+imported (a
 sys.meta_path finder refuses them, as if they were not installed) imports every module of the package, reads the
 provider info through Airflow's providers manager, builds Airflow's CLI with our commands and parses the example
 DAGs. `make check-wheel` does the same in a fresh venv where they are not installed at all.
@@ -20,7 +22,7 @@ from tests.conftest import ROOT
 BLOCKER = textwrap.dedent("""
     import sys
     BLOCKED = ("boto3", "botocore", "aiobotocore", "s3transfer", "pyspark", "airflow.providers.amazon",
-               "airflow.providers.apache.spark")
+               "airflow.providers.apache.spark", "airflow.providers.common.messaging")
 
     class NotInstalled:
         def find_spec(self, name, path=None, target=None):
@@ -33,7 +35,7 @@ BLOCKER = textwrap.dedent("""
     # Their distributions too, before Airflow reads them: it would load the providers' info from their entry points.
     import importlib.metadata, importlib_metadata
     HIDDEN = {"apache-airflow-providers-amazon", "apache-airflow-providers-apache-spark", "boto3", "botocore",
-              "pyspark", "pyspark-client"}
+              "pyspark", "pyspark-client", "apache-airflow-providers-common-messaging"}
     for module in (importlib.metadata, importlib_metadata):
         def distributions(everything=module.distributions, **kwargs):
             return (d for d in everything(**kwargs) if (d.metadata["name"] or "").lower() not in HIDDEN)
@@ -46,6 +48,7 @@ NEEDS_EXTRA = {
     "airflow_delay_provider.operators.sqs": "amazon",
     "airflow_delay_provider.triggers.sqs": "amazon",
     "airflow_delay_provider.operators.sweep": "spark",
+    "airflow_delay_provider.queues.delay": "messaging",
 }
 
 CHILD = BLOCKER + textwrap.dedent("""
@@ -120,9 +123,11 @@ def test_without_the_extras_the_core_imports_and_each_extra_feature_names_its_ex
     assert report["cli"] is True
     # The example DAGs: only the SQS relay's and the Spark sweep's fail, each naming its extra (and on Airflow 3.2
     # the delayed DAG runs' two, which need 3.3: tests/integration/test_example_dags.py).
-    needs_shared_streams = set() if shared_stream else {"delay_dag_run_scheduler", "delay_dag_run_target"}
-    assert set(report["dag_errors"]) == {"delay_sqs_relay", "spark_bulk_sweep"} | needs_shared_streams, \
-        report["dag_errors"]
+    needs_shared_streams = set() if shared_stream else {"delay_dag_run_scheduler", "delay_dag_run_target",
+                                                        "delay_message_queue_target"}
+    assert set(report["dag_errors"]) == {"delay_sqs_relay", "spark_bulk_sweep", "delay_message_queue_target"} | \
+        needs_shared_streams, report["dag_errors"]
     assert '[amazon]"' in report["dag_errors"]["delay_sqs_relay"]
     assert '[spark]"' in report["dag_errors"]["spark_bulk_sweep"]
+    assert '[messaging]"' in report["dag_errors"]["delay_message_queue_target"]
     assert {"demo_delayed_delivery", "delay_manual_send", "delay_provision_all"} <= set(report["dags"])

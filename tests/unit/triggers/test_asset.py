@@ -21,7 +21,6 @@ from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.hooks.delay_store import DelayStoreHook
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
-from airflow_delay_provider.transports.sql import SqlTableTransport
 from airflow_delay_provider.triggers.asset import (
     DueMessageEventTrigger,
     DueMessageProducer,
@@ -31,22 +30,10 @@ from airflow_delay_provider.triggers.asset import (
     message_payloads,
     watched_asset,
 )
+from tests.unit.triggers.conftest import _next_event, _subscribe
 from tests.waiting import wait_for
 
 DEST = "airflow.asset.unit.runs"
-
-
-@pytest.fixture
-def store_conn(tmp_path, monkeypatch):
-    """A `delay_store` connection to a SQLite file of this test's own, its store and its error queue."""
-    path = tmp_path / "store.db"
-    monkeypatch.setenv("AIRFLOW_CONN_ASSET_UNIT_STORE", json.dumps(
-        {"conn_type": "delay_store", "schema": str(path), "extra": {"driver": "sqlite"}}))
-    store = SqlDelayedMessageStore(f"sqlite:///{path}")
-    store.create_schema()
-    queues = SqlTableTransport(f"sqlite:///{path}")
-    queues.provision("error")
-    return "asset_unit_store", store, queues
 
 
 def _trigger(conn_id: str, **kwargs) -> DueMessageEventTrigger:
@@ -154,17 +141,6 @@ def test_retry_counts_a_failure_and_makes_the_message_due_later(store_conn):
 
 
 # -- the producer, as the shared-stream manager drives it in ack mode ------------------------------------------
-async def _subscribe(manager: SharedStreamManager, trigger: DueMessageEventTrigger, trigger_id: int = 1):
-    key = trigger.shared_stream_key()
-    return key, trigger.filter_shared_stream(manager.subscribe(trigger_id=trigger_id, trigger=trigger, key=key))
-
-
-async def _next_event(stream, manager, key, trigger_id: int = 1, timeout: float = 10.0):
-    """What the triggerer does: take the trigger's next event and bind it to the raw event it came from."""
-    event = await asyncio.wait_for(anext(stream), timeout)
-    return event, manager.bind_pending_event(trigger_id=trigger_id, key=key)
-
-
 def test_a_message_is_deleted_only_after_airflow_confirms_its_event_persisted(store_conn):
     conn_id, store, _ = store_conn
     store.store([_message(1), _message(2)])

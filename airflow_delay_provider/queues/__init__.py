@@ -1,0 +1,1 @@
+"""This provider's schemes of Airflow's common message-queue trigger (`apache-airflow-providers-common-messaging`)."""
