@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import getpass
 import os
 import re
 import shlex
@@ -14,6 +15,7 @@ from typing import Any, NoReturn
 from airflow.utils import cli as cli_utils
 from airflow.utils.providers_configuration_loader import providers_configuration_loaded
 
+from airflow_delay_provider import audit
 from airflow_delay_provider.cli.output import default_output, render
 from airflow_delay_provider.core.errors import DelayProviderError
 from airflow_delay_provider.hooks.delay_store import DelayStoreHook
@@ -49,11 +51,13 @@ def flag_message(message: str) -> str:
 
 def _command(func: Callable[[DelayStoreHook, argparse.Namespace], dict | str], items: str | None = None,
              item_name: str = "name", hide: tuple[str, ...] = (),
-             note: Callable[[dict], str | None] | None = None) -> Callable[[argparse.Namespace], None]:
+             note: Callable[[dict], str | None] | None = None,
+             action: str | None = None) -> Callable[[argparse.Namespace], None]:
     """Run one command: the hook from --conn-id/--table/--db-schema, the report on stdout in --output's format
     (`items`, `item_name`, `hide`: see output.render; text as it is) followed by what `note` says of it on stderr
     (where a program reading stdout does not get it), and a refused input or a store not reachable or not there as
-    one line on stderr with exit status 1."""
+    one line on stderr with exit status 1. A command that changes messages (`action`) is recorded, once done, in
+    Airflow's audit log with its counts (airflow_delay_provider.audit)."""
 
     @wraps(func)
     @cli_utils.action_cli
@@ -64,6 +68,9 @@ def _command(func: Callable[[DelayStoreHook, argparse.Namespace], dict | str], i
             report = func(hook, args)
         except (DelayProviderError, NotImplementedError) as exc:  # a transport that cannot do it says why
             raise SystemExit(f"error: {flag_message(str(exc))}") from None
+        if action is not None and isinstance(report, dict):
+            # The OS user, as Airflow's own record of a command line names it.
+            audit.record(action, getpass.getuser(), "cli", hook.delay_store_conn_id, _request(args), report)
         try:
             if isinstance(report, str):
                 print(report, flush=True)
@@ -83,6 +90,25 @@ def _command(func: Callable[[DelayStoreHook, argparse.Namespace], dict | str], i
 def _refuse(message: str) -> NoReturn:
     """A command line that cannot be run as given: one line on stderr, exit status 1."""
     raise SystemExit(f"error: {message}")
+
+
+def _request(args: argparse.Namespace) -> dict[str, Any]:
+    """What a command was asked to act on, as the audit log records it."""
+    request = {k: v for k, v in vars(args).items() if k in ("destination", "destinations", "deliver_at",
+                                                           "delay_seconds", "force", "error_queue")}
+    if hasattr(args, "headers"):
+        request.update({k: v for k, v in _selector(args).items() if v})
+    elif getattr(args, "message_ids", None):
+        request["message_ids"] = _ids(args)
+    if getattr(args, "all", False):
+        request["everything"] = True
+    return request
+
+
+def _action(name: str) -> Callable[[Callable[[DelayStoreHook, argparse.Namespace], dict]],
+                                   Callable[[argparse.Namespace], None]]:
+    """_command as a decorator, for a command that changes messages (recorded in the audit log as `name`)."""
+    return lambda func: _command(func, action=name)
 
 
 def _command_of(items: str, item_name: str, hide: tuple[str, ...] = ()) -> Callable[
@@ -122,27 +148,27 @@ def browse(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
                        after=args.after, show_bodies=not args.no_bodies)
 
 
-@_command
+@_action("cancel")
 def cancel(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
     return hook.cancel(**_selector(args))
 
 
-@_command
+@_action("reschedule")
 def reschedule(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
     return hook.reschedule(**_selector(args), deliver_at=args.deliver_at, delay_seconds=args.delay_seconds)
 
 
-@_command
+@_action("run_now")
 def run_now(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
     return hook.run_now(**_selector(args))
 
 
-@_command
+@_action("pause")
 def pause(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
     return hook.pause(args.destinations)
 
 
-@_command
+@_action("resume")
 def resume(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
     return hook.resume(args.destinations)
 
@@ -161,7 +187,7 @@ def _purge(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
     return hook.purge(destination, dry_run=not args.yes)
 
 
-@_command
+@_action("forget")
 def forget(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
     transport = _transport(hook, args)
     try:
@@ -211,11 +237,12 @@ def _confirm(report: dict) -> str | None:
             f"airflow {again} --yes")
 
 
-dead_letters = _command(_dead_letters, items="dead_letters", item_name="message_id", note=_confirm)
-purge = _command(_purge, note=_confirm)
+dead_letters = _command(_dead_letters, items="dead_letters", item_name="message_id", note=_confirm,
+                        action="delete_dead_letters")
+purge = _command(_purge, note=_confirm, action="purge")
 
 
-@_command
+@_action("redrive")
 def redrive(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
     transport = _transport(hook, args)
     try:

@@ -40,6 +40,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from airflow_delay_provider import audit
 from airflow_delay_provider.core.backlog import MAX_IDS, MAX_PAGE
 from airflow_delay_provider.core.errors import (
     ConnectionTypeError,
@@ -275,37 +276,48 @@ def create_app() -> FastAPI:
                               after=after or None, show_bodies=can_edit)
         return {**result, "can_edit": can_edit}
 
+    def audited(action: str, user: BaseUser, body: BaseModel, result: dict[str, Any]) -> dict[str, Any]:
+        """The result, once the action is in Airflow's audit log with its user and counts."""
+        audit.record(action, user.get_name(), "page", conn_id(), body.model_dump(), result)
+        return result
+
+    @app.get("/api/actions")
+    def actions(_user: Reader, limit: Annotated[int, Query(ge=1, le=200)] = 20) -> dict[str, Any]:
+        """The latest actions on this connection's store, from Airflow's audit log, newest first."""
+        return {"actions": audit.recent(limit, conn_id())}
+
     @app.post("/api/cancel")
-    def cancel(_user: Editor, store: Store, selection: Selection) -> dict[str, Any]:
-        return store.cancel(**selection.model_dump())
+    def cancel(user: Editor, store: Store, selection: Selection) -> dict[str, Any]:
+        return audited("cancel", user, selection, store.cancel(**selection.model_dump()))
 
     @app.post("/api/run-now")
-    def run_now(_user: Editor, store: Store, selection: Selection) -> dict[str, Any]:
-        return store.run_now(**selection.model_dump())
+    def run_now(user: Editor, store: Store, selection: Selection) -> dict[str, Any]:
+        return audited("run_now", user, selection, store.run_now(**selection.model_dump()))
 
     @app.post("/api/pause")
-    def pause(_user: Editor, store: Store, body: Destinations) -> dict[str, Any]:
-        return store.pause(body.destinations)
+    def pause(user: Editor, store: Store, body: Destinations) -> dict[str, Any]:
+        return audited("pause", user, body, store.pause(body.destinations))
 
     @app.post("/api/resume")
-    def resume(_user: Editor, store: Store, body: Destinations) -> dict[str, Any]:
-        return store.resume(body.destinations)
+    def resume(user: Editor, store: Store, body: Destinations) -> dict[str, Any]:
+        return audited("resume", user, body, store.resume(body.destinations))
 
     @app.post("/api/purge")
-    def purge(_user: Editor, store: Store, body: Purge) -> dict[str, Any]:
-        return store.purge(body.destination, dry_run=body.dry_run)
+    def purge(user: Editor, store: Store, body: Purge) -> dict[str, Any]:
+        return audited("purge", user, body, store.purge(body.destination, dry_run=body.dry_run))
 
     @app.post("/api/forget")
-    def forget(_user: Editor, store: Store, body: Forget) -> dict[str, Any]:
+    def forget(user: Editor, store: Store, body: Forget) -> dict[str, Any]:
         """Forget destinations; with `[delay_provider] ui_transport` set, refused while its error queue holds
         their dead letters (as while they have scheduled messages), unless forced."""
         kind = _option("ui_transport")
         if kind is None:
-            return store.forget(body.destinations, force=body.force)
+            return audited("forget", user, body, store.forget(body.destinations, force=body.force))
         transport = _ui_transport(kind, store)
         try:
-            return store.forget(body.destinations, force=body.force, transport=transport,
-                                error_queue=_option("ui_error_queue", "error") or "error")
+            return audited("forget", user, body, store.forget(
+                body.destinations, force=body.force, transport=transport,
+                error_queue=_option("ui_error_queue", "error") or "error"))
         finally:
             transport.close()
 

@@ -102,7 +102,7 @@
     try {
       const message = await work();
       if (message) say(message, "ok");
-      await Promise.all([loadBacklog(), loadMessages(state.after)]);
+      await Promise.all([loadBacklog(), loadMessages(state.after), loadActions()]);
     } catch (error) {
       failed(error);
     } finally {
@@ -410,8 +410,29 @@
     return loadMessages(null).catch(failed);
   }
 
+  /** What an action acted on, as one line: its ids, destinations and headers. */
+  function target(t) {
+    const parts = [];
+    if (t.message_ids) parts.push(`ids ${t.message_ids.join(", ")}`);
+    if (t.destination) parts.push(t.destination);
+    if (t.destinations) parts.push(t.destinations.join(", "));
+    if (t.headers) parts.push(Object.entries(t.headers).map(([k, v]) => `${k}=${v}`).join(", "));
+    if (t.everything) parts.push("everything");
+    return parts.join("; ");
+  }
+
+  async function loadActions() {
+    const { actions } = await api("api/actions?limit=20");
+    $("actions").tBodies[0].replaceChildren(...(actions.length ? actions.map((a) => el("tr", {},
+      el("td", {}, a.when ? window.airflowPrefs.formatTime(a.when) : ""), el("td", {}, a.user),
+      el("td", {}, a.action.replace(/_/g, " ")), el("td", {}, breakable(target(a.target || {}))),
+      el("td", {}, Object.entries(a.counts || {}).map(([k, n]) => `${k} ${n}`).join(", ")),
+      el("td", {}, a.source === "cli" ? "command line" : "this page")))
+      : [el("tr", {}, el("td", { colspan: 6 }, "No actions recorded yet."))]));
+  }
+
   function refresh() {
-    return Promise.all([loadBacklog(), loadMessages(state.after)]).catch(failed);
+    return Promise.all([loadBacklog(), loadMessages(state.after), loadActions()]).catch(failed);
   }
 
   /** A failed load: said in the status line; a 503 (the store cannot be used) also names the connection. */
@@ -458,6 +479,7 @@
       renderMessages();
     });
     loadBacklog().catch(failed);
+    loadActions().catch(failed);
     searchFromUrl();
     setInterval(() => {
       if (!document.hidden && !state.busy && $("confirm").hidden) loadBacklog().catch(failed);
