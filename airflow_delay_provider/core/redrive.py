@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from airflow_delay_provider.core.backlog import BODY_PREVIEW_BYTES, MAX_PAGE, Selector, preview
 from airflow_delay_provider.core.checks import check_int
-from airflow_delay_provider.core.errors import InvalidInputError
+from airflow_delay_provider.core.errors import DestinationNotFoundError, InvalidInputError
 from airflow_delay_provider.core.message import (
     HEADER_DUE_AT,
     HEADER_FAILED_AT,
@@ -197,6 +197,7 @@ def redrive(store: DelayedMessageStore, transport: Transport, error_queue: str =
     run = _Run(error_queue, selector, clock, progress_interval)
     wanted = set(selector.message_ids)
     received: dict[Any, None] = {}  # receipts received and not yet acked, in order
+    provisioned = _Provisioned(transport)
     try:
         while (limit is None or run.redriven < limit) and not (wanted and wanted <= run.done_ids):
             n = BATCH_SIZE if limit is None else min(BATCH_SIZE, limit - run.redriven)
@@ -209,6 +210,10 @@ def redrive(store: DelayedMessageStore, transport: Transport, error_queue: str =
             chosen: list[tuple[ReceivedMessage, DelayedMessage]] = []
             for m in batch:
                 message = as_redriven(m, now) if _selects(selector, m) else None
+                if isinstance(message, DelayedMessage) and not provisioned(message.destination):
+                    message = (f"its destination {message.destination!r} is not provisioned on the {transport.name} "
+                               "transport, so it would be dead-lettered again: provision it, then redrive (it stays "
+                               "in the error queue)")
                 if isinstance(message, DelayedMessage) and (limit is None or run.redriven + len(chosen) < limit):
                     chosen.append((m, message))
                 elif isinstance(message, str):
@@ -230,6 +235,28 @@ def redrive(store: DelayedMessageStore, transport: Transport, error_queue: str =
         _release(transport, error_queue, list(received))
     run.progress(final=True)
     return run.report()
+
+
+class _Provisioned:
+    """Whether the transport has a destination (its depth answers), asked once per destination and run. Only a
+    transport's own "does not exist" holds a message back: one that cannot tell (an outage, a broker that
+    declares queues on first use) lets the redrive go on, as before."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.known: dict[str, bool] = {}
+
+    def __call__(self, destination: str) -> bool:
+        if destination not in self.known:
+            try:
+                self.transport.depth(destination)
+                self.known[destination] = True
+            except DestinationNotFoundError:
+                self.known[destination] = False
+            except Exception as exc:  # noqa: BLE001 - cannot tell: not a reason to hold the message back
+                log.debug("could not check that %r is provisioned (%s); redriving it", destination, exc)
+                self.known[destination] = True
+        return self.known[destination]
 
 
 def _release(transport: Transport, error_queue: str, receipts: list[Any]) -> None:

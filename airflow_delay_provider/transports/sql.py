@@ -366,12 +366,8 @@ class SqlTableTransport(SqlDatabase, Transport):
     def peek(self, endpoint: str, max_messages: int = 10) -> list[ReceivedMessage]:
         """A plain SELECT of the visible messages, oldest first: nothing is locked, hidden or counted."""
         query = self._visible_in_order(endpoint, max_messages, self.clock())
-        q = self.queues
         with self.errors(f"peek at queue {endpoint!r}"), self.engine.connect() as conn:
-            # A queue never provisioned (no queue tables at all, on a new store) is missing, as a broker says.
-            if not inspect(conn).has_table(q.name, schema=self.schema) or conn.execute(
-                    select(q.c.name).where(q.c.name == endpoint)).first() is None:
-                raise DestinationNotFoundError(f"queue {endpoint!r} does not exist (it was never provisioned)")
+            self._require_queue(conn, endpoint)
             self.in_index_order(conn)  # as a receive reads it: the batch, not every visible message sorted
             rows = conn.execute(query).all()
         return [_received(r, receipt=None, receive_count=r.receive_count) for r in rows]
@@ -398,7 +394,8 @@ class SqlTableTransport(SqlDatabase, Transport):
             return conn.execute(delete(t).where(t.c.queue == endpoint, t.c.seq.in_(seqs))).rowcount
 
     def depth(self, endpoint: str) -> dict[str, int]:
-        """Messages in the queue by lifecycle state: visible, and in flight (received, not yet acked)."""
+        """Messages in the queue by lifecycle state: visible, and in flight (received, not yet acked).
+        DestinationNotFoundError for a queue never provisioned, as a broker says (a redrive checks it)."""
         t = self.messages
         now = self._now_us(self.clock())
         query = select(
@@ -406,8 +403,16 @@ class SqlTableTransport(SqlDatabase, Transport):
             func.count(case((t.c.visible_at_us > now, 1))),
         ).where(t.c.queue == endpoint)
         with self.errors(f"read the depth of queue {endpoint!r}"), self.engine.connect() as conn:
+            self._require_queue(conn, endpoint)
             visible, in_flight = conn.execute(query).one()
         return {"visible": visible, "in_flight": in_flight}
+
+    def _require_queue(self, conn: Any, endpoint: str) -> None:
+        # A queue never provisioned (no queue tables at all, on a new store) is missing, as a broker says.
+        q = self.queues
+        if not inspect(conn).has_table(q.name, schema=self.schema) or conn.execute(
+                select(q.c.name).where(q.c.name == endpoint)).first() is None:
+            raise DestinationNotFoundError(f"queue {endpoint!r} does not exist (it was never provisioned)")
 
 
 def _received(r: Any, receipt: Any, receive_count: int) -> ReceivedMessage:

@@ -180,6 +180,21 @@ def test_dead_letters_are_deleted_by_destination_by_id_and_all_and_a_dry_run_del
     assert poison_depth(transport) == 0
 
 
+def test_a_redrive_to_a_destination_not_provisioned_leaves_its_messages_in_the_error_queue_saying_why(setup):
+    """Stored again, they would only be dead-lettered again (and the report said `redriven`): they stay, skipped
+    with the reason, until the destination is provisioned."""
+    store, transport = setup
+    dead_letter_some(store, transport)
+    refused = redrive(store, transport, "error", destination="nowhere")
+    assert (refused["redriven"], refused["skipped"]) == (0, 4), refused
+    assert {s["message_id"] for s in refused["skipped_messages"]} == set(NOWHERE)
+    assert all("'nowhere' is not provisioned" in s["reason"] for s in refused["skipped_messages"])
+    assert store.count_scheduled() == {} and visible(transport, "error", 7) == 7
+    transport.provision("nowhere")
+    assert redrive(store, transport, "error", destination="nowhere")["redriven"] == 4
+    assert store.count_scheduled() == {"nowhere": 4}
+
+
 def test_a_message_redriven_into_the_same_failure_is_dead_lettered_again_with_its_count(setup):
     store, transport = setup
     dead_letter_some(store, transport)
