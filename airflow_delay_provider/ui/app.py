@@ -11,7 +11,8 @@ configured auth manager about DAGs (any DAG, no team):
 The store is the one of the ``[delay_provider] ui_conn_id`` connection (default ``delay_store_default``).
 Dead-lettered messages live on the transport, not in the store: with ``[delay_provider] ui_transport``
 set (sql, rabbitmq or sqs; ``ui_transport_conn_id`` and ``ui_error_queue``, default ``error``, as the
-pump's), the page also counts the error queue's dead letters per original destination.
+pump's), the page also counts the error queue's dead letters per original destination, and lists, redrives
+and deletes them (ui/dead_letters.py). Every action goes to Airflow's audit log (airflow_delay_provider.audit).
 Only the api-server imports this module (see `plugin.LazyBacklogApp`).
 
 Errors: a 400 says what was wrong with the user's own input and what is allowed. A store that is not there
@@ -31,9 +32,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from airflow.api_fastapi.app import get_auth_manager
-from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
-from airflow.api_fastapi.core_api.security import GetUserDep, bearer_scheme, get_user
-from airflow.configuration import conf
+from airflow.api_fastapi.core_api.security import bearer_scheme, get_user
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, status
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
@@ -50,8 +49,18 @@ from airflow_delay_provider.core.errors import (
     StoreNotReadyError,
     UnavailableError,
 )
-from airflow_delay_provider.hooks.delay_store import DEFAULT_CONN_ID, DelayStoreHook
-from airflow_delay_provider.hooks.transport import transport_hook, transport_options
+from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+from airflow_delay_provider.ui.access import (
+    Editor,
+    Reader,
+    Store,
+    audited,
+    conn_id,
+    may_edit,
+    option,
+    ui_transport,
+)
+from airflow_delay_provider.ui.dead_letters import add_routes as add_dead_letter_routes
 
 log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
@@ -63,20 +72,6 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "same-origin",
     "Cache-Control": "no-store",
 }
-
-
-def _option(key: str, default: str | None = None) -> str | None:
-    return conf.get("delay_provider", key, fallback=None) or default
-
-
-def conn_id() -> str:
-    """The `delay_store` connection the page operates: `[delay_provider] ui_conn_id`, else the default."""
-    return _option("ui_conn_id", DEFAULT_CONN_ID)
-
-
-class StoreConfigurationError(DelayProviderError):
-    """The page's store connection cannot be used (undefined, malformed, or naming a table that is not a
-    store): the deployment's to fix, so a server error, not the 400 of the user's own input."""
 
 
 def log_failure(exc: BaseException, doing: str) -> str:
@@ -110,13 +105,13 @@ def dead_letter_counts(store: DelayStoreHook) -> dict[str, Any] | None:
     no transport is set): a look at up to MAX_PAGE of them, consuming nothing (`more` when there may be
     more). A transport that cannot look (RabbitMQ) says so in `error`; one that fails gives an error id
     there, and `error_id`."""
-    kind = _option("ui_transport")
+    kind = option("ui_transport")
     if kind is None:
         return None
-    queue = _option("ui_error_queue", "error")
+    queue = option("ui_error_queue", "error")
     report: dict[str, Any] = {"transport": kind, "error_queue": queue}
     try:
-        transport = _ui_transport(kind, store)
+        transport = ui_transport(kind, store)
         try:
             listing = store.dead_letters(transport, queue, limit=MAX_PAGE)
         finally:
@@ -131,58 +126,6 @@ def dead_letter_counts(store: DelayStoreHook) -> dict[str, Any] | None:
                 "error_id": error_id}
     per_destination = Counter(d["destination"] or "(unknown)" for d in listing["dead_letters"])
     return {**report, "per_destination": dict(per_destination), "total": listing["count"], "more": listing["more"]}
-
-
-def _ui_transport(kind: str, store: DelayStoreHook) -> Any:
-    """The transport of `[delay_provider] ui_transport` (`kind`), on `ui_transport_conn_id`; the caller closes it."""
-    return transport_hook(kind, _option("ui_transport_conn_id"), store).get_transport(**transport_options(kind, {}))
-
-
-def may_read(user: BaseUser) -> bool:
-    return get_auth_manager().is_authorized_dag(method="GET", user=user)
-
-
-def may_edit(user: BaseUser) -> bool:
-    return get_auth_manager().is_authorized_dag(method="PUT", user=user)
-
-
-def reader(user: GetUserDep) -> BaseUser:
-    if not may_read(user):
-        raise HTTPException(status.HTTP_403_FORBIDDEN, "Forbidden: the delayed messages need read access to DAGs")
-    return user
-
-
-def editor(request: Request, user: GetUserDep) -> BaseUser:
-    if not may_edit(user):
-        raise HTTPException(status.HTTP_403_FORBIDDEN, "Forbidden: acting on delayed messages needs edit access "
-                                                       "to DAGs")
-    # With SameSite=lax cookies a cross-site POST carries no session; JSON-only bodies also keep plain
-    # HTML forms (which cannot send application/json) from reaching the actions.
-    if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
-        raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, "send the action as application/json")
-    return user
-
-
-Reader = Annotated[BaseUser, Depends(reader)]
-Editor = Annotated[BaseUser, Depends(editor)]
-
-
-def hook(request: Request) -> DelayStoreHook:
-    """The hook of the page's store, its connection resolved and its tables checked, never created nor changed (an
-    action needs them up to date, which the connection's `auto_migrate` lets it do): whatever fails here is the
-    deployment's, never the user's input."""
-    store_hook = DelayStoreHook(conn_id())
-    try:
-        store_hook.checked_store(writes=request.method != "GET")
-    except ConnectionTypeError:
-        raise  # said as it is (`not_usable`): it names the connection and the type the store needs
-    except InvalidInputError as exc:
-        raise StoreConfigurationError(f"the [delay_provider] ui_conn_id connection {conn_id()!r} cannot be used: "
-                                      f"{exc}") from exc
-    return store_hook
-
-
-Store = Annotated[DelayStoreHook, Depends(hook)]
 
 
 class Selection(BaseModel):
@@ -276,10 +219,7 @@ def create_app() -> FastAPI:
                               after=after or None, show_bodies=can_edit)
         return {**result, "can_edit": can_edit}
 
-    def audited(action: str, user: BaseUser, body: BaseModel, result: dict[str, Any]) -> dict[str, Any]:
-        """The result, once the action is in Airflow's audit log with its user and counts."""
-        audit.record(action, user.get_name(), "page", conn_id(), body.model_dump(), result)
-        return result
+    add_dead_letter_routes(app)
 
     @app.get("/api/actions")
     def actions(_user: Reader, limit: Annotated[int, Query(ge=1, le=200)] = 20) -> dict[str, Any]:
@@ -310,14 +250,14 @@ def create_app() -> FastAPI:
     def forget(user: Editor, store: Store, body: Forget) -> dict[str, Any]:
         """Forget destinations; with `[delay_provider] ui_transport` set, refused while its error queue holds
         their dead letters (as while they have scheduled messages), unless forced."""
-        kind = _option("ui_transport")
+        kind = option("ui_transport")
         if kind is None:
             return audited("forget", user, body, store.forget(body.destinations, force=body.force))
-        transport = _ui_transport(kind, store)
+        transport = ui_transport(kind, store)
         try:
             return audited("forget", user, body, store.forget(
                 body.destinations, force=body.force, transport=transport,
-                error_queue=_option("ui_error_queue", "error") or "error"))
+                error_queue=option("ui_error_queue", "error") or "error"))
         finally:
             transport.close()
 

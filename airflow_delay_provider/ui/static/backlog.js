@@ -410,6 +410,68 @@
     return loadMessages(null).catch(failed);
   }
 
+  // -- dead letters: the error queue of [delay_provider] ui_transport ----------------------------------------
+  const dead = { letters: [], selected: new Set(), canEdit: false };
+
+  async function loadDeadLetters() {
+    const query = new URLSearchParams({ limit: "100" });
+    const destination = $("dead-destination").value.trim(), failure = $("dead-failure").value.trim();
+    if (destination) query.set("destination", destination);
+    if (failure) query.set("failure", failure);
+    const result = await api(`api/dead-letters?${query}`);
+    dead.canEdit = result.can_edit;
+    dead.letters = result.dead_letters;
+    for (const id of [...dead.selected]) if (!dead.letters.some((d) => d.message_id === id)) dead.selected.delete(id);
+    $("dead-note").textContent = result.available
+      ? `${plural(dead.letters.length, "dead letter")}${result.more ? " (more in the queue)" : ""} in ${result.transport} queue ${result.error_queue}, oldest first; looking consumes nothing.`
+      : `No dead letters to show: ${result.reason}.`;
+    $("dead-search").hidden = !result.available;
+    renderDeadLetters();
+  }
+
+  function renderDeadLetters() {
+    const edit = dead.canEdit;
+    const heads = [edit && "", "Message id", "Destination", "Attempts", "Last failed", "Last error", edit ? "Body" : "Size"]
+      .filter((h) => h !== false);
+    const table = $("dead-letters");
+    table.tHead.rows[0].replaceChildren(...heads.map((h) => el("th", { scope: "col" }, h)));
+    const rows = dead.letters.map((d) => el("tr", { "data-message-id": d.message_id }, [
+      edit && el("td", { class: "pick" }, el("input", { type: "checkbox", "aria-label": `Select dead letter ${d.message_id}`,
+        checked: dead.selected.has(d.message_id),
+        onchange: (event) => { if (event.target.checked) dead.selected.add(d.message_id); else dead.selected.delete(d.message_id); renderDeadBulk(); } })),
+      el("td", { class: "id" }, d.message_id), el("td", { class: "dest" }, d.destination || "(unknown)"),
+      el("td", { class: "num" }, d.attempts ?? ""), el("td", {}, d.last_failed_at ? window.airflowPrefs.formatTime(d.last_failed_at) : ""),
+      el("td", { class: "error-text" }, d.last_error || ""),
+      el("td", {}, edit && d.body !== null ? el("pre", { class: "body" }, d.body + (d.body_truncated ? "…" : ""))
+        : plural(d.body_bytes, "byte")),
+    ].filter((c) => c !== false)));
+    if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: heads.length, class: "empty" }, "No dead letters match.")));
+    table.tBodies[0].replaceChildren(...rows);
+    renderDeadBulk();
+  }
+
+  function renderDeadBulk() {
+    $("dead-bulk").hidden = !dead.canEdit || dead.selected.size === 0;
+    $("dead-selected-count").textContent = `${plural(dead.selected.size, "dead letter")} selected`;
+  }
+
+  function deadAction(kind) {
+    const ids = [...dead.selected];
+    return act(async () => {
+      const text = kind === "redrive"
+        ? `Store ${plural(ids.length, "dead letter")} again for their destination, due now?\n\n${idList(ids)}`
+        : `Delete ${plural(ids.length, "dead letter")} for good?\n\n${idList(ids)}`;
+      if (!await confirmAction(text, kind === "redrive" ? "Redrive" : "Delete")) return null;
+      const report = await api(`api/dead-letters/${kind}`, kind === "redrive" ? { message_ids: ids }
+        : { message_ids: ids, dry_run: false });
+      dead.selected.clear();
+      await loadDeadLetters();
+      if (kind === "delete") return `Deleted ${plural(report.deleted, "dead letter")}.`;
+      const skipped = report.skipped ? ` ${report.skipped} left in the error queue: ${report.skipped_messages.map((s) => `${s.message_id}: ${s.reason}`).join("; ")}` : "";
+      return `Redriven ${plural(report.redriven, "dead letter")}.${skipped}`;
+    });
+  }
+
   /** What an action acted on, as one line: its ids, destinations and headers. */
   function target(t) {
     const parts = [];
@@ -432,7 +494,7 @@
   }
 
   function refresh() {
-    return Promise.all([loadBacklog(), loadMessages(state.after), loadActions()]).catch(failed);
+    return Promise.all([loadBacklog(), loadMessages(state.after), loadActions(), loadDeadLetters()]).catch(failed);
   }
 
   /** A failed load: said in the status line; a 503 (the store cannot be used) also names the connection. */
@@ -480,6 +542,10 @@
     });
     loadBacklog().catch(failed);
     loadActions().catch(failed);
+    loadDeadLetters().catch(failed);
+    $("dead-search").addEventListener("submit", (event) => { event.preventDefault(); loadDeadLetters().catch(failed); });
+    $("dead-redrive").addEventListener("click", () => deadAction("redrive"));
+    $("dead-delete").addEventListener("click", () => deadAction("delete"));
     searchFromUrl();
     setInterval(() => {
       if (!document.hidden && !state.busy && $("confirm").hidden) loadBacklog().catch(failed);
