@@ -706,6 +706,14 @@ class Deployment:
         self._wait(lambda: wanted <= {d["dag_id"] for d in self.dags()}, time.monotonic() + timeout,
                    f"DAGs {sorted(wanted)} to be parsed", detail=lambda: f"import errors: {self.import_errors()}")
 
+    def add_connection(self, conn_id: str, value: Mapping[str, Any], user: str = "admin") -> dict:
+        """Define a connection in the metadata database through the REST API, as a user does in the UI (the
+        ``connections`` given at start are environment variables instead); ``value`` as ``connections`` takes it."""
+        body = {"connection_id": conn_id, **{k: v for k, v in value.items() if k != "extra"}}
+        if "extra" in value:
+            body["extra"] = json.dumps(value["extra"])
+        return self.api("POST", "/api/v2/connections", user=user, json=body)
+
     def set_paused(self, dag_id: str, paused: bool, user: str = "admin") -> dict:
         return self.api("PATCH", f"/api/v2/dags/{dag_id}", user=user, json={"is_paused": paused})
 
