@@ -37,7 +37,7 @@ from tests.browser_helpers import (
     require_chromium,
     screenshot_path,
 )
-from tests.conftest import PG_URL
+from tests.conftest import PG_URL, copy_migrated_sqlite
 from tests.helpers import make_store
 from tests.services import free_port
 from tests.shared import Shared
@@ -513,7 +513,7 @@ def _api_server(home: Path) -> Iterator[tuple[str, SqlDelayedMessageStore]]:
         AIRFLOW__DELAY_PROVIDER__UI_TRANSPORT="sql",  # count the dead letters of the store database's queues
     )
     env.pop("AIRFLOW__DELAY_PROVIDER__UI_CONN_ID", None)
-    subprocess.run([str(BIN_DIR / "airflow"), "db", "migrate"], env=env, check=True, stdout=subprocess.DEVNULL)
+    copy_migrated_sqlite(home / "airflow.db")  # where airflow_env's Airflow has its metadata
     store = SqlDelayedMessageStore(f"sqlite:///{home / 'delay_store.db'}")
     store.create_schema()
     seed(store)
