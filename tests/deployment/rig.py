@@ -466,11 +466,13 @@ class Deployment:
         else:
             os.killpg(proc.pid, sig)
 
-    def restart(self, component: str, wait: bool = True, timeout: float = 120.0) -> float:
-        """Stop the component if it still runs, start it again with the same home and environment and (with
-        ``wait``) wait until it is healthy again (a heartbeat after the restart; the api-server: answering).
-        Returns the seconds it took."""
+    def restart(self, component: str, wait: bool = True, timeout: float = 120.0,
+                env: Mapping[str, str] | None = None) -> float:
+        """Stop the component if it still runs, start it again with the same home and environment (``env``
+        changed, for this and later starts) and (with ``wait``) wait until it is healthy again (a heartbeat after
+        the restart; the api-server: answering). Returns the seconds it took."""
         t0 = time.monotonic()
+        self.component_env.setdefault(component, {}).update({k: str(v) for k, v in (env or {}).items()})
         if self.is_running(component):
             self.kill(component, signal.SIGTERM)
         self._spawn(component)
@@ -488,6 +490,15 @@ class Deployment:
 
     def pid(self, component: str) -> int:
         return self.procs[component].pid
+
+    def cpu_seconds(self, component: str) -> float:
+        """The CPU time the component's process and its children (running or ended) have used so far."""
+        total = 0.0
+        for p in self._tree(self.pid(component)):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                t = p.cpu_times()
+                total += t.user + t.system + t.children_user + t.children_system
+        return total
 
     def status(self) -> dict[str, str]:
         return {c: ("running" if p.poll() is None else f"exited {p.returncode}") for c, p in self.procs.items()}
