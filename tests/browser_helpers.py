@@ -18,13 +18,17 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from airflow_delay_provider.ui.paths import URL_ROUTE
 from tests.conftest import ROOT
 
 CHROMIUM = "/usr/bin/chromium"
 BIN_DIR = Path(sys.executable).parent
+#: The passwords of the users of SimpleAuthManager's four roles (each user named after its role).
+PASSWORDS = {role: f"{role}-password" for role in ("admin", "op", "user", "viewer")}
 
 
 def require_chromium() -> None:
@@ -35,6 +39,35 @@ def require_chromium() -> None:
 def launch_chromium(playwright):
     """Headless Debian chromium."""
     return playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+
+
+def log_in(browser, base: str, user: str, **context_options):
+    """A page of a new browser context (`context_options`: Playwright's, e.g. timezone_id), logged in as `user`
+    through Airflow's login form."""
+    context = browser.new_context(**{"viewport": {"width": 1400, "height": 1000}, **context_options})
+    page = context.new_page()
+    page.goto(base + "/", wait_until="networkidle")  # Airflow sends the browser to its login form
+    page.get_by_label("Username").fill(user)
+    page.get_by_label("Password").fill(PASSWORDS[user])
+    page.get_by_role("button", name="Sign in").click()
+    page.wait_for_url(base + "/", timeout=30_000)
+    return page
+
+
+@contextmanager
+def backlog_page(base: str, user: str, path: str = f"/plugin/{URL_ROUTE}") -> Iterator[tuple[Any, Any]]:
+    """Chromium logged in to Airflow's UI at `base` as `user`, on the backlog page in the UI (or at `path`) once
+    the network is idle: yields (the page, a locator of the backlog page's frame); the browser is closed after."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = launch_chromium(p)
+        try:
+            page = log_in(browser, base, user)
+            page.goto(base + path, wait_until="networkidle")
+            yield page, page.frame_locator("iframe[title='Delayed messages']")
+        finally:
+            browser.close()
 
 
 def get_json(url: str) -> dict:

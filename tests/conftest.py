@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.services import MotoServer
+from tests.shared import FILE_GROUPS, Shared, group_of
 
 ROOT = Path(__file__).resolve().parent.parent
 PG_URL = os.environ.get("DELAY_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -21,6 +23,11 @@ PG_URL = os.environ.get("DELAY_TEST_PG_URL", "postgresql+psycopg://postgres@127.
 # Airflow reads its configuration at import: set it before any test module imports Airflow.
 # One home per pytest process (each xdist worker has its own), removed at the end of its session.
 _HOME = Path(tempfile.mkdtemp(prefix="adp-airflow-"))
+# A folder the whole run shares (xdist's workers inherit it from the process that starts them, which removes it).
+_RUN_DIR_OWNED = "ADP_TEST_RUN_DIR" not in os.environ
+if _RUN_DIR_OWNED:
+    os.environ["ADP_TEST_RUN_DIR"] = tempfile.mkdtemp(prefix="adp-run-")
+_RUN_DIR = Path(os.environ["ADP_TEST_RUN_DIR"])
 os.environ.update(
     {
         "AIRFLOW_HOME": str(_HOME),
@@ -58,19 +65,35 @@ def pytest_report_header(config) -> str:
 
 @pytest.hookimpl(trylast=True)  # after the session's fixtures are torn down (pytest's own sessionfinish)
 def pytest_sessionfinish(session, exitstatus) -> None:
-    """Remove this process's Airflow home, and only it: other sessions (and workers) have theirs."""
+    """Remove this process's Airflow home, and only it: other sessions (and workers) have theirs; stop a shared
+    resource that an interrupted test left open."""
+    Shared.close_unless_next(None)
     shutil.rmtree(_HOME, ignore_errors=True)
+    if _RUN_DIR_OWNED and not hasattr(session.config, "workerinput"):
+        shutil.rmtree(_RUN_DIR, ignore_errors=True)
+
+
+def copy_migrated_sqlite(path: Path) -> None:
+    """Write an Airflow metadata database on SQLite, freshly migrated, to `path`: a copy of one that `airflow db
+    migrate` made once for the whole run (it took 20-36 s of each worker's first Airflow test, on 2 cores)."""
+    template = _RUN_DIR / f"airflow-{AIRFLOW_VERSION}.db"
+    with open(_RUN_DIR / "migrate.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the first process migrates; the others wait for it
+        if not template.exists():
+            home = Path(tempfile.mkdtemp(dir=_RUN_DIR))
+            env = {**os.environ, "AIRFLOW_HOME": str(home),
+                   "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}"}
+            subprocess.run([str(Path(sys.executable).parent / "airflow"), "db", "migrate"], check=True,
+                           stdout=subprocess.DEVNULL, env=env)
+            (home / "airflow.db").rename(template)
+            shutil.rmtree(home)
+    shutil.copyfile(template, path)
 
 
 @pytest.fixture(scope="session")
 def airflow_home() -> Path:
-    """An Airflow metadata database for this run (migrated once)."""
-    subprocess.run(
-        [str(Path(sys.executable).parent / "airflow"), "db", "migrate"],
-        check=True,
-        stdout=subprocess.DEVNULL,
-        env=os.environ.copy(),
-    )
+    """An Airflow metadata database for this process (migrated, once for the run)."""
+    copy_migrated_sqlite(_HOME / "airflow.db")
     return _HOME
 
 
@@ -263,12 +286,24 @@ def sqs_client(aws_conn):
 
 _SERVICE_DIRS = ("integration", "faults", "deployment")
 #: The files of minutes each (the stateful store test, Airflow's processes, Spark, the command line's processes),
-#: run first, longest first: `make test` hands whole files to its workers in collection order, and one of these
-#: handed out near the end of a run ran on alone for minutes.
+#: run first, longest first: `make test` hands whole files to its workers in this order (GroupedFiles), and one of
+#: these handed out near the end of a run ran on alone for minutes. A group of files sharing one resource
+#: (tests/shared.py) goes out as one, where its first file would.
 _LONGEST_FILES = ("test_store_model.py", "test_delivery.py", "test_spark.py", "test_browser.py",
                   "test_spark_cluster.py", "test_dag_runs.py", "test_store_readiness.py", "test_first_run.py",
                   "test_backlog_operators.py", "test_ui_plugin.py", "test_ui_looks.py", "test_dag_run_outage.py",
                   "test_smoke.py", "test_extra_links.py", "test_cli.py")
+_RANK = {name: n for n, name in enumerate(_LONGEST_FILES)}
+
+
+def _file_rank(item) -> tuple[int, int]:
+    """Where an item's file goes: its own rank in _LONGEST_FILES, or its group's (the best of its files'), and
+    then its place in the group."""
+    group = group_of(item.nodeid)
+    if group is None:
+        return _RANK.get(item.path.name, len(_RANK)), 0
+    names = [Path(file).name for file in FILE_GROUPS[group]]
+    return min(_RANK.get(name, len(_RANK)) for name in names), names.index(item.path.name)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -278,8 +313,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if any(part in _SERVICE_DIRS for part in item.path.parts):
             item.add_marker(pytest.mark.services)
-    rank = {name: n for n, name in enumerate(_LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    items.sort(key=_file_rank)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` as xdist does it, but keeping the collection's order of the files (xdist would sort them by
+    their number of tests, which sent the longest files, of a few slow tests each, out last), and each group of
+    files that share a resource (tests/shared.py) handed to one worker as one unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class GroupedFiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid) or super()._split_scope(nodeid)
+
+    config.option.loadscopereorder = False
+    return GroupedFiles(config, log)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test's own teardown: stop the shared resource of its group when the next test is of another."""
+    try:
+        return (yield)
+    finally:
+        Shared.close_unless_next(nextitem.nodeid if nextitem is not None else None)
 
 
 @pytest.fixture

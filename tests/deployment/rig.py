@@ -466,11 +466,13 @@ class Deployment:
         else:
             os.killpg(proc.pid, sig)
 
-    def restart(self, component: str, wait: bool = True, timeout: float = 120.0) -> float:
-        """Stop the component if it still runs, start it again with the same home and environment and (with
-        ``wait``) wait until it is healthy again (a heartbeat after the restart; the api-server: answering).
-        Returns the seconds it took."""
+    def restart(self, component: str, wait: bool = True, timeout: float = 120.0,
+                env: Mapping[str, str] | None = None) -> float:
+        """Stop the component if it still runs, start it again with the same home and environment (``env``
+        changed, for this and later starts) and (with ``wait``) wait until it is healthy again (a heartbeat after
+        the restart; the api-server: answering). Returns the seconds it took."""
         t0 = time.monotonic()
+        self.component_env.setdefault(component, {}).update({k: str(v) for k, v in (env or {}).items()})
         if self.is_running(component):
             self.kill(component, signal.SIGTERM)
         self._spawn(component)
@@ -488,6 +490,15 @@ class Deployment:
 
     def pid(self, component: str) -> int:
         return self.procs[component].pid
+
+    def cpu_seconds(self, component: str) -> float:
+        """The CPU time the component's process and its children (running or ended) have used so far."""
+        total = 0.0
+        for p in self._tree(self.pid(component)):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                t = p.cpu_times()
+                total += t.user + t.system + t.children_user + t.children_system
+        return total
 
     def status(self) -> dict[str, str]:
         return {c: ("running" if p.poll() is None else f"exited {p.returncode}") for c, p in self.procs.items()}
@@ -705,6 +716,14 @@ class Deployment:
         wanted = set(dag_ids)
         self._wait(lambda: wanted <= {d["dag_id"] for d in self.dags()}, time.monotonic() + timeout,
                    f"DAGs {sorted(wanted)} to be parsed", detail=lambda: f"import errors: {self.import_errors()}")
+
+    def add_connection(self, conn_id: str, value: Mapping[str, Any], user: str = "admin") -> dict:
+        """Define a connection in the metadata database through the REST API, as a user does in the UI (the
+        ``connections`` given at start are environment variables instead); ``value`` as ``connections`` takes it."""
+        body = {"connection_id": conn_id, **{k: v for k, v in value.items() if k != "extra"}}
+        if "extra" in value:
+            body["extra"] = json.dumps(value["extra"])
+        return self.api("POST", "/api/v2/connections", user=user, json=body)
 
     def set_paused(self, dag_id: str, paused: bool, user: str = "admin") -> dict:
         return self.api("PATCH", f"/api/v2/dags/{dag_id}", user=user, json={"is_paused": paused})

@@ -1,6 +1,7 @@
 """Every example DAG as a first-time user meets it: a real deployment (tests/deployment/rig.py) over the repository's
 dags folder with the store connection only (no RabbitMQ, AWS or Spark connection, no AWS region), every DAG
-unpaused, the manual ones triggered through the REST API with their forms' defaults. Each run succeeds; the tasks
+unpaused, the manual ones triggered through the REST API with their forms' defaults (test_delivery then adds
+the other connections to the same deployment, which this module's tests run first on). Each run succeeds; the tasks
 of a broker without its connection are skipped, their logs saying which connection to define and how; nothing
 fails. The components run without rfc3339-validator, as a plain install does (Airflow checks `format: date-time`
 only with it), so the trigger form's refusal of a `deliver_at` that is not a date-time is the schema's own."""
@@ -9,15 +10,11 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from datetime import timedelta
 
 import pytest
 
-from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
-from tests.conftest import PG_URL, ROOT
 from tests.deployment.rig import RestError, utcnow, wait_for
-from tests.helpers import store_connection
 
 #: DAG -> the conf of its manual run (a scheduled DAG's first run is the one unpausing starts).
 MANUAL = {
@@ -45,22 +42,15 @@ SKIPPED = {
 
 
 @pytest.fixture(scope="module")
-def fresh_store(pg_schema):
-    """A store of this module's own (its own tables), created as a deployment's init or `make demo` does."""
-    table = f"first_{uuid.uuid4().hex[:6]}"
-    store = SqlDelayedMessageStore(PG_URL, schema=pg_schema, table=table)
-    store.create_schema()
-    return store_connection(PG_URL, pg_schema, table=table), store
+def airflow(examples_deployment):
+    """The deployment this module shares with test_delivery (tests/deployment/conftest.py), which runs after it."""
+    return examples_deployment[0]
 
 
 @pytest.fixture(scope="module")
-def airflow(deployment, fresh_store, tmp_path_factory):
-    hidden = tmp_path_factory.mktemp("plain_install")
-    # jsonschema registers its date-time check only if this imports: as in an install without the package.
-    (hidden / "rfc3339_validator.py").write_text('raise ImportError("not installed, as in a plain install")\n')
-    connection, _ = fresh_store
-    return deployment(ROOT / "dags", connections={"delay_store_default": connection},
-                      env={"PYTHONPATH": str(hidden), "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "5"})
+def fresh_store(examples_deployment):
+    """The deployment's store: tables of its own, created as a deployment's init or `make demo` does."""
+    return examples_deployment[1]
 
 
 def _log(airflow, dag_id: str, run_id: str, task_id: str) -> str:
@@ -127,7 +117,6 @@ def test_every_example_dag_succeeds_with_only_the_store_connection(airflow):
 
 def test_the_manual_send_form_refuses_a_deliver_at_that_is_not_a_date_time_and_takes_a_json_policy(airflow,
                                                                                                    fresh_store):
-    _, store = fresh_store
     airflow.unpause("delay_manual_send")
     runs_before = len(airflow.dag_runs("delay_manual_send"))
     for bad in ("tomorrow", "2026-12-24T18:00:00"):  # no timezone
@@ -145,9 +134,9 @@ def test_the_manual_send_form_refuses_a_deliver_at_that_is_not_a_date_time_and_t
     run_id = airflow.trigger("delay_manual_send", conf)
     assert airflow.wait_run("delay_manual_send", run_id, timeout=180) == "success", airflow.task_states(
         "delay_manual_send", run_id)
-    stored = store.policies()["first.custom"]["healthyRetryPolicy"]
+    stored = fresh_store.policies()["first.custom"]["healthyRetryPolicy"]
     assert {k: stored[k] for k in policy["healthyRetryPolicy"]} == policy["healthyRetryPolicy"]
-    message = store.get(airflow.xcom("delay_manual_send", run_id, "send"))
+    message = fresh_store.get(airflow.xcom("delay_manual_send", run_id, "send"))
     # Due then: whole seconds from the store's clock, rounded up (never early).
     assert message.destination == "first.custom" and due <= message.due_at < due + timedelta(seconds=1), message
     airflow.pause("delay_manual_send")

@@ -23,10 +23,13 @@ pytestmark = pytest.mark.services  # builds with setuptools fetched by pip into 
 @pytest.fixture(scope="module")
 def dists(tmp_path_factory) -> dict[str, Path]:
     # Built from a copy: building the sdist writes its egg-info into the source tree, where (on sys.path from
-    # the checkout) it would register the provider's entry points a second time for the other tests.
+    # the checkout) it would register the provider's entry points a second time for the other tests. The copy
+    # leaves out what a clean checkout does not have (.gitignore): `make test` builds the compatibility run's venv
+    # (1.7 GB) beside the suite, and copying it took a minute.
     source, out = tmp_path_factory.mktemp("source") / "tree", tmp_path_factory.mktemp("dist")
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
-        ".git", ".venv", ".airflow", "dist", "build", "*.egg-info", "__pycache__", "results", ".pytest_cache"))
+        ".git", ".venv", ".venv-airflow-*", ".airflow", "dist", "build", "*.egg-info", "__pycache__", "results",
+        ".pytest_cache", ".mypy_cache", ".ruff_cache", ".hypothesis", "_build"))
     subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(source)], check=True,
                    capture_output=True, text=True)
     return {"wheel": next(out.glob("*.whl")), "sdist": next(out.glob("*.tar.gz"))}

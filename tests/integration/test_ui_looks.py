@@ -3,7 +3,8 @@ api-server` with a user of each role: it follows the UI's colour mode and time z
 no layout break from 1024 to 1920 px wide in either mode, says what a run now does for a paused destination and
 which connection a 503 is about, and opens filtered from a task's extra link.
 
-The api-server is this module's own (the fixture of test_ui_plugin, started once per module).
+The api-server is the one test_ui_plugin's page tests ran on just before (tests/shared.py): its store as they left
+it, which these tests add their own rows to.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import pytest
 from airflow_delay_provider.core.backlog import Selector
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.ui.paths import URL_PREFIX, URL_ROUTE, page_url
-from tests.browser_helpers import launch_chromium, layout_problems, screenshot_path
-from tests.integration.test_ui_plugin import _log_in, api_server  # noqa: F401 - the fixture, for this module
+from tests.browser_helpers import backlog_page, launch_chromium, layout_problems, log_in, screenshot_path
+from tests.integration.test_ui_plugin import api_server  # noqa: F401 - the fixture, for this module
 
 WIDTHS = (1024, 1400, 1920)
 #: Rows of buttons (and the search form) that must each stay on one line.
@@ -75,7 +76,7 @@ def test_the_page_follows_airflows_mode_and_time_zone_with_no_layout_break_from_
     measured = []
     with sync_playwright() as p:
         browser = launch_chromium(p)
-        page = _log_in(browser, base, role, timezone_id="America/New_York")
+        page = log_in(browser, base, role, timezone_id="America/New_York")
         for mode, (zone, due_text, zone_text) in SETTINGS.items():
             page.evaluate(STORE_CHOICES, [mode, zone])
             page.set_viewport_size({"width": WIDTHS[0], "height": 900})
@@ -112,21 +113,16 @@ def test_the_page_follows_airflows_mode_and_time_zone_with_no_layout_break_from_
 
 
 def test_run_now_on_a_paused_destination_says_it_is_held_until_resumed(api_server):  # noqa: F811
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     base, store = api_server
     store.store([DelayedMessage("refunds", b"r", FAR, message_id="refunds-far")])  # refunds is paused
-    with sync_playwright() as p:
-        browser = launch_chromium(p)
-        page = _log_in(browser, base, "admin")
-        page.goto(f"{base}/plugin/{URL_ROUTE}", wait_until="networkidle")
-        frame = page.frame_locator("iframe[title='Delayed messages']")
+    with backlog_page(base, "admin") as (_page, frame):
         row = frame.locator("tr[data-message-id='refunds-far']")
         row.get_by_role("button", name="Run now").click()
         frame.get_by_role("alertdialog").get_by_role("button", name="Run now").click()
         expect(frame.locator("#status")).to_have_text(
             "Made due now; held while paused: 1 message; “refunds” sends nothing until resumed.")
-        browser.close()
     assert store.get("refunds-far").due_at < FAR
     assert store.destinations()["refunds"]["paused"] is True
 
@@ -141,7 +137,7 @@ def test_a_503_names_the_connection_and_never_its_url(api_server):  # noqa: F811
               "has the details under error id 0123456789ab")
     with sync_playwright() as p:
         browser = launch_chromium(p)
-        page = _log_in(browser, base, "viewer")
+        page = log_in(browser, base, "viewer")
         page.route(f"**{URL_PREFIX}/api/**", lambda route: route.fulfill(
             status=503, json={"detail": detail, "error_id": "0123456789ab", "conn_id": "delay_store_default"}))
         page.goto(f"{base}/plugin/{URL_ROUTE}", wait_until="networkidle")
@@ -157,16 +153,12 @@ def test_a_503_names_the_connection_and_never_its_url(api_server):  # noqa: F811
 
 
 def test_a_tasks_extra_link_opens_the_page_in_the_ui_on_its_destination_and_messages(api_server):  # noqa: F811
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     base, store = api_server
     sent = ["orders-1", "orders-4"]
     assert all(store.get(m) is not None for m in sent)
-    with sync_playwright() as p:
-        browser = launch_chromium(p)
-        page = _log_in(browser, base, "viewer")
-        page.goto(base + page_url("orders", sent), wait_until="networkidle")
-        frame = page.frame_locator("iframe[title='Delayed messages']")  # in the UI, not the bare page
+    with backlog_page(base, "viewer", page_url("orders", sent)) as (_page, frame):  # in the UI, not the bare page
         expect(frame.locator("#messages tbody tr")).to_have_count(2)
         assert sorted(frame.locator("#messages tbody tr").evaluate_all(
             "rows => rows.map(r => r.dataset.messageId)")) == sent
@@ -176,4 +168,3 @@ def test_a_tasks_extra_link_opens_the_page_in_the_ui_on_its_destination_and_mess
         frame.get_by_role("button", name="Show all messages").click()
         expect(frame.locator("#id-filter")).to_be_hidden()
         expect(frame.locator("#messages tbody tr")).not_to_have_count(2)
-        browser.close()

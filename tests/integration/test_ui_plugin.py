@@ -10,8 +10,11 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 from sqlalchemy.engine import make_url
@@ -24,16 +27,20 @@ from airflow_delay_provider.transports.sql import SqlTableTransport
 from airflow_delay_provider.ui.plugin import URL_PREFIX, URL_ROUTE, DelayBacklogPlugin
 from tests.browser_helpers import (
     BIN_DIR,
+    PASSWORDS,
     airflow_env,
     airflow_process,
+    backlog_page,
     get_json,
     launch_chromium,
+    log_in,
     require_chromium,
     screenshot_path,
 )
-from tests.conftest import PG_URL
+from tests.conftest import PG_URL, copy_migrated_sqlite
 from tests.helpers import make_store
 from tests.services import free_port
+from tests.shared import Shared
 
 SIMPLE_AUTH_MANAGER = "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager"
 USERS = "admin:admin,viewer:viewer,user:user"
@@ -480,15 +487,20 @@ def test_a_transport_that_cannot_peek_says_so_without_the_exceptions_text(client
 
 
 # -- the page in a real browser, against `airflow api-server` -------------------------------------------------
-PASSWORDS = {role: f"{role}-password" for role in ("admin", "op", "user", "viewer")}  # SimpleAuthManager's four
+_API_SERVER = Shared("page_api_server")
 
 
 @pytest.fixture(scope="module")
 def api_server(tmp_path_factory):
     """`airflow api-server` (one worker) on a free port with a user of each of SimpleAuthManager's roles (named
-    after it), and a seeded SQLite store as `delay_store_default`; yields (base URL, the store)."""
+    after it), and a seeded SQLite store as `delay_store_default`: (base URL, the store). This module's page tests
+    run on it first, then test_ui_looks' (tests/shared.py)."""
     require_chromium()
-    home = tmp_path_factory.mktemp("api_server")
+    return _API_SERVER.get(lambda: _api_server(tmp_path_factory.mktemp("api_server")))
+
+
+@contextmanager
+def _api_server(home: Path) -> Iterator[tuple[str, SqlDelayedMessageStore]]:
     (home / "passwords.json").write_text(json.dumps(PASSWORDS))
     port = free_port()
     env = airflow_env(
@@ -501,7 +513,7 @@ def api_server(tmp_path_factory):
         AIRFLOW__DELAY_PROVIDER__UI_TRANSPORT="sql",  # count the dead letters of the store database's queues
     )
     env.pop("AIRFLOW__DELAY_PROVIDER__UI_CONN_ID", None)
-    subprocess.run([str(BIN_DIR / "airflow"), "db", "migrate"], env=env, check=True, stdout=subprocess.DEVNULL)
+    copy_migrated_sqlite(home / "airflow.db")  # where airflow_env's Airflow has its metadata
     store = SqlDelayedMessageStore(f"sqlite:///{home / 'delay_store.db'}")
     store.create_schema()
     seed(store)
@@ -524,19 +536,6 @@ def api_server(tmp_path_factory):
         yield base, store
 
 
-def _log_in(browser, base: str, user: str, **context_options):
-    """A page of a new browser context (`context_options`: Playwright's, e.g. timezone_id), logged in as `user`
-    through Airflow's login form."""
-    context = browser.new_context(**{"viewport": {"width": 1400, "height": 1000}, **context_options})
-    page = context.new_page()
-    page.goto(base + "/", wait_until="networkidle")  # Airflow sends the browser to its login form
-    page.get_by_label("Username").fill(user)
-    page.get_by_label("Password").fill(PASSWORDS[user])
-    page.get_by_role("button", name="Sign in").click()
-    page.wait_for_url(base + "/", timeout=30_000)
-    return page
-
-
 def test_an_admin_opens_the_page_from_the_browse_menu_and_cancels_a_message_after_confirming(api_server, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
@@ -544,7 +543,7 @@ def test_an_admin_opens_the_page_from_the_browse_menu_and_cancels_a_message_afte
     screenshot = screenshot_path("backlog_page.png", tmp_path)
     with sync_playwright() as p:
         browser = launch_chromium(p)
-        page = _log_in(browser, base, "admin")
+        page = log_in(browser, base, "admin")
         page.get_by_role("button", name="Browse").click()
         page.get_by_role("menuitem", name="Delayed messages").click()
         page.wait_for_url(f"**/plugin/{URL_ROUTE}**")
@@ -606,15 +605,11 @@ def test_an_admin_opens_the_page_from_the_browse_menu_and_cancels_a_message_afte
 
 
 def test_a_viewer_sees_the_backlog_without_actions_or_bodies_and_is_refused_one(api_server, tmp_path):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     base, store = api_server
     screenshot = screenshot_path("backlog_page_viewer.png", tmp_path)
-    with sync_playwright() as p:
-        browser = launch_chromium(p)
-        page = _log_in(browser, base, "viewer")
-        page.goto(f"{base}/plugin/{URL_ROUTE}", wait_until="networkidle")
-        frame = page.frame_locator("iframe[title='Delayed messages']")
+    with backlog_page(base, "viewer") as (page, frame):
         expect(frame.locator("#who")).to_contain_text("viewer · read only")
         expect(frame.locator("tr[data-message-id='orders-4']")).to_contain_text("300 bytes")
         expect(frame.locator("tr[data-message-id='orders-4']")).to_contain_text("order-id=4")  # headers are shown
@@ -629,7 +624,6 @@ def test_a_viewer_sees_the_backlog_without_actions_or_bodies_and_is_refused_one(
         # The server refuses the action too, whatever the page shows.
         refused = page.request.post(f"{base}{URL_PREFIX}/api/cancel", data={"message_ids": ["orders-4"]})
         assert refused.status == 403
-        browser.close()
     assert store.get("orders-4") is not None
     assert screenshot.stat().st_size > 10_000
 
@@ -637,16 +631,12 @@ def test_a_viewer_sees_the_backlog_without_actions_or_bodies_and_is_refused_one(
 @pytest.mark.parametrize("role", ["user", "op"])
 def test_the_roles_that_may_edit_dags_see_bodies_and_actions_and_run_a_message_now(api_server, tmp_path, role):
     """SimpleAuthManager's user and op may edit DAGs, so they may act; the how-to shows the user's page."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     base, store = api_server
     message_id = {"user": "orders-5", "op": "orders-2"}[role]  # due in 2 days, in 30 min
     screenshot = screenshot_path(f"backlog_page_{role}.png", tmp_path)
-    with sync_playwright() as p:
-        browser = launch_chromium(p)
-        page = _log_in(browser, base, role)
-        page.goto(f"{base}/plugin/{URL_ROUTE}", wait_until="networkidle")
-        frame = page.frame_locator("iframe[title='Delayed messages']")
+    with backlog_page(base, role) as (page, frame):
         expect(frame.locator("#who")).to_contain_text(f"{role} · may act")
         row = frame.locator(f"tr[data-message-id='{message_id}']")
         expect(row).to_contain_text("order")  # the body's first bytes
@@ -656,7 +646,6 @@ def test_the_roles_that_may_edit_dags_see_bodies_and_actions_and_run_a_message_n
         row.get_by_role("button", name="Run now").click()
         frame.get_by_role("alertdialog").get_by_role("button", name="Run now").click()
         expect(frame.locator("#status")).to_have_text("Made due now: 1 message.")
-        browser.close()
     assert store.get(message_id).due_at <= utcnow()
     assert screenshot.stat().st_size > 10_000
 
@@ -664,7 +653,7 @@ def test_the_roles_that_may_edit_dags_see_bodies_and_actions_and_run_a_message_n
 def test_a_mistyped_destination_with_dead_letters_is_forgotten_after_a_second_confirmation(api_server):
     """Refused while its dead letters remain: the page says why and offers to force it; forced, the name goes
     and its dead letters stay in the error queue."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     base, store = api_server
     now = utcnow()
@@ -672,11 +661,7 @@ def test_a_mistyped_destination_with_dead_letters_is_forgotten_after_a_second_co
     store.cancel(Selector(message_ids=("typo-1",)))  # known, nothing scheduled
     queues = SqlTableTransport(store.url)
     queues.send([DelayedMessage("ordrs", b"{}", now, message_id="typo-dead").dead_lettered("error", "no queue", now)])
-    with sync_playwright() as p:
-        browser = launch_chromium(p)
-        page = _log_in(browser, base, "admin")
-        page.goto(f"{base}/plugin/{URL_ROUTE}", wait_until="networkidle")
-        frame = page.frame_locator("iframe[title='Delayed messages']")
+    with backlog_page(base, "admin") as (_page, frame):
         row = frame.locator("#destinations tr[data-destination='ordrs']")
         row.get_by_role("button", name="Forget…").click()
         dialog = frame.get_by_role("alertdialog")
@@ -685,7 +670,6 @@ def test_a_mistyped_destination_with_dead_letters_is_forgotten_after_a_second_co
         dialog.get_by_role("button", name="Forget anyway").click()
         expect(frame.locator("#status")).to_have_text("Forgot ordrs; its dead letters are still in the error queue.")
         expect(row).to_have_count(0)
-        browser.close()
     assert "ordrs" not in store.destinations()
     left = [m.message_id for m in queues.peek("error", 10) if m.headers[HEADER_FAILED_DESTINATION] == "ordrs"]
     assert left == ["typo-dead"]
