@@ -673,3 +673,43 @@ def test_a_mistyped_destination_with_dead_letters_is_forgotten_after_a_second_co
     assert "ordrs" not in store.destinations()
     left = [m.message_id for m in queues.peek("error", 10) if m.headers[HEADER_FAILED_DESTINATION] == "ordrs"]
     assert left == ["typo-dead"]
+
+
+def test_dead_letters_are_listed_for_each_role_and_an_admin_redrives_and_deletes_them_seen_in_recent_actions(
+        api_server):
+    """Two dead letters of its own (deleted by the end, so the other page tests see the store as seeded)."""
+    from playwright.sync_api import expect
+
+    base, store = api_server
+    transport = SqlTableTransport(store.url)
+    now = utcnow()
+    ids = ["page-dl-0", "page-dl-1"]
+    transport.send([DelayedMessage("orders", b'{"refund": 7}', now, message_id=m).dead_lettered(
+        "error", "410 gone for good", now) for m in ids])
+    with backlog_page(base, "viewer") as (_, frame):
+        row = frame.locator("#dead-letters tr[data-message-id='page-dl-0']")
+        expect(row).to_contain_text("410 gone for good")
+        expect(row).to_contain_text("13 bytes")  # a size, not the body
+        expect(frame.locator("#dead-letters input[type=checkbox]")).to_have_count(0)
+    with backlog_page(base, "admin") as (_, frame):
+        dialog = frame.get_by_role("alertdialog")
+        row = frame.locator("#dead-letters tr[data-message-id='page-dl-0']")
+        expect(row).to_contain_text('{"refund": 7}')
+        row.get_by_role("checkbox").check()
+        frame.get_by_role("button", name="Redrive selected").click()
+        expect(dialog).to_contain_text("Store 1 dead letter again")
+        dialog.get_by_role("button", name="Redrive").click()
+        # Its destination has no queue on the transport: it stays, and the page says why.
+        expect(frame.locator("#status")).to_contain_text("'orders' is not provisioned")
+        for m in ids:
+            frame.locator(f"#dead-letters tr[data-message-id='{m}']").get_by_role("checkbox").check()
+        frame.get_by_role("button", name="Delete selected").click()
+        expect(dialog).to_contain_text("Delete 2 dead letters for good?")
+        dialog.get_by_role("button", name="Delete").click()
+        expect(frame.locator("#status")).to_have_text("Deleted 2 dead letters.")
+        expect(frame.locator("#dead-letters tr[data-message-id='page-dl-0']")).to_have_count(0)
+        latest = frame.locator("#actions tbody tr").first
+        expect(latest).to_contain_text("delete dead letters")
+        expect(latest).to_contain_text("admin")
+        expect(latest).to_contain_text("deleted 2")
+    assert {m.message_id for m in transport.peek("error", 10)} & set(ids) == set()
