@@ -155,7 +155,7 @@ def consume_sql(spec: dict) -> dict:
     print("ready", flush=True)
     due = float(sys.stdin.readline())
     time.sleep(max(0.0, due - 0.05 - time.time()))
-    arrivals, enqueued, received = first_delivery.poll(transport, spec["queue"], spec["n"], spec["timeout"],
+    arrivals, enqueued, _, received = first_delivery.poll(transport, spec["queue"], spec["n"], spec["timeout"],
                                                        spec["poll_ms"], spec["linger"])
     return {**consumed(arrivals, received, spec["want_arrivals"]), "first_enqueued": min(enqueued, default=None)}
 
