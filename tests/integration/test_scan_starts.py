@@ -248,3 +248,11 @@ def test_a_claim_is_the_same_statement_whether_or_not_where_claims_start_is_know
         _claim(store)
     assert store.claims.due_start.value != 0
     assert claim_sql() == unknown
+
+
+def test_a_receive_is_the_same_statement_whether_or_not_where_it_starts_is_known(queue):
+    """As the claims': a consumer's first receive after a wait is not a statement its process has not run."""
+    def receive_sql(start: int) -> str:
+        return str(queue._receiving("orders", 10, queue.clock(), start).compile(dialect=postgresql.dialect()))
+
+    assert receive_sql(0) == receive_sql(12345)
