@@ -26,6 +26,12 @@ connections open). Progress goes to stderr, the tables to stdout, the figures to
 
     .venv/bin/python bench/bench_throughput.py                          # 20,000 messages, 5 latency runs
     .venv/bin/python bench/bench_throughput.py --messages 5000 --runs 1 --plot docs/bench_throughput.png
+
+`--ab COMMIT` runs only the first delivery of a burst (bench/first_delivery.py): COMMIT's package and the working
+tree's in turns, `--ab-rounds` bursts each, with the ratios of their medians; `--graphile` adds graphile-worker's
+run of the same burst to each round. No RabbitMQ is needed for it.
+
+    .venv/bin/python bench/bench_throughput.py --pg default --ab 16253c2 --ab-rounds 5 --graphile
 """
 
 from __future__ import annotations
@@ -52,10 +58,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import first_delivery  # noqa: E402
 import pgserver  # noqa: E402
 from bench_rabbitmq import rabbitmqctl, raw_windowed  # noqa: E402
 from bench_store import libpq, peak_rss_mb, pyplot, raw_claim  # noqa: E402
-from machine import postgresql, settings_text  # noqa: E402
+from machine import describe, machine, postgresql, settings_text  # noqa: E402
 
 from airflow_delay_provider.core.delays import utcnow  # noqa: E402
 from airflow_delay_provider.core.message import DelayedMessage  # noqa: E402
@@ -148,24 +155,8 @@ def consume_sql(spec: dict) -> dict:
     print("ready", flush=True)
     due = float(sys.stdin.readline())
     time.sleep(max(0.0, due - 0.05 - time.time()))
-    arrivals: dict[str, float] = {}
-    enqueued = []  # when the pump inserted each batch's first row: its side of the latency
-    received = 0
-    deadline = time.monotonic() + spec["timeout"]
-    linger_until = None
-    while time.monotonic() < deadline and (linger_until is None or time.monotonic() < linger_until):
-        batch = transport.receive(spec["queue"], max_messages=1000, visibility_timeout=600)
-        now = time.time()
-        if not batch:
-            time.sleep(spec["poll_ms"] / 1000)
-            continue
-        received += len(batch)
-        enqueued.append(min(m.enqueued_at.timestamp() for m in batch))
-        for m in batch:
-            arrivals.setdefault(m.message_id, now)
-        transport.ack(spec["queue"], [m.receipt for m in batch])
-        if linger_until is None and len(arrivals) >= spec["n"]:
-            linger_until = time.monotonic() + spec["linger"]
+    arrivals, enqueued, _, received = first_delivery.poll(transport, spec["queue"], spec["n"], spec["timeout"],
+                                                       spec["poll_ms"], spec["linger"])
     return {**consumed(arrivals, received, spec["want_arrivals"]), "first_enqueued": min(enqueued, default=None)}
 
 
@@ -596,6 +587,21 @@ def interrupt(_signum, _frame) -> None:
     raise KeyboardInterrupt
 
 
+def first_delivery_ab(args) -> None:
+    """--ab: the burst's first delivery on an earlier commit and the working tree, in one run on one server."""
+    signal.signal(signal.SIGTERM, interrupt)
+    with pgserver.server(args):
+        info = machine(args.pg_url)
+        r = first_delivery.ab(args.pg_url, args.ab, args.ab_rounds, args.messages, args.ab_lead, args.poll_ms,
+                              args.timeout, args.graphile)
+        r["machine"] = {**info, "load_average_at_end": round(os.getloadavg()[0], 2)}
+    print(describe(info) + f" (load average {r['machine']['load_average_at_end']} at end)\n")
+    print(first_delivery.report(r))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"first_delivery_ab": r}, indent=2, default=str))
+    log(f"wrote {args.json}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1", help="RabbitMQ host (rabbitmqctl must reach the same broker)")
@@ -612,10 +618,18 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds any one drain may take")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "throughput.json")
     parser.add_argument("--plot", type=Path, help="write a bar chart of the rates (needs matplotlib)")
+    parser.add_argument("--ab", metavar="COMMIT", help="only the first delivery of a burst: COMMIT's package beside "
+                        "the working tree's, in turns (see bench/first_delivery.py)")
+    parser.add_argument("--ab-rounds", type=int, default=5, help="bursts of each side with --ab")
+    parser.add_argument("--ab-lead", type=float, default=24.0, help="seconds a burst is stored ahead with --ab")
+    parser.add_argument("--graphile", action="store_true", help="with --ab, graphile-worker's run of the same burst "
+                        "in each round (bench/graphile, installed with npm ci)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(json.loads(args.child))
+    if args.ab:
+        return first_delivery_ab(args)
 
     # A SIGTERM unwinds like Ctrl-C, so the schema and vhost are dropped either way.
     signal.signal(signal.SIGTERM, interrupt)

@@ -9,6 +9,7 @@ dispatch is exactly once.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 #: While the only due rows are held elsewhere, the pump looks again after this long, doubling each time.
 MIN_HELD_BACKOFF_SECONDS = 0.005
 MAX_HELD_BACKOFF_SECONDS = 1.0
+#: How long after a wake the pump starts no upkeep while it finds work (seconds), at most; see `Pump._run`.
+QUIET_AFTER_WAKE_SECONDS = 5.0
 
 
 @dataclass
@@ -367,9 +370,14 @@ class Pump:
         first = min(self.config.first_batch_size, self.config.batch_size)
         # A pump starts on a backlog in full batches; after sleeping, a burst falls due and its head goes first.
         ramp = self.config.batch_size
+        # From a wake until the work found there is done (or QUIET_AFTER_WAKE_SECONDS), no upkeep starts: a pump
+        # woken at a due time found every background pass overdue at once (the store's move of `_later` and its
+        # look, its tables' and the queues' checks), and their threads took the GIL and the CPU from the burst's
+        # first claims. They start before the pump sleeps instead, and run while it does.
+        quiet_until = -math.inf
         while True:
-            self.store.upkeep()
-            self.transport.upkeep()
+            if time.monotonic() >= quiet_until:
+                self._upkeep()
             now = self._clock()
             in_flight = len(self._inflight.messages) if self._inflight else 0
             if deadline is not None and now >= deadline:
@@ -395,6 +403,9 @@ class Pump:
             if batch.batches or self._inflight is not None:
                 held_backoff = MIN_HELD_BACKOFF_SECONDS
                 continue
+            if time.monotonic() < quiet_until:  # what the wake found is done
+                quiet_until = -math.inf
+                self._upkeep()
             try:
                 next_due = self.store.next_due(due_before=due_before)
             except CriticalError:
@@ -412,7 +423,7 @@ class Pump:
                 # throttle): look again soon, backing off while they stay held, without spinning.
                 self.store.wait(now + timedelta(seconds=held_backoff))
                 held_backoff = min(held_backoff * 2, MAX_HELD_BACKOFF_SECONDS)
-                ramp = first
+                ramp, quiet_until = first, time.monotonic() + QUIET_AFTER_WAKE_SECONDS
                 continue
             held_backoff = MIN_HELD_BACKOFF_SECONDS
             target = now + timedelta(seconds=self.config.max_idle_seconds)
@@ -425,7 +436,11 @@ class Pump:
             if deadline is not None:
                 target = min(target, deadline)
             self.store.wait(target)
-            ramp = first
+            ramp, quiet_until = first, time.monotonic() + QUIET_AFTER_WAKE_SECONDS
+
+    def _upkeep(self) -> None:
+        self.store.upkeep()
+        self.transport.upkeep()
 
     def _settle_inflight(self, stats: PumpStats) -> None:
         self._release_ahead()

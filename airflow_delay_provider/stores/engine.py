@@ -274,7 +274,11 @@ def get_engine(url: URL | str) -> Engine:
 def _create(url: URL) -> Engine:
     if url.get_backend_name() != "sqlite":
         options = postgres_session_options(url)
-        return create_engine(engine_url(url), pool_pre_ping=True, pool_size=5, max_overflow=5, connect_args=options)
+        # Last in, first out: a pump's claims run on the connection its previous statement used, whose server
+        # process has the claim's plan and the counts trigger's function ready. In turns (the default), a pump
+        # woken at a due time took the connection idle the longest, often one only a background pass had used.
+        return create_engine(engine_url(url), pool_pre_ping=True, pool_size=5, max_overflow=5, pool_use_lifo=True,
+                             connect_args=options)
     engine = create_engine(url, connect_args={"timeout": 30})
 
     @event.listens_for(engine, "connect")

@@ -411,7 +411,15 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
 
     # -- waiting (stores/listener.py) ----------------------------------------------------------------
     def wait(self, until: datetime) -> None:
-        """Sleep until `until`, returning early when a message due sooner is stored (`StoreWaiting.wait`)."""
+        """Sleep until `until`, returning early when a message due sooner is stored (`StoreWaiting.wait`). On a store
+        in partitions, the move and look of `_later` start a second before `until` if their bound would lapse by
+        then (`LaterMessages.look_before`), so that the claims of the wake read `_soon` alone."""
+        look_at = self.later.look_before(to_us(until)) if self._tiered else None
+        if look_at is not None:
+            self.waiting.wait(from_us(look_at))
+            if to_us(self.clock()) < look_at:
+                return  # woken by a message: the caller reads the next due time again
+            self.upkeep()
         self.waiting.wait(until)
 
     async def wait_async(self, until: datetime) -> None:

@@ -91,6 +91,9 @@ FULL_LOOK_SECONDS = 60.0
 #: How long before the move reaches the next hour's partition (`SOON_US` before the turn) it starts reading that
 #: partition's pages into memory, a piece each run (seconds); see `LaterMessages.warm`.
 WARM_AHEAD_SECONDS = 540.0
+#: How long before a sleeping process wakes (µs) it starts the move and the look when the last look's bound would
+#: lapse by then; see `LaterMessages.look_before`.
+LOOK_BEFORE_WAKE_US = 1_000_000
 _COLUMNS = "id, message_id, destination, body, headers, due_at_us, stored_at_us, failures, claim_id"
 
 
@@ -264,6 +267,16 @@ class LaterMessages(BackgroundWork):
         self.start_us = self._mark_us if low is None else min(low, self._mark_us)
         self._mark_us = horizon
         self.clear_until_us = horizon if value is None else value
+
+    def look_before(self, wake_us: int) -> int | None:
+        """When (the database's clock, µs) a process asleep until `wake_us` should start the move and the look, or
+        None: when the last look's bound lapses before a second after the wake. Moves run only while a pump is
+        awake, and one that slept longer than `CLEAR_US` woke with the bound lapsed: the first claims of the burst
+        it woke for read every partition, and the burst's rows, if the move had not reached them, from `_later`."""
+        at = wake_us - LOOK_BEFORE_WAKE_US
+        if self.clear_until_us >= wake_us + LOOK_BEFORE_WAKE_US or at <= to_us(self.db.clock()):
+            return None
+        return at
 
     def move_batch(self, limit: int) -> int | None:
         """One move of up to `limit` rows due within `SOON_US` into `_soon`, in a transaction of its own; returns

@@ -231,3 +231,28 @@ def test_a_reading_of_where_claims_start_stops_at_the_first_row(store):
     _store_due_now(store, 5000, "later", ago=-3600)
     reading = store.claims.earliest_due(to_us(store.clock())).where(store.table.c.due_at_us >= 0)
     assert _entries_read(store, store.table_name, reading) < 10
+
+
+def test_a_claim_is_the_same_statement_whether_or_not_where_claims_start_is_known(store, clock):
+    """Where claims start is a bound value from the first claim on: a condition added only once the start was known
+    made the first claim of a burst, after a pump had slept through the reading that found it, a statement the
+    process had never run, compiled and planned on the way to the burst's first row."""
+    def claim_sql() -> str:
+        return str(store.due_ids(store.clock(), 10).compile(dialect=postgresql.dialect()))
+
+    unknown = claim_sql()  # nothing stored, nothing read: no start yet
+    assert store.claims.due_start.value == 0
+    _store_due_now(store, 3, "a")
+    for _ in range(2):
+        clock.reading_due()
+        _claim(store)
+    assert store.claims.due_start.value != 0
+    assert claim_sql() == unknown
+
+
+def test_a_receive_is_the_same_statement_whether_or_not_where_it_starts_is_known(queue):
+    """As the claims': a consumer's first receive after a wait is not a statement its process has not run."""
+    def receive_sql(start: int) -> str:
+        return str(queue._receiving("orders", 10, queue.clock(), start).compile(dialect=postgresql.dialect()))
+
+    assert receive_sql(0) == receive_sql(12345)

@@ -358,6 +358,20 @@ def test_claims_leave_later_out_while_a_look_finds_nothing_due_there(pg):
     assert store.get("m-10").due_at > from_us(int(store.later.clear_until_us))
 
 
+def test_a_store_asleep_past_the_looks_bound_moves_and_looks_a_second_before_it_wakes(pg):
+    """Moves run while a pump is awake: one that slept longer than the look's bound woke with it lapsed, and the
+    first claims of the burst it woke for read every partition. The wait starts the move and the look a second
+    before the wake instead, so that the claims at the wake read `_soon` alone."""
+    store = _store(pg)
+    store.wait(store.clock() + timedelta(seconds=0.2))  # the first wait only opens the LISTEN connection
+    wake = store.clock() + timedelta(seconds=1.5)
+    assert not store.claims_soon_only(wake)  # no look yet: the bound has lapsed (as after a long sleep)
+    store.wait(wake)
+    assert store.later.thread is not None
+    store.later.thread.join(30)
+    assert store.claims_soon_only(wake)
+
+
 def test_a_due_row_the_move_did_not_take_keeps_claims_reading_later(pg, monkeypatch):
     """Without the move (none has run, or it failed), a look that finds a row of `_later` due soon bounds the
     claims' `_soon`-only reading at its due time: from then on they read `_later` too and take it on time."""

@@ -84,6 +84,41 @@ def test_batches_start_small_after_a_wake_and_grow_to_the_batch_size():
     assert result.stats.dispatched == 100 and transport.sizes == [10, 20, 40, 30]
 
 
+class Upkept(InMemoryStore):
+    """Records the pump's claims, waits and upkeep calls in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[str] = []
+
+    def upkeep(self) -> None:
+        self.events.append("upkeep")
+
+    def wait(self, until) -> None:
+        self.events.append("wait")
+        super().wait(until)
+
+    def claim_due(self, *args, **kwargs):
+        self.events.append("claim")
+        return super().claim_due(*args, **kwargs)
+
+
+def test_a_pump_woken_at_a_due_time_claims_the_burst_before_any_upkeep_and_starts_it_before_it_sleeps():
+    transport = InMemoryTransport()
+    transport.provision("orders")
+    store = Upkept()
+    due = utcnow() + timedelta(seconds=0.3)
+    store.store([DelayedMessage("orders", b"x", due, message_id=f"b-{i}") for i in range(100)])
+    result = Pump(store, transport, PumpConfig(batch_size=200, first_batch_size=10)).run(
+        deadline=due + timedelta(seconds=0.5))
+    assert result.stats.dispatched == 100
+    after = store.events[store.events.index("wait") + 1:]
+    upkeep = after.index("upkeep")
+    # The burst's claims (10, 20, 40, 30 and those that find nothing left), then the upkeep, then the sleep.
+    assert set(after[:upkeep]) == {"claim"} and upkeep >= 4
+    assert after[upkeep + 1] == "wait"
+
+
 def test_failures_are_retried_then_delivered_and_exhausted_ones_dead_lettered():
     transport = Flaky(times=2)
     store = setup(transport, 10)
