@@ -46,8 +46,10 @@ from airflow_delay_provider.stores.tables import COUNT_SLOT_US, StoreTables, _me
 
 log = logging.getLogger(__name__)
 
-#: Passes an action makes: the second and later ones see rows that a claim it waited for wrote back.
-_PASSES = 4
+#: Passes an action makes, at most: the second and later ones see rows that a claim it waited for wrote back. Under
+#: churn (two pumps retrying a flaky destination at once) a row can be claimed again before each pass reaches it;
+#: one still there after the last pass is reported in flight, never as gone (see `_change`).
+_PASSES = 20
 #: Attempts of an action whose transaction met a row moved between the partitions meanwhile (SQLSTATE below).
 _ATTEMPTS = 5
 _MOVED_MEANWHILE = "40001"  # PostgreSQL's serialization_failure: "tuple to be locked was already moved to ..."
@@ -204,7 +206,8 @@ class BacklogControls:
     def cancel(self, selector: Selector) -> dict[str, Any]:
         """Remove the selected scheduled messages so they are never delivered.
 
-        :return: ``cancelled`` (removed now), ``in_flight`` (held by a running sweep: not cancelled),
+        :return: ``cancelled`` (removed now), ``in_flight`` (held by a running sweep, or by pumps retrying it
+            through every pass: not cancelled),
             and for ids that were asked for and not found: ``gone`` (accepted earlier, no longer
             scheduled: delivered, dead-lettered or cancelled before) and ``unknown``; with counts.
         """
@@ -295,6 +298,11 @@ class BacklogControls:
                     conn.execute(select(func.pg_notify(self.tables.channel, str(due_us))))
             in_flight = list(conn.execute(select(t.c.message_id).where(
                 *self._selected(selector), self._leased_now()).limit(LISTED + 1)).scalars())
+            if selector.message_ids:
+                # An id still stored after the last pass: a pump's claim had it again each time, and wrote it back
+                # for a retry. Not changed, and not gone either: "gone" says it was delivered or cancelled before.
+                retried = conn.execute(select(t.c.message_id).where(*where).limit(LISTED + 1)).scalars()
+                in_flight.extend(m for m in retried if m not in in_flight)
             return changed, in_flight
 
         return self._in_transaction(action, change)

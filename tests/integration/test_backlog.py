@@ -102,3 +102,42 @@ def test_cancel_and_reschedule_race_pumps_without_a_message_both_cancelled_and_d
     late = [m for m, at in gone.items() if m not in cancelled and transport.sent_at[m] > at]
     assert late == []
     assert transport.receive("error", max_messages=n) == []
+
+
+def test_an_id_a_claim_writes_back_after_the_last_pass_is_reported_in_flight_not_gone(pg, monkeypatch):
+    """A cancel waits for the claim holding a row; a claim that fails writes the row back for a retry, which the
+    next pass finds. When pumps claim it again before every pass, the passes run out with the row still stored:
+    it was reported gone (delivered), and delivered after the report. Now it is reported in flight."""
+    import psycopg
+    from sqlalchemy import text
+
+    from airflow_delay_provider.stores import backlog
+
+    store = make_store(*pg)
+    store.store([DelayedMessage("orders", b"x", utcnow() + timedelta(minutes=5), message_id="m-1")])
+    monkeypatch.setattr(backlog, "_PASSES", 1)
+    table = store.qualified(store.tables.messages.name)
+    columns = "message_id, destination, body, headers, due_at_us, stored_at_us, failures, claim_id, tier"
+    result: dict = {}
+    with psycopg.connect(pg[0].replace("postgresql+psycopg://", "postgresql://")) as claim:
+        # A claim: the row deleted in a transaction that is still open.
+        rows = claim.execute(f"DELETE FROM {table} WHERE message_id = 'm-1' RETURNING {columns}").fetchall()
+        cancelling = threading.Thread(target=lambda: result.update(store.cancel(Selector.build(message_ids=["m-1"]))))
+        cancelling.start()
+
+        def waits() -> bool:
+            with store.engine.connect() as conn:
+                return conn.execute(text(  # this test's cancel, not another test's wait in the same database
+                    "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid WHERE NOT l.granted "
+                    "AND position(:table in a.query) > 0"), {"table": store.tables.messages.name}).scalar_one() > 0
+
+        deadline = time.monotonic() + 30
+        while not waits() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert waits(), "the cancel never waited for the claim"
+        # The send failed: written back for a retry, in the same transaction, which then commits.
+        claim.execute(f"INSERT INTO {table} ({columns}) VALUES ({', '.join(['%s'] * 9)})", rows[0])
+        claim.commit()
+    cancelling.join(30)
+    assert result["in_flight"] == ["m-1"] and "m-1" not in result.get("gone", []), result
+    assert result["cancelled"] == [] and store.get("m-1") is not None
