@@ -45,8 +45,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "DAG_RUN_ASSET_PREFIX", "EVENT_PREFIX", "DueMessageEventTrigger", "DueMessageProducer", "asset_destination",
-    "dag_run_asset", "dag_run_asset_name", "event_payload", "message_payloads", "watched_asset",
+    "DAG_RUN_ASSET_PREFIX", "EVENT_PREFIX", "DueMessageEventTrigger", "DueMessageProducer", "DueMessageQueueTrigger",
+    "asset_destination", "dag_run_asset", "dag_run_asset_name", "event_payload", "message_payloads", "watched_asset",
 ]
 
 #: A target DAG's asset is named `delayed_dag_run.<dag_id>` (see dag_run_asset).
