@@ -52,12 +52,14 @@ def flag_message(message: str) -> str:
 def _command(func: Callable[[DelayStoreHook, argparse.Namespace], dict | str], items: str | None = None,
              item_name: str = "name", hide: tuple[str, ...] = (),
              note: Callable[[dict], str | None] | None = None,
-             action: str | None = None) -> Callable[[argparse.Namespace], None]:
+             action: str | Callable[[argparse.Namespace], str | None] | None = None,
+             ) -> Callable[[argparse.Namespace], None]:
     """Run one command: the hook from --conn-id/--table/--db-schema, the report on stdout in --output's format
     (`items`, `item_name`, `hide`: see output.render; text as it is) followed by what `note` says of it on stderr
     (where a program reading stdout does not get it), and a refused input or a store not reachable or not there as
-    one line on stderr with exit status 1. A command that changes messages (`action`) is recorded, once done, in
-    Airflow's audit log with its counts (airflow_delay_provider.audit)."""
+    one line on stderr with exit status 1. A command that changes messages (`action`, or what it gives for the
+    command line: None when that one changes nothing) is recorded, once done, in Airflow's audit log with its counts
+    (airflow_delay_provider.audit)."""
 
     @wraps(func)
     @cli_utils.action_cli
@@ -68,9 +70,10 @@ def _command(func: Callable[[DelayStoreHook, argparse.Namespace], dict | str], i
             report = func(hook, args)
         except (DelayProviderError, NotImplementedError) as exc:  # a transport that cannot do it says why
             raise SystemExit(f"error: {flag_message(str(exc))}") from None
-        if action is not None and isinstance(report, dict):
+        name = action(args) if callable(action) else action
+        if name is not None and isinstance(report, dict):
             # The OS user, as Airflow's own record of a command line names it.
-            audit.record(action, getpass.getuser(), "cli", hook.delay_store_conn_id, _request(args), report)
+            audit.record(name, getpass.getuser(), "cli", hook.delay_store_conn_id, _request(args), report)
         try:
             if isinstance(report, str):
                 print(report, flush=True)
@@ -237,8 +240,9 @@ def _confirm(report: dict) -> str | None:
             f"airflow {again} --yes")
 
 
+# Only `dead-letters delete` changes anything: a listing is not an action.
 dead_letters = _command(_dead_letters, items="dead_letters", item_name="message_id", note=_confirm,
-                        action="delete_dead_letters")
+                        action=lambda args: "delete_dead_letters" if args.action == "delete" else None)
 purge = _command(_purge, note=_confirm, action="purge")
 
 

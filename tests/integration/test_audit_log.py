@@ -39,11 +39,13 @@ def test_the_pages_actions_are_in_airflows_audit_log_with_their_user_target_and_
 
 
 def test_the_command_lines_actions_are_in_the_audit_log_and_its_dry_runs_are_not(on_sqlite):  # noqa: F811
-    conn_id, cli_store, _ = on_sqlite
+    conn_id, cli_store, queues = on_sqlite
+    queues.provision("error")
     ids = _schedule(cli_store, "orders", 3)
     before = audit.recent(200)
     assert _cli("cancel", "--conn-id", conn_id, "--id", ids[0], "--header", "k=0").returncode == 0
     assert _cli("purge", "--conn-id", conn_id, "--destination", "orders").returncode == 0  # a dry run
+    assert _cli("dead-letters", "--conn-id", conn_id).returncode == 0  # a listing changes nothing
     assert _cli("purge", "--conn-id", conn_id, "--destination", "orders", "--yes").returncode == 0
     added = audit.recent(200)[: len(audit.recent(200)) - len(before)]
     assert [(a["action"], a["user"], a["source"]) for a in added] == [
