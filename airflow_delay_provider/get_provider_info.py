@@ -71,6 +71,19 @@ def get_provider_info() -> dict:
                         "schema": {"type": ["number", "null"], "default": 86400, "minimum": 0},
                         "description": "How long a stored or sent message id is not accepted again (0: off)",
                     },
+                    "max_delay_seconds": {
+                        "label": "Longest delay (s)",
+                        "schema": {"type": ["integer", "null"], "default": 604800, "minimum": 1,
+                                   "maximum": 315576000},
+                        "description": "The longest delay a send or reschedule may ask for: 7 days by default, up to "
+                                       "ten years (315576000)",
+                    },
+                    "max_delay_seconds_per_destination": {
+                        "label": "Longest delay per destination",
+                        "schema": {"type": ["object", "null"], "additionalProperties": {
+                            "type": "integer", "minimum": 1, "maximum": 315576000}},
+                        "description": 'Destinations with a longest delay of their own: {"renewals": 31557600}',
+                    },
                     "db_schema": {
                         "label": "Database schema (PostgreSQL)",
                         "schema": {"type": ["string", "null"], "pattern": "^[A-Za-z_][A-Za-z0-9_]{0,62}$"},

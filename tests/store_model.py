@@ -4,7 +4,9 @@
 Times are integer microseconds on the store's clock. The model keeps what must be stored, which ids must be
 refused, and which messages a claim at a given moment may take and must take:
 
-- an id is refused while a message with it is stored, and for `window_us` after it was accepted;
+- an id is refused while a message with it is stored, and for `window_us` after it was accepted; a duplicate send
+  changes a stored message no live lease holds as its `on_duplicate` mode says (replace, keep the earliest, replace
+  the body), which is a new acceptance;
 - a claim never takes a message before its due time, nor one of a paused destination or one a sweep holds under
   a live lease, and never one twice;
 - a pump that drains takes every message it may take (`must_take`); on a store in partitions (PostgreSQL) that
@@ -29,6 +31,7 @@ class Stored:
     destination: str
     due_us: int
     failures: int = 0
+    body: bytes = b"x"
     #: The sweep that leased it (its lease may have run out).
     claim: str | None = None
     #: Since when the store has had it as it is now (written, retried, rescheduled, released): a move after this
@@ -63,20 +66,42 @@ class StoreModel:
         seen = self.accepted.get(message_id)
         return message_id in self.stored or (seen is not None and seen >= now_us - self.window_us)
 
-    def store(self, items: Iterable[tuple[str, str, int]], now_us: int) -> int:
-        """Store (id, destination, due) items as one send; the first of an id in the batch wins."""
-        items = list(items)
-        new = 0
-        for message_id, destination, due_us in items:
-            if self.refused(message_id, now_us):
+    def store(self, items: Iterable[tuple], now_us: int, mode: str = "skip") -> int:
+        """Store (id, destination, due[, body]) items as one send, the duplicates as `mode` says (an id twice in the
+        batch is two sends in a row); returns how many were stored or changed."""
+        batch: dict[str, tuple[str, int, bytes]] = {}
+        for message_id, destination, due_us, *body in items:
+            new = (destination, due_us, body[0] if body else b"x")
+            held = batch.get(message_id)
+            batch[message_id] = new if held is None else self._duplicate(held, new, mode) or held
+        new_ids = [i for i in batch if not self.refused(i, now_us)]
+        changed = []
+        for message_id, (destination, due_us, body) in batch.items():
+            m = self.stored.get(message_id)
+            if m is None or not self.unleased(m, now_us):
                 continue
-            self.stored[message_id] = Stored(destination, due_us, since_us=now_us)
-            if self.window_us > 0:
-                self.accepted[message_id] = now_us
-            new += 1
-        if new:
-            self.known.update(d for _, d, _ in items)
-        return new
+            after = self._duplicate((m.destination, m.due_us, m.body), (destination, due_us, body), mode)
+            if after is not None:
+                failures = 0 if mode != "replace_body" else m.failures
+                m.destination, m.due_us, m.body, m.failures, m.since_us = *after, failures, now_us
+                changed.append(message_id)
+        for message_id in new_ids:
+            destination, due_us, body = batch[message_id]
+            self.stored[message_id] = Stored(destination, due_us, body=body, since_us=now_us)
+        if self.window_us > 0:
+            self.accepted.update((i, now_us) for i in [*new_ids, *changed])
+        if new_ids or changed:
+            self.known.update(d for _, d, *_ in items)
+        return len(new_ids) + len(changed)
+
+    @staticmethod
+    def _duplicate(held: tuple[str, int, bytes], new: tuple[str, int, bytes], mode: str) -> tuple | None:
+        """(destination, due, body) of a stored message after a duplicate send in `mode`, or None: unchanged."""
+        if mode == "replace" or (mode == "keep_earliest" and new[1] < held[1]):
+            return new
+        if mode == "replace_body":
+            return held[0], held[1], new[2]
+        return None
 
     # -- claiming --------------------------------------------------------------------------------------
     def live(self, claim: str | None, now_us: int) -> bool:

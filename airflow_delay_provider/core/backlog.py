@@ -15,7 +15,7 @@ from functools import cached_property
 from typing import Any
 
 from airflow_delay_provider.core.checks import check_number
-from airflow_delay_provider.core.delays import MAX_DELAY_SECONDS, UTC
+from airflow_delay_provider.core.delays import MAX_DELAY_SECONDS, UTC, describe_seconds
 from airflow_delay_provider.core.errors import InvalidInputError, UnknownDestinationError
 from airflow_delay_provider.core.message import MAX_MESSAGE_ID_LENGTH, DelayedMessage, check_destination, check_headers
 from airflow_delay_provider.core.requests import parse_int, parse_moment
@@ -142,23 +142,26 @@ def check_known(destinations: Collection[str], known: Collection[str]) -> None:
             f"them; known destinations: {listed}{' ...' if len(known) > 20 else ''}")
 
 
-def new_due_time(now: datetime, deliver_at: object = None, delay_seconds: object = None) -> datetime:
+def new_due_time(now: datetime, deliver_at: object = None, delay_seconds: object = None,
+                 limit: int = MAX_DELAY_SECONDS) -> datetime:
     """When a rescheduled message becomes due: exactly one of `deliver_at` (not before now) or
-    `delay_seconds` (0 = run now), at most the longest delay (7 days) ahead."""
+    `delay_seconds` (0 = run now), at most `limit` seconds ahead (the destination's longest delay, 7 days unless
+    its store connection says otherwise)."""
     if (deliver_at in (None, "")) == (delay_seconds in (None, "")):
         raise InvalidInputError("give exactly one of deliver_at (a time) or delay_seconds (0 runs it now)")
     if delay_seconds not in (None, ""):
         if isinstance(delay_seconds, str):  # a rendered template
             delay_seconds = parse_int(delay_seconds, "delay_seconds")
-        return now + timedelta(seconds=check_number("delay_seconds", delay_seconds, 0, MAX_DELAY_SECONDS,
-                                                    hint="7 days"))
+        return now + timedelta(seconds=check_number("delay_seconds", delay_seconds, 0, limit,
+                                                    hint=describe_seconds(limit)))
     at = _moment("deliver_at", deliver_at)
     assert at is not None
     if at < now - timedelta(seconds=1):  # a second of grace for clocks and form round trips
         raise InvalidInputError(f"deliver_at {at.isoformat()} is in the past (now {now.isoformat()}); a message "
                                 "cannot be made due earlier than now: use delay_seconds=0 to run it now")
-    if at > now + timedelta(seconds=MAX_DELAY_SECONDS):
-        raise InvalidInputError(f"deliver_at {at.isoformat()} is more than 7 days ahead (the longest delay)")
+    if at > now + timedelta(seconds=limit):
+        raise InvalidInputError(f"deliver_at {at.isoformat()} is more than {describe_seconds(limit)} ahead (the "
+                                f"longest delay, {limit} s)")
     return max(at, now)
 
 

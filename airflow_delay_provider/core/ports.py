@@ -59,10 +59,11 @@ class DelayedMessageStore(ABC):
         are there. Ready by default."""
 
     @abstractmethod
-    def store(self, messages: Sequence[DelayedMessage], deduplicate: bool = True) -> int:
+    def store(self, messages: Sequence[DelayedMessage], deduplicate: bool = True, on_duplicate: str = "skip") -> int:
         """Store messages atomically (all or none); ids already stored, or (with `deduplicate`) accepted
-        within the store's de-duplication window, are skipped. Returns how many were new. The messages'
-        destinations become known (see `destinations`)."""
+        within the store's de-duplication window, are duplicates: skipped, or (`on_duplicate`, see
+        core/duplicates.py) changing the stored message while it is stored. Returns how many were new or
+        changed. The messages' destinations become known (see `destinations`)."""
 
     @abstractmethod
     def claim_due(
@@ -256,6 +257,10 @@ class Transport(ABC):
         """How this transport carries a delay of `seconds` to `destination` natively (and what it costs), for the
         send task's log; None when there is nothing worth saying."""
         return None
+
+    def check_delay(self, message: DelayedMessage, seconds: int) -> None:  # noqa: B027 - no limit by default
+        """Raise DelayError (saying what would allow it) when this transport cannot carry `message` natively for
+        `seconds`; called for every message of a native send before any is sent. No limit by default."""
 
     #: True when the transport holds not-yet-due messages itself (native delays) and can hand them back:
     #: take_held(), then ack_held(), poison_held() or release_held() for each one taken.

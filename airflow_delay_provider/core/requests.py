@@ -8,12 +8,23 @@ from datetime import datetime, timedelta, timezone
 from functools import partial
 from typing import Any, cast
 
-from airflow_delay_provider.core.delays import resolve_delay, seconds_until, to_seconds
+from airflow_delay_provider.core.delays import (
+    LONGEST_MAX_DELAY_SECONDS,
+    DelayLimits,
+    resolve_delay,
+    seconds_until,
+    to_seconds,
+)
 from airflow_delay_provider.core.errors import DelayError, InvalidInputError
 from airflow_delay_provider.core.message import DelayedMessage, check_destination, new_message_id
 
 #: What stands for now when a send request is checked as the DAG is parsed (relative delays need a "now").
 PARSE_TIME_NOW = datetime(2000, 1, 1, tzinfo=timezone.utc)
+
+#: The longest delays a literal of a DAG file is held to when it is parsed: the most any store connection allows (its
+#: own `max_delay_seconds` is read when the task runs).
+PARSE_TIME_LIMITS = DelayLimits(LONGEST_MAX_DELAY_SECONDS)
+_DEFAULT_LIMITS = DelayLimits()
 
 #: The keys a message of a batch may have; anything else is a typo worth an error.
 MESSAGE_FIELDS = frozenset({"destination", "body", "headers", "delay_seconds", "deliver_at", "message_id"})
@@ -70,9 +81,13 @@ def build_message(
     default_id: Callable[[], str] | None = None,
     where: str = "",
     queue_delays: Mapping[str, int] | None = None,
+    limits: DelayLimits | None = None,
 ) -> DelayedMessage:
     """A message from a send request's fields; errors name the field as the user wrote it, prefixed
     by `where` (e.g. "messages[2].") for a message of a batch.
+
+    `limits` are the store connection's longest delays (default: 7 days for every destination); a DAG being parsed,
+    before any connection is read, gives PARSE_TIME_LIMITS, the most any connection may allow.
 
     `queue_delays` are the destinations' queue-level delays set at provisioning: they apply when the
     message has no delay of its own, and a `queue_delay_seconds` that disagrees with one is refused."""
@@ -100,7 +115,9 @@ def build_message(
                 "provision the destination again with the queue-level delay it should have"
             )
         queue_delay = provisioned
-    seconds = resolve_delay(message_delay, queue_delay, message_field=field, queue_field="queue_delay_seconds")
+    limit = (limits or _DEFAULT_LIMITS).of(destination)
+    seconds = resolve_delay(message_delay, queue_delay, message_field=field, queue_field="queue_delay_seconds",
+                            limit=limit)
     message_id = item.get("message_id") or (default_id() if default_id else None) or new_message_id()
     return DelayedMessage(
         destination=destination,
@@ -186,6 +203,7 @@ def build_batch(
     default_id: Callable[[int], str] | None = None,
     queue_delays: Mapping[str, int] | None = None,
     batch: bool = True,
+    limits: DelayLimits | None = None,
 ) -> list[DelayedMessage]:
     """Every message of a send request, each checked before any is returned (one bad message: none).
 
@@ -194,7 +212,7 @@ def build_batch(
     return [
         build_message({**defaults, **item}, now, queue_delay_seconds,
                       default_id=None if default_id is None else partial(default_id, n),
-                      where=f"messages[{n}]." if batch else "", queue_delays=queue_delays)
+                      where=f"messages[{n}]." if batch else "", queue_delays=queue_delays, limits=limits)
         for n, item in enumerate(items)
     ]
 

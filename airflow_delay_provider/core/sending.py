@@ -10,6 +10,7 @@ from typing import Protocol
 
 from airflow_delay_provider.core.breakers import CircuitBreaker, call_with_breaker
 from airflow_delay_provider.core.delays import seconds_until
+from airflow_delay_provider.core.duplicates import SKIP, check_natively
 from airflow_delay_provider.core.errors import DelayProviderError, UnavailableError
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.ports import Transport
@@ -25,13 +26,21 @@ class SentIds(Protocol):
     def remember_sent(self, message_ids: Sequence[str]) -> None: ...
 
 
-def send_natively(ids: SentIds, transport: Transport, batch: Sequence[DelayedMessage], breaker: CircuitBreaker) -> int:
+def send_natively(ids: SentIds, transport: Transport, batch: Sequence[DelayedMessage], breaker: CircuitBreaker,
+                  on_duplicate: str = SKIP) -> int:
     """Hand `batch` to the broker's own delay mechanism; returns how many were sent.
+
+    A broker cannot change or withdraw a message once it has it: `on_duplicate` other than ``skip`` is refused
+    (InvalidInputError naming the mode and the transport) before anything is sent.
 
     Ids accepted within the de-duplication window are skipped, and each id the broker confirms is
     recorded at once, so a retried task sends none of them twice. A missing destination is found
     before anything is sent. A message the broker refuses fails the call after the others are
     recorded; an outage is retried until the breaker gives up."""
+    check_natively(on_duplicate, transport.name)
+    now = transport.clock()
+    for m in batch:  # a delay the broker cannot carry refuses the send before anything is sent
+        transport.check_delay(m, seconds_until(m.due_at, now))
     fresh = set(call_with_breaker(breaker, lambda: ids.unseen([m.message_id for m in batch]),
                                   retry_on=(UnavailableError,)))
     if len(fresh) < len(batch):
@@ -65,7 +74,7 @@ def send_natively(ids: SentIds, transport: Transport, batch: Sequence[DelayedMes
         if sent:  # progress: the broker is taking messages, the rest go on the next attempt
             sending.success()
         sending.failure(next(iter(failures.values())))
-    now = transport.clock()
+    now = transport.clock()  # the delays' descriptions below, after the sends
     for m in batch[:20]:
         if (how := transport.describe_delay(seconds_until(m.due_at, now), m.destination)) is not None:
             log.info("%s: %s", m.message_id, how)

@@ -62,7 +62,8 @@ class BacklogActions:
         """Make selected messages due at `deliver_at` or after `delay_seconds` from now (0: run now)."""
         store = self.checked_store(writes=True)
         selector = Selector.build(message_ids, destination, headers)
-        return store.reschedule(selector, new_due_time(store.clock(), deliver_at, delay_seconds))
+        limit = self.delay_limits.of(selector.destination)  # type: ignore[attr-defined]
+        return store.reschedule(selector, new_due_time(store.clock(), deliver_at, delay_seconds, limit))
 
     def run_now(self, *, message_ids: Any = None, destination: Any = None, headers: Any = None) -> dict[str, Any]:
         """Make selected messages due now."""

@@ -9,6 +9,7 @@ from airflow.sdk import BaseHook
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
+from airflow_delay_provider.core.delays import DelayLimits
 from airflow_delay_provider.core.errors import ConnectionTypeError, InvalidInputError
 from airflow_delay_provider.hooks.backlog import BacklogActions
 from airflow_delay_provider.stores.engine import ConnectionSource, check_identifier, safe_url
@@ -115,9 +116,12 @@ class DelayStoreHook(BacklogActions, BaseHook):
     Connection extras: `driver` (default postgresql+psycopg; `sqlite` with an absolute file path as
     Database), `url` (a full SQLAlchemy URL instead of the fields), `table` (default delayed_messages),
     `db_schema` (PostgreSQL schema for the tables), `dedup_window_seconds` (default 86400: how long a
-    message id, once stored or sent, is not accepted again; 0 turns that off), `auto_migrate` (whether
-    writers, sends and dispatchers, may create the store's tables and bring them up to date; default true
-    on SQLite, false on PostgreSQL, where provisioning or `airflow delayed-messages db upgrade` does it).
+    message id, once stored or sent, is not accepted again; 0 turns that off), `max_delay_seconds` (the
+    longest delay a send or reschedule may ask for: default 604800, 7 days; at most 315576000, ten years) and
+    `max_delay_seconds_per_destination` (an object of destination names to their own longest delay),
+    `auto_migrate` (whether writers, sends and dispatchers, may create the store's tables and bring them up to
+    date; default true on SQLite, false on PostgreSQL, where provisioning or `airflow delayed-messages db
+    upgrade` does it).
 
     Reads never create or change the tables: a store that is not there is a StoreNotReadyError that says what
     to run. A connection of another type than `delay_store` is refused before anything is opened.
@@ -148,6 +152,7 @@ class DelayStoreHook(BacklogActions, BaseHook):
         self._db_schema = db_schema
         self._resolved: tuple[URL, str, str | None] | None = None
         self._dedup_window = DEFAULT_DEDUP_WINDOW_SECONDS
+        self._limits = DelayLimits()
         self._auto_migrate = False
         # What `airflow delayed-messages db upgrade` needs to name the same tables, for errors that say to run it.
         options = [] if delay_store_conn_id == DEFAULT_CONN_ID else ["--conn-id", delay_store_conn_id]
@@ -168,6 +173,8 @@ class DelayStoreHook(BacklogActions, BaseHook):
         except (TypeError, ValueError):
             raise InvalidInputError(f"the dedup_window_seconds extra of connection {conn.conn_id!r} must be a number "
                                     f"of seconds >= 0, got {window!r}") from None
+        self._limits = DelayLimits.parse(extra.get("max_delay_seconds"), extra.get("max_delay_seconds_per_destination"),
+                                         where=f"connection {conn.conn_id!r}: ")
         url = url_from_connection(conn)
         self._auto_migrate = _flag(extra, "auto_migrate", conn, default=url.get_backend_name() == "sqlite")
         return resolve_location(url, extra, self._table, self._db_schema)
@@ -211,6 +218,13 @@ class DelayStoreHook(BacklogActions, BaseHook):
         store = SqlDelayedMessageStore(url, table=table, schema=schema, dedup_window_seconds=self._dedup_window)
         store.source = self._source
         return store
+
+    @property
+    def delay_limits(self) -> DelayLimits:
+        """The longest delay of each destination: the `max_delay_seconds` extra (default 604,800 s, 7 days; at most
+        ten years) and `max_delay_seconds_per_destination` (an object of destination names to seconds)."""
+        self._resolve()
+        return self._limits
 
     @property
     def auto_migrate(self) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 from airflow.sdk import BaseOperator, Context
 
 from airflow_delay_provider.core.backlog import Selector, new_due_time
-from airflow_delay_provider.core.delays import utcnow
+from airflow_delay_provider.core.delays import LONGEST_MAX_DELAY_SECONDS, utcnow
 from airflow_delay_provider.core.errors import DelayProviderError, InvalidInputError
 from airflow_delay_provider.hooks.delay_store import DelayStoreMixin
 from airflow_delay_provider.operators.base import DelayOperatorBase
@@ -113,7 +113,8 @@ class RescheduleDelayedMessagesOperator(_BacklogOperator):
     """Move scheduled messages to a new due time (never before now), or make them due now.
 
     :param deliver_at: the new due time: an aware datetime or ISO string (templated).
-    :param delay_seconds: the new due time as seconds from now, 0..604,800; 0 runs them now (templated).
+    :param delay_seconds: the new due time as seconds from now, 0..604,800 (or the store connection's
+        `max_delay_seconds`); 0 runs them now (templated).
         Give exactly one of the two.
     """
 
@@ -123,7 +124,8 @@ class RescheduleDelayedMessagesOperator(_BacklogOperator):
         super().__init__(**kwargs)
         self.deliver_at, self.delay_seconds = deliver_at, delay_seconds
         if not _templated(deliver_at, delay_seconds) and deliver_at is None:
-            new_due_time(utcnow(), None, delay_seconds)  # a deliver_at may be past by the time it runs
+            # The connection's longest delay is read when the task runs; a DAG file is held to the most any allows.
+            new_due_time(utcnow(), None, delay_seconds, LONGEST_MAX_DELAY_SECONDS)
 
     def execute(self, context: Context) -> dict:
         result = self.hook.reschedule(**self._selector(), deliver_at=self.deliver_at, delay_seconds=self.delay_seconds)

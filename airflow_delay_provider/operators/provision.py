@@ -8,7 +8,7 @@ from typing import Any
 
 from airflow.sdk import Context
 
-from airflow_delay_provider.core.delays import resolve_delay
+from airflow_delay_provider.core.delays import LONGEST_MAX_DELAY_SECONDS, resolve_delay
 from airflow_delay_provider.core.errors import DelayProviderError, InvalidInputError
 from airflow_delay_provider.core.message import check_destination
 from airflow_delay_provider.core.ports import Transport
@@ -31,8 +31,9 @@ class ProvisionDelayInfrastructureOperator(DelayOperatorBase):
     :param verify: change nothing: report what is missing or declared with other arguments, and fail
         the task when anything is.
     :param endpoint_options: for each endpoint (not the error queue): `queue_delay_seconds`
-        (0..604800, stored with the destination and applied by every send to messages without a delay
-        of their own; on SQS, up to 900 s, also the queue's DelaySeconds) and, on SQS, `unrestricted`.
+        (0..604800, or up to the store connection's `max_delay_seconds`; stored with the destination and applied
+        by every send to messages without a delay of their own; on SQS, up to 900 s, also the queue's
+        DelaySeconds) and, on SQS, `unrestricted`.
     :param destination_policies: delivery policies stored per destination, so every dispatch task and
         sweep retries those destinations the same way.
     """
@@ -56,7 +57,9 @@ class ProvisionDelayInfrastructureOperator(DelayOperatorBase):
         self.endpoint_options = dict(endpoint_options or {})
         check_options(self.transport, self.endpoint_options, "endpoint_options")
         queue_delay = self.endpoint_options.get("queue_delay_seconds")
-        resolve_delay(queue_delay=queue_delay, queue_field="endpoint_options.queue_delay_seconds")
+        # The store connection's longest delay is read when the task runs; a DAG file is held to ten years.
+        resolve_delay(queue_delay=queue_delay, queue_field="endpoint_options.queue_delay_seconds",
+                      limit=LONGEST_MAX_DELAY_SECONDS)
         # A broker whose queues hold their own delay (SQS) gets it too, within the broker's limit.
         self._attribute_limit = transport_kind(self.transport).queue_attribute_delay
         if queue_delay is not None and self._attribute_limit is not None and queue_delay > self._attribute_limit:
@@ -76,6 +79,11 @@ class ProvisionDelayInfrastructureOperator(DelayOperatorBase):
         native = {k: v for k, v in self.endpoint_options.items()
                   if k != "queue_delay_seconds" or self._attribute_limit is not None}
         queue_delay = self.endpoint_options.get("queue_delay_seconds")
+        if queue_delay is not None:
+            limits = self.hook.delay_limits
+            for endpoint in endpoints:
+                resolve_delay(queue_delay=queue_delay, queue_field=f"endpoint_options.queue_delay_seconds of "
+                              f"{endpoint!r}", limit=limits.of(endpoint))
         transport = self.get_transport()
         try:
             for endpoint in endpoints:  # every name is checked before anything is created

@@ -12,10 +12,12 @@ from airflow.sdk import BaseOperator, Context
 from airflow_delay_provider import metrics
 from airflow_delay_provider.compat import require_shared_streams
 from airflow_delay_provider.core.breakers import CircuitBreaker, call_with_breaker
-from airflow_delay_provider.core.delays import MAX_DELAY_SECONDS
+from airflow_delay_provider.core.delays import MAX_DELAY_SECONDS, DelayLimits
+from airflow_delay_provider.core.duplicates import SKIP, check_on_duplicate
 from airflow_delay_provider.core.errors import InvalidInputError, UnavailableError
 from airflow_delay_provider.core.message import stable_message_id
 from airflow_delay_provider.core.requests import (
+    PARSE_TIME_LIMITS,
     PARSE_TIME_NOW,
     build_message,
     check_conf,
@@ -59,15 +61,21 @@ class ScheduleDagRunOperator(DelayStoreMixin, BaseOperator):
     :param asset: the target asset (an Asset or its name) watched by a DueMessageEventTrigger on
         `asset_destination(name)`; every DAG scheduled on it runs (templated).
     :param conf: the run's conf: a JSON-serialisable dict (or rendered JSON text), at most 64 KiB (templated).
-    :param delay_seconds: seconds from now, 0..604,800 (7 days); int, float (rounded up) or timedelta (templated).
+    :param delay_seconds: seconds from now, 0..604,800 (7 days) unless the store connection's `max_delay_seconds`
+        allows more (up to ten years); int, float (rounded up) or timedelta (templated).
     :param deliver_at: the due time instead: an aware datetime or ISO text; the past means now (templated).
     :param message_id: the message id (default: derived from the task instance, so a retried task schedules the
         same run, once).
+    :param on_duplicate: what scheduling a run whose message id the store holds does (templated): ``skip`` (the
+        default: the run stays as scheduled), ``replace`` (the new time and conf replace it: a debounce, "run 30
+        minutes after the last change"), ``keep_earliest`` (the run due first stays) or ``replace_body`` (the conf
+        changes, the time stays). Give `message_id` to address one run from several tasks or DAG runs.
     :param check_target: at send time, refuse a DAG or an asset Airflow does not know (default True).
     :param time_to_trigger_store_circuit_breaker: how long (s) the store may be unreachable before the task fails.
     """
 
-    template_fields: Sequence[str] = ("dag_id_to_run", "asset", "conf", "delay_seconds", "deliver_at", "message_id")
+    template_fields: Sequence[str] = ("dag_id_to_run", "asset", "conf", "delay_seconds", "deliver_at", "message_id",
+                                      "on_duplicate")
     template_fields_renderers = {"conf": "json"}
     ui_color = "#e8f0d2"
 
@@ -80,6 +88,7 @@ class ScheduleDagRunOperator(DelayStoreMixin, BaseOperator):
         delay_seconds: int | float | timedelta | str | None = None,
         deliver_at: datetime | str | None = None,
         message_id: str | None = None,
+        on_duplicate: str = SKIP,
         check_target: bool = True,
         time_to_trigger_store_circuit_breaker: float = 30.0,
         **kwargs: Any,
@@ -93,6 +102,9 @@ class ScheduleDagRunOperator(DelayStoreMixin, BaseOperator):
         self.delay_seconds = delay_seconds
         self.deliver_at = deliver_at
         self.message_id = message_id
+        self.on_duplicate = on_duplicate
+        if not _templated(on_duplicate):
+            check_on_duplicate(on_duplicate)
         self.check_target = check_target
         self.time_to_trigger_store_circuit_breaker = time_to_trigger_store_circuit_breaker
         # Whatever is not templated is checked when the DAG is parsed.
@@ -103,9 +115,10 @@ class ScheduleDagRunOperator(DelayStoreMixin, BaseOperator):
         if not _templated(conf) and not isinstance(conf, str):
             check_conf(conf)
         if not _templated(delay_seconds) and not _templated(deliver_at):
-            self._build(PARSE_TIME_NOW, parse_only=True)
+            self._build(PARSE_TIME_NOW, parse_only=True, limits=PARSE_TIME_LIMITS)
         elif not _templated(delay_seconds) and delay_seconds not in (None, ""):  # beside a templated deliver_at
-            build_message({"destination": "airflow.asset.x", "delay_seconds": delay_seconds}, PARSE_TIME_NOW)
+            build_message({"destination": "airflow.asset.x", "delay_seconds": delay_seconds}, PARSE_TIME_NOW,
+                          limits=PARSE_TIME_LIMITS)
         elif not _templated(deliver_at):
             parse_moment(deliver_at)
 
@@ -122,18 +135,20 @@ class ScheduleDagRunOperator(DelayStoreMixin, BaseOperator):
         return None, name, asset_destination(name)
 
     def _build(self, now: datetime, parse_only: bool = False, destination: str = "airflow.asset.x",
-               body: str = "{}", headers: dict[str, str] | None = None, default_id: str | None = None):
+               body: str = "{}", headers: dict[str, str] | None = None, default_id: str | None = None,
+               limits: DelayLimits | None = None):
         if self.deliver_at not in (None, "") and parse_only:
             parse_moment(self.deliver_at)  # only the format: the time may be past when the task runs
             if self.delay_seconds not in (None, ""):
                 raise InvalidInputError("give either delay_seconds or deliver_at, not both")
             return None
         if self.deliver_at in (None, "") and self.delay_seconds in (None, ""):
-            raise InvalidInputError(f"give delay_seconds (0..{MAX_DELAY_SECONDS}) or deliver_at: when the run starts")
+            raise InvalidInputError(f"give delay_seconds (0..{MAX_DELAY_SECONDS} unless the store connection's "
+                                    "max_delay_seconds says more) or deliver_at: when the run starts")
         item = {"destination": destination, "body": body, "headers": headers or {},
                 "delay_seconds": self.delay_seconds, "deliver_at": self.deliver_at,
                 "message_id": self.message_id or default_id}
-        return build_message(item, now)
+        return build_message(item, now, limits=limits)
 
     def execute(self, context: Context) -> str:
         target_dag, asset_name, destination = self._target()
@@ -154,15 +169,17 @@ class ScheduleDagRunOperator(DelayStoreMixin, BaseOperator):
             headers[HEADER_DAG_ID] = target_dag
         message = self._build(guarded(store.clock), destination=destination,
                               body=json.dumps(conf, separators=(",", ":")), headers=headers,
-                              default_id=stable_message_id(*origin, "dag-run", at=run_time(context)))
-        stored = guarded(lambda: store.store([message]))
+                              default_id=stable_message_id(*origin, "dag-run", at=run_time(context)),
+                              limits=self.hook.delay_limits)
+        on_duplicate = check_on_duplicate(self.on_duplicate or SKIP)
+        stored = guarded(lambda: store.store([message], on_duplicate=on_duplicate))
         what = f"DAG {target_dag!r}" if target_dag else f"the DAGs scheduled on asset {asset_name!r}"
         if stored:
-            self.log.info("Scheduled a run of %s at %s (message %s, destination %s)", what,
-                          message.due_at.isoformat(), message.message_id, destination)
+            self.log.info("Scheduled a run of %s at %s (message %s, destination %s, on_duplicate=%s)", what,
+                          message.due_at.isoformat(), message.message_id, destination, on_duplicate)
         else:
-            self.log.info("The run of %s with message id %s was already scheduled (a retried task): nothing stored",
-                          what, message.message_id)
+            self.log.info("The run of %s with message id %s was already scheduled (a retried task) or started, or "
+                          "kept by on_duplicate=%s: nothing stored", what, message.message_id, on_duplicate)
         metrics.count_sent({destination: 1})
         return message.message_id
 

@@ -12,9 +12,11 @@ from airflow.sdk import Context
 
 from airflow_delay_provider import metrics
 from airflow_delay_provider.core.breakers import CircuitBreaker, call_with_breaker
+from airflow_delay_provider.core.duplicates import SKIP, check_natively, check_on_duplicate
 from airflow_delay_provider.core.errors import InvalidInputError, UnavailableError
 from airflow_delay_provider.core.message import stable_message_id
 from airflow_delay_provider.core.requests import (
+    PARSE_TIME_LIMITS,
     PARSE_TIME_NOW,
     build_batch,
     destinations_of,
@@ -46,7 +48,8 @@ class SendDelayedMessageOperator(DelayOperatorBase):
     :param destination: where the message goes (templated).
     :param body: the message body, str or bytes (templated).
     :param headers: `str -> str` headers (templated).
-    :param delay_seconds: int, float or timedelta (fractions round up; templated).
+    :param delay_seconds: int, float or timedelta (fractions round up; templated): 0..604,800 (7 days), or up to
+        the store connection's `max_delay_seconds` (at most ten years).
     :param deliver_at: an aware datetime or ISO string; a time in the past means now (templated).
     :param queue_delay_seconds: the queue-level delay for a destination provisioned without one; a
         destination provisioned with `endpoint_options={"queue_delay_seconds": N}` keeps N, and a
@@ -60,6 +63,11 @@ class SendDelayedMessageOperator(DelayOperatorBase):
         header of its own, as the amazon provider's SqsPublishOperator takes it: it orders the messages
         of a FIFO destination (sent natively, or dispatched from the store; default group `default`).
         It travels as that header (templated).
+    :param on_duplicate: what a send of an id the store holds does (templated): ``skip`` (the default:
+        the stored message stays), ``replace`` (the new due time, body and headers replace it: a debounce),
+        ``keep_earliest`` (the one due first wins) or ``replace_body`` (the body and headers change, the due
+        time stays). Once delivered, a duplicate within the de-duplication window is skipped in every mode.
+        Modes other than ``skip`` need ``transport="sql"``: a broker's own delays cannot change a message.
     :param time_to_trigger_store_circuit_breaker: how long (s) the store may be unreachable before the
         task fails.
     """
@@ -67,7 +75,7 @@ class SendDelayedMessageOperator(DelayOperatorBase):
     operator_extra_links = (SentMessagesLink(),)
     template_fields: Sequence[str] = (
         "transport", "destination", "body", "headers", "delay_seconds", "deliver_at", "queue_delay_seconds",
-        "messages", "message_id", "delivery_policy", "message_group_id",
+        "messages", "message_id", "delivery_policy", "message_group_id", "on_duplicate",
     )
 
     def __init__(
@@ -83,6 +91,7 @@ class SendDelayedMessageOperator(DelayOperatorBase):
         message_id: str | None = None,
         delivery_policy: DeliveryPolicy | dict | str | None = None,
         message_group_id: str | None = None,
+        on_duplicate: str = SKIP,
         time_to_trigger_store_circuit_breaker: float = 30.0,
         **kwargs: Any,
     ) -> None:
@@ -100,6 +109,7 @@ class SendDelayedMessageOperator(DelayOperatorBase):
         self.messages = messages
         self.message_id = message_id
         self.message_group_id = message_group_id
+        self.on_duplicate = on_duplicate
         self.time_to_trigger_store_circuit_breaker = time_to_trigger_store_circuit_breaker
         self._check_literals()
 
@@ -118,7 +128,12 @@ class SendDelayedMessageOperator(DelayOperatorBase):
         else:
             items = parse_messages(self.messages)
         queue_delay = None if resolved_at_run_time(self.queue_delay_seconds) else self.queue_delay_seconds
-        build_batch(items, defaults, PARSE_TIME_NOW, queue_delay, batch=self.messages is not None and not later_batch)
+        build_batch(items, defaults, PARSE_TIME_NOW, queue_delay, batch=self.messages is not None and not later_batch,
+                    limits=PARSE_TIME_LIMITS)
+        if not resolved_at_run_time(self.on_duplicate):
+            check_on_duplicate(self.on_duplicate)
+            if not resolved_at_run_time(self.transport) and transport_class(self.transport).delays_natively:
+                check_natively(self.on_duplicate, self.transport)
         literal = [not resolved_at_run_time(v) for v in (self.delivery_policy, self.transport)]
         if self.delivery_policy not in (None, "") and all(literal) and transport_class(self.transport).delays_natively:
             raise InvalidInputError(f"delivery_policy applies to messages kept in the store (transport='sql'); "
@@ -135,6 +150,9 @@ class SendDelayedMessageOperator(DelayOperatorBase):
                                else [{**defaults, "message_id": self.message_id}])
         policy = None if self.delivery_policy in (None, "") else DeliveryPolicy.parse(self.delivery_policy)
         native = transport_class(self.transport).delays_natively
+        on_duplicate = check_on_duplicate(self.on_duplicate or SKIP)
+        if native:  # refused before anything is sent
+            check_natively(on_duplicate, self.transport)
         if policy is not None and native:
             raise InvalidInputError(f"delivery_policy applies to messages kept in the store (transport='sql'); "
                                     f"{self.transport!r} delivers through the broker's own delays")
@@ -154,7 +172,7 @@ class SendDelayedMessageOperator(DelayOperatorBase):
         ran = run_time(context)
         batch = build_batch(items, defaults, now, self.queue_delay_seconds,
                             lambda n: stable_message_id(*origin, n, at=ran), queue_delays,
-                            batch=self.messages is not None)
+                            batch=self.messages is not None, limits=self.hook.delay_limits)
         if self.message_group_id not in (None, ""):
             # Only a group needs the SQS module (and botocore).
             from airflow_delay_provider.transports.sqs import HEADER_MESSAGE_GROUP, check_message_group_id
@@ -163,10 +181,15 @@ class SendDelayedMessageOperator(DelayOperatorBase):
             batch = [m if HEADER_MESSAGE_GROUP in m.headers else replace(m, headers={**group, **m.headers})
                      for m in batch]
         if not native:
-            stored = guarded(lambda: store.store(batch))
+            stored = guarded(lambda: store.store(batch, on_duplicate=on_duplicate))
             # Fewer: the same ids again (a retried task, or a batch naming ids already accepted).
-            self.log.info("Stored %d new message(s); %d were already accepted with the same ids", stored,
-                          len(batch) - stored)
+            if on_duplicate == SKIP:
+                self.log.info("Stored %d new message(s); %d were already accepted with the same ids", stored,
+                              len(batch) - stored)
+            else:
+                self.log.info("Stored or changed (on_duplicate=%s) %d message(s); %d left as they were (delivered "
+                              "within the de-duplication window, held by a sweep, or kept by the mode)",
+                              on_duplicate, stored, len({m.message_id for m in batch}) - stored)
             if policy is not None:
                 store.set_policies(dict.fromkeys({m.destination for m in batch}, policy.to_dict()))
                 self.log.info("Delivery policy of %s:\n%s", sorted({m.destination for m in batch}),
@@ -174,7 +197,7 @@ class SendDelayedMessageOperator(DelayOperatorBase):
         else:
             transport = self.get_transport().use_clock(store.clock)
             try:
-                sent = send_natively(store, transport, batch, breaker)
+                sent = send_natively(store, transport, batch, breaker, on_duplicate)
             finally:
                 transport.close()
             self.log.info("Sent %d message(s) natively through %s", sent, transport)

@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 
 from sqlalchemy import ColumnElement, and_, case, delete, func, inspect, literal, or_, select, union_all, update
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import OperationalError
 
 from airflow_delay_provider.core.backlog import (
     BODY_PREVIEW_BYTES,
@@ -41,18 +40,14 @@ from airflow_delay_provider.core.checks import check_int
 from airflow_delay_provider.core.message import check_destination
 from airflow_delay_provider.stores.dedup import AcceptedIds
 from airflow_delay_provider.stores.destinations import DestinationSettings
-from airflow_delay_provider.stores.engine import Database
+from airflow_delay_provider.stores.engine import PASSES, Database, in_transaction
 from airflow_delay_provider.stores.tables import COUNT_SLOT_US, StoreTables, _message, from_us, tier_of, to_us
 
 log = logging.getLogger(__name__)
 
-#: Passes an action makes, at most: the second and later ones see rows that a claim it waited for wrote back. Under
-#: churn (two pumps retrying a flaky destination at once) a row can be claimed again before each pass reaches it;
-#: one still there after the last pass is reported in flight, never as gone (see `_change`).
-_PASSES = 20
-#: Attempts of an action whose transaction met a row moved between the partitions meanwhile (SQLSTATE below).
-_ATTEMPTS = 5
-_MOVED_MEANWHILE = "40001"  # PostgreSQL's serialization_failure: "tuple to be locked was already moved to ..."
+#: Passes an action makes, at most: one still there after the last pass is reported in flight, never as gone (see
+#: `_change`).
+_PASSES = PASSES
 _T = TypeVar("_T")
 
 
@@ -308,21 +303,7 @@ class BacklogControls:
         return self._in_transaction(action, change)
 
     def _in_transaction(self, action: str, work: Callable[[Connection], _T]) -> _T:
-        """`work` in a transaction of its own, and again from the start when it waited for a row that the
-        transaction holding it moved to the other partition (a reschedule between `_soon` and `_later`, a sweep
-        releasing its rows): PostgreSQL then fails the statement that waited (SQLSTATE 40001) and the whole
-        transaction rolls back, so nothing of the first attempt was written."""
-        with self.db.errors(action):
-            for attempt in range(1, _ATTEMPTS + 1):
-                try:
-                    with self.db.engine.begin() as conn:
-                        return work(conn)
-                except OperationalError as exc:
-                    if attempt == _ATTEMPTS or getattr(exc.orig, "sqlstate", None) != _MOVED_MEANWHILE:
-                        raise
-                    log.info("%s: a row it waited for was moved to the other partition meanwhile; again (attempt "
-                             "%d of %d)", action, attempt + 1, _ATTEMPTS)
-        raise AssertionError("unreachable: the last attempt returns or raises")
+        return in_transaction(self.db, action, work)
 
     def _accepted(self, message_ids: Sequence[str]) -> list[str]:
         """Of these ids, those the store accepted within its de-duplication window."""

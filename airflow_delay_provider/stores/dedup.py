@@ -82,6 +82,14 @@ class AcceptedIds:
         wanted = t.c.message_id == any_(ids) if ids is not None else t.c.message_id.in_(sorted(message_ids))
         return set(conn.execute(select(t.c.message_id).where(wanted)).scalars())
 
+    def known(self, conn: Connection, message_ids: Collection[str]) -> set[str]:
+        """Of these ids, those with a row (stored, or accepted within the window, or not expired yet); the others
+        are not stored."""
+        if not message_ids:
+            return set()
+        t = self.ids
+        return set(conn.execute(select(t.c.message_id).where(t.c.message_id.in_(sorted(message_ids)))).scalars())
+
     def admit(self, conn: Connection, guards: Mapping[str, int], now_us: int, deduplicate: bool = True) -> set[str]:
         """Which of the ids (each with its `guard`) may be stored now, remembering them, in the caller's
         transaction: not those stored, nor (with `deduplicate`) those accepted within the window. An id seen

@@ -12,7 +12,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from airflow_delay_provider.core.backlog import check_known, pause_names, pause_report
-from airflow_delay_provider.core.delays import resolve_delay
+from airflow_delay_provider.core.delays import LONGEST_MAX_DELAY_SECONDS, resolve_delay
 from airflow_delay_provider.core.message import check_destination
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy, PolicyError
 from airflow_delay_provider.stores.engine import Database
@@ -100,10 +100,12 @@ class DestinationSettings:
                 conn.execute(insert(t), [{"destination": d, "policy": json.dumps(p)} for d, p in policies.items()])
 
     def set_queue_delays(self, delays: Mapping[str, int]) -> None:
-        """Store each destination's queue-level delay in seconds (0..7 days), replacing what was there;
-        0 removes it. Applies to messages sent from now on, as a broker's queue attribute would."""
+        """Store each destination's queue-level delay in seconds (0..ten years: a send holds it to its store
+        connection's longest delay), replacing what was there; 0 removes it. Applies to messages sent from now on,
+        as a broker's queue attribute would."""
         for destination, seconds in delays.items():
-            resolve_delay(queue_delay=seconds, queue_field=f"queue_delay_seconds of {destination!r}")
+            resolve_delay(queue_delay=seconds, queue_field=f"queue_delay_seconds of {destination!r}",
+                          limit=LONGEST_MAX_DELAY_SECONDS)
         t = self.tables.delays
         with self.db.errors("store queue-level delays"), self.db.engine.begin() as conn:
             if delays:

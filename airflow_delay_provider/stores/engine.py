@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from sqlalchemy import Engine, Table, create_engine, event, func, select
 from sqlalchemy.engine import URL, Connection, make_url
@@ -28,6 +28,13 @@ log = logging.getLogger(__name__)
 _CLOCK_CHECK_SECONDS = 300.0
 #: PostgreSQL's SQLSTATE for a lock not had within `lock_timeout`.
 LOCK_NOT_AVAILABLE = "55P03"
+#: Passes a change of stored rows makes, at most: the second and later ones see rows that a claim it waited for wrote
+#: back for a retry. Under churn (two pumps retrying a flaky destination at once) a row can be claimed again before
+#: each pass reaches it.
+PASSES = 20
+#: Attempts of a transaction that met a row moved between the partitions meanwhile (SQLSTATE below).
+_ATTEMPTS = 5
+_MOVED_MEANWHILE = "40001"  # PostgreSQL's serialization_failure: "tuple to be locked was already moved to ..."
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _engines: dict[str, Engine] = {}
 _lock = threading.Lock()
@@ -234,6 +241,27 @@ class IndexStart:
 
     def lower(self, value: int) -> None:
         self.value = min(self.value, value)
+
+
+_T = TypeVar("_T")
+
+
+def in_transaction(db: Database, action: str, work: Callable[[Connection], _T]) -> _T:
+    """`work` in a transaction of its own, and again from the start when it waited for a row that the
+    transaction holding it moved to the other partition (a reschedule between `_soon` and `_later`, a sweep
+    releasing its rows, the move): PostgreSQL then fails the statement that waited (SQLSTATE 40001) and the whole
+    transaction rolls back, so nothing of the first attempt was written."""
+    with db.errors(action):
+        for attempt in range(1, _ATTEMPTS + 1):
+            try:
+                with db.engine.begin() as conn:
+                    return work(conn)
+            except OperationalError as exc:
+                if attempt == _ATTEMPTS or getattr(exc.orig, "sqlstate", None) != _MOVED_MEANWHILE:
+                    raise
+                log.info("%s: a row it waited for was moved to the other partition meanwhile; again (attempt "
+                         "%d of %d)", action, attempt + 1, _ATTEMPTS)
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def copy_rows(conn: Connection, table: Table, columns: tuple[str, ...], types: tuple[str, ...],

@@ -408,8 +408,8 @@ class LeasedRows(DelayedMessageStore):
             counts[row[2]] = counts.get(row[2], 0) + 1
         return counts
 
-    def store(self, messages: Sequence[DelayedMessage], deduplicate: bool = True) -> int:
-        return self.home.store(messages, deduplicate)
+    def store(self, messages: Sequence[DelayedMessage], deduplicate: bool = True, on_duplicate: str = "skip") -> int:
+        return self.home.store(messages, deduplicate, on_duplicate)
 
     def policies(self) -> dict[str, dict[str, Any]]:
         return self.home.policies()

@@ -239,8 +239,8 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             return inspect(conn).has_table(self.table_name, schema=self.schema)
 
     # -- writes (stores/writes.py) -----------------------------------------------------------------
-    def store(self, messages: Sequence[DelayedMessage], deduplicate: bool = True) -> int:
-        return self.writes.store(messages, deduplicate)
+    def store(self, messages: Sequence[DelayedMessage], deduplicate: bool = True, on_duplicate: str = "skip") -> int:
+        return self.writes.store(messages, deduplicate, on_duplicate)
 
     def unseen(self, message_ids: Sequence[str]) -> list[str]:
         """The ids not accepted within the de-duplication window: what a native send may still send."""

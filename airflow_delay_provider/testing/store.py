@@ -31,6 +31,7 @@ from airflow_delay_provider.core.backlog import (
 )
 from airflow_delay_provider.core.checks import check_int
 from airflow_delay_provider.core.delays import UTC, utcnow
+from airflow_delay_provider.core.duplicates import SKIP, applied, check_on_duplicate, fold
 from airflow_delay_provider.core.message import DelayedMessage, check_destination
 from airflow_delay_provider.core.ports import DEFAULT_DEDUP_WINDOW_SECONDS, Claim, DelayedMessageStore
 
@@ -99,23 +100,31 @@ class InMemoryStore(DelayedMessageStore):
             heapq.heappush(self._heap, (message.due_at, next(self._seq), message.message_id))
             self._lock.notify_all()
 
-    def store(self, messages: Sequence[DelayedMessage], deduplicate: bool = True) -> int:
+    def store(self, messages: Sequence[DelayedMessage], deduplicate: bool = True, on_duplicate: str = SKIP) -> int:
+        mode = check_on_duplicate(on_duplicate)
+        batch = fold(messages, mode)
         with self._lock:
+            if mode != SKIP:  # a message a claim holds: its outcome first (delivered, or back for a retry)
+                ids = {m.message_id for m in batch}
+                while any(i in c._unsettled for c in self._claims for i in ids):
+                    self._settled.wait()
             now = self.clock()
-            first: dict[str, DelayedMessage] = {}  # the first of an id in a batch is the one stored, as in SQL
-            for m in messages:
-                first.setdefault(m.message_id, m)
-            new = [m for m in first.values()
+            changed = applied(((self._messages[m.message_id], m) for m in batch
+                               if mode != SKIP and m.message_id in self._messages), mode)
+            for m in changed:
+                self._meta[m.message_id] = (self._meta[m.message_id][0], now)
+                self._put(m)
+            new = [m for m in batch
                    if m.message_id not in self._messages and not (deduplicate and self._seen(m.message_id, now))]
             for m in new:
                 self._meta[m.message_id] = (next(self._seq), now)
                 self._put(m)
             if deduplicate and self._window:
-                self._accepted.update((m.message_id, now) for m in new)
-            if new:
+                self._accepted.update((m.message_id, now) for m in [*new, *changed])
+            if new or changed:
                 for destination in {m.destination for m in messages}:
                     self._known.setdefault(destination, None)
-            return len(new)
+            return len(new) + len(changed)
 
     def _paused(self, destination: str) -> bool:
         return self._known.get(destination) is not None

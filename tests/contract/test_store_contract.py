@@ -275,3 +275,87 @@ def test_a_destination_is_forgotten_only_once_empty_unless_forced(store):
     # Sent to again: known again, and not paused any more.
     assert store.store([DelayedMessage("refunds", b"", utcnow() + timedelta(hours=1), message_id="refunds-new")]) == 1
     assert store.destinations()["refunds"]["paused"] is False
+
+
+# -- on_duplicate: what a send of a stored id does (core/duplicates.py) -----------------------------------------------
+def _stored(store, message_id: str):
+    page = store.browse(Selector(message_ids=(message_id,)), body_bytes=100)["messages"]
+    return None if not page else (page[0]["destination"], page[0]["due_at"], page[0]["body"], page[0]["headers"])
+
+
+@pytest.mark.parametrize(("mode", "second_delay", "expected"), [
+    ("skip", 30, ("orders", 600, "body-1", "1")),
+    ("replace", 30, ("refunds", 30, "body-2", "2")),  # a debounce: the last send's time, body and destination
+    ("replace", 900, ("refunds", 900, "body-2", "2")),
+    ("keep_earliest", 30, ("refunds", 30, "body-2", "2")),  # the earlier one wins, with its body
+    ("keep_earliest", 900, ("orders", 600, "body-1", "1")),
+    ("replace_body", 30, ("orders", 600, "body-2", "2")),  # the body and headers; the due time and destination stay
+])
+def test_a_duplicate_of_a_stored_message_does_what_its_mode_says(store, mode, second_delay, expected):
+    now = store.clock()
+    first = DelayedMessage("orders", b"body-1", now + timedelta(seconds=600), {"n": "1"}, "m-1")
+    second = DelayedMessage("refunds", b"body-2", now + timedelta(seconds=second_delay), {"n": "2"}, "m-1")
+    assert store.store([first]) == 1
+    changed = store.store([second], on_duplicate=mode)
+    destination, delay, body, n = expected
+    assert changed == int(expected != ("orders", 600, "body-1", "1"))
+    want_due = (now + timedelta(seconds=delay)).isoformat()
+    assert _stored(store, "m-1") == (destination, want_due, body, {"n": n})
+    assert sum(store.count_scheduled().values()) == 1
+    with store.claim_due(now + timedelta(seconds=delay - 1), limit=10) as claim:
+        assert claim.messages == []  # never before the due time it has now
+    with store.claim_due(now + timedelta(seconds=delay), limit=10) as claim:
+        assert [(m.message_id, m.body) for m in claim.messages] == [("m-1", body.encode())]
+        claim.remove(["m-1"])
+
+
+@pytest.mark.parametrize("mode", ["replace", "keep_earliest", "replace_body"])
+def test_a_duplicate_of_a_delivered_message_within_the_window_is_skipped_in_every_mode(store, mode):
+    store.store([msg(1, -1)])
+    with store.claim_due(store.clock(), limit=10) as claim:
+        claim.remove(["m-1"])
+    assert store.store([msg(1, -60)], on_duplicate=mode) == 0
+    assert store.count_scheduled() == {}
+
+
+def test_an_id_twice_in_one_send_is_two_sends_in_a_row(store):
+    now = store.clock()
+    batch = [DelayedMessage("orders", f"b{n}".encode(), now + timedelta(seconds=s), message_id=i)
+             for n, (i, s) in enumerate([("a", 60), ("a", 30), ("a", 90), ("b", 60), ("b", 30)])]
+    assert store.store(batch, on_duplicate="keep_earliest") == 2
+    assert [_stored(store, i)[1:3] for i in "ab"] == [((now + timedelta(seconds=30)).isoformat(), "b1"),
+                                                      ((now + timedelta(seconds=30)).isoformat(), "b4")]
+    assert store.store(batch, on_duplicate="replace") == 2  # each id's last: "a" at 90 s, "b" at 30 s
+    assert [_stored(store, i)[1:3] for i in "ab"] == [((now + timedelta(seconds=90)).isoformat(), "b2"),
+                                                      ((now + timedelta(seconds=30)).isoformat(), "b4")]
+
+
+def test_an_unknown_mode_is_refused_naming_the_allowed_ones_and_nothing_is_stored(store):
+    with pytest.raises(InvalidInputError, match="skip, replace, keep_earliest, replace_body.*'debounce'"):
+        store.store([msg(1, 60)], on_duplicate="debounce")
+    assert store.count_scheduled() == {}
+
+
+@pytest.mark.parametrize("outcome", ["delivered", "retried"])
+def test_a_duplicate_of_a_claimed_message_waits_for_the_claims_outcome(store, outcome):
+    """Delivered: the send is skipped (never delivered twice within the window). Written back for a retry: the
+    send changes it."""
+    store.store([msg(1, -1)])
+    later = store.clock() + timedelta(seconds=300)
+    result: dict[str, int] = {}
+    sending = threading.Thread(target=lambda: result.update(
+        n=store.store([DelayedMessage("orders", b"new", later, message_id="m-1")], on_duplicate="replace")))
+    with store.claim_due(store.clock(), limit=10) as claim:
+        assert [m.message_id for m in claim.messages] == ["m-1"]
+        sending.start()
+        sending.join(0.5)
+        assert sending.is_alive(), "the send did not wait for the claim"
+        if outcome == "delivered":
+            claim.remove(["m-1"])
+        else:
+            claim.retry({"m-1": store.clock() + timedelta(seconds=30)})
+    sending.join(30)
+    if outcome == "delivered":
+        assert result == {"n": 0} and store.count_scheduled() == {}
+    else:
+        assert result == {"n": 1} and _stored(store, "m-1")[1:3] == (later.isoformat(), "new")

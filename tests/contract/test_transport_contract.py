@@ -139,3 +139,35 @@ def test_a_message_held_until_due_is_taken_back_intact_and_settled(transport):
     assert transport.ack_held([again.receipt, *(h.receipt for h in rest)]) == 3
     time.sleep(0.2)
     assert transport.take_held(10) == [] and transport.receive("orders", max_messages=10) == []
+
+
+class _Ids:
+    """The ids a native send records (the store's ids table), in a set."""
+
+    def __init__(self) -> None:
+        self.sent: set[str] = set()
+
+    def unseen(self, message_ids):
+        return [m for m in message_ids if m not in self.sent]
+
+    def remember_sent(self, message_ids) -> None:
+        self.sent.update(message_ids)
+
+
+@pytest.mark.parametrize("mode", ["replace", "keep_earliest", "replace_body"])
+def test_native_delays_refuse_every_on_duplicate_mode_but_skip_and_send_nothing(transport, q, mode):
+    """A broker's own delays (RabbitMQ, SQS, the in-memory transport) cannot change or withdraw a message once sent:
+    a mode other than `skip` is refused naming the mode and the transport, before anything is sent. A transport
+    without native delays is only a destination of the store's dispatch, where every mode applies."""
+    from airflow_delay_provider.core.breakers import CircuitBreaker
+    from airflow_delay_provider.core.sending import send_natively
+
+    endpoint = q("dups")
+    transport.provision(endpoint)
+    ids = _Ids()
+    if transport.delays_natively:
+        with pytest.raises(InvalidInputError, match=f"on_duplicate='{mode}'.*'{transport.name}'.*skip"):
+            send_natively(ids, transport, [msg(1, endpoint)], CircuitBreaker("test", 5), on_duplicate=mode)
+        assert ids.sent == set() and sum(transport.depth(endpoint).values()) == 0
+    assert send_natively(ids, transport, [msg(1, endpoint)], CircuitBreaker("test", 5), on_duplicate="skip") == 1
+    assert [m.message_id for m in receive_all(transport, endpoint, 1)] == ["m-1"]

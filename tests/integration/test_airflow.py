@@ -187,19 +187,50 @@ def test_bad_batch_stores_nothing_and_says_why(run_dag, pg, monkeypatch):
     store = DelayStoreHook(conn_id).get_store()
     store.create_schema()
     ok = {"destination": "q", "body": "fine", "delay_seconds": 5}
-    batch = [ok, ok | {"message_id": "x2"}, {"destination": "q", "delay_seconds": 700_000}]
+    batch = [ok, ok | {"message_id": "x2"}, {"destination": "q", "delay_seconds": 700_000}]  # past the 7 days
     # From the run's conf, the batch is known (and checked) only when the task runs.
     with DAG("t_bad", schedule=None, start_date=START, params={"batch": batch}) as dag:
         SendDelayedMessageOperator(task_id="send", delay_store_conn_id=conn_id, messages="{{ params.batch | tojson }}")
     state, states, _ = run_dag(dag)
     assert state == "failed" and states["send"] == "failed"
     assert store.count_scheduled() == {}
-    # Written in the DAG file, the same batch fails its import, as does a header that is not text.
-    with pytest.raises(ValueError, match=r"messages\[2\]\.delay_seconds must be in 0\.\.604800 seconds"):
-        SendDelayedMessageOperator(task_id="x", delay_store_conn_id=conn_id, messages=batch)
+    # Written in the DAG file, a batch past the ten years any connection may allow fails its import, as does a
+    # header that is not text (the connection's own 7 days are read when the task runs).
+    with pytest.raises(ValueError, match=r"messages\[2\]\.delay_seconds must be in 0\.\.315576000 seconds"):
+        SendDelayedMessageOperator(task_id="x", delay_store_conn_id=conn_id,
+                                   messages=[*batch[:2], {"destination": "q", "delay_seconds": 10**9}])
     with pytest.raises(ValueError, match="header 'n' must have a str value"):
         SendDelayedMessageOperator(task_id="x", delay_store_conn_id=conn_id, destination="q", headers={"n": 5})
     assert store.count_scheduled() == {}
+
+
+def test_a_templated_on_duplicate_replaces_a_scheduled_message_by_id(run_dag, pg, monkeypatch):
+    """The manual-send form's two fields: a message id and what a send of it does while it is scheduled."""
+    from airflow.sdk import DAG
+
+    from airflow_delay_provider.core.delays import utcnow
+    from airflow_delay_provider.hooks.delay_store import DelayStoreHook
+    from airflow_delay_provider.operators.delay import SendDelayedMessageOperator
+
+    _, schema, table = pg
+    conn_id = _pg_conn(monkeypatch, schema, table)
+    store = DelayStoreHook(conn_id).get_store()
+    store.create_schema()
+    for n, (mode, delay) in enumerate([("skip", 600), ("keep_earliest", 900), ("replace", 1200)]):
+        with DAG(f"t_dup_{n}", schedule=None, start_date=START,
+                 params={"on_duplicate": mode, "body": f"change {n}", "delay": delay}) as dag:
+            SendDelayedMessageOperator(task_id="send", delay_store_conn_id=conn_id, destination="q",
+                                       message_id="order-42-reminder", body="{{ params.body }}",
+                                       delay_seconds="{{ params.delay }}", on_duplicate="{{ params.on_duplicate }}")
+        sent_at = utcnow()
+        state, _, _ = run_dag(dag)
+        assert state == "success"
+        stored = store.get("order-42-reminder")
+        if n < 2:  # kept: the first send's body and time
+            assert stored.body == b"change 0"
+        else:
+            assert stored.body == b"change 2" and 1199 <= (stored.due_at - sent_at).total_seconds() <= 1260
+    assert store.count_scheduled() == {"q": 1}
 
 
 def test_unknown_transport_and_bad_table_fail_at_parse_time():

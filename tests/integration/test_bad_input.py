@@ -77,13 +77,15 @@ PARSE_TIME = [
      PolicyError, r"numRetries is 500; allowed: 0\.\.100"),
     ("send_policy_builtin", lambda o: o.SendDelayedMessageOperator(task_id="t", destination="q", delivery_policy="fax"),
      PolicyError, r"no built-in policy 'fax'; choose one of \['sqs', 'lambda', 'smtp', 'sms', 'mobile-push', 'http'\]"),
+    # A DAG file is held to the most any store connection allows (ten years); the connection's own longest delay
+    # (7 days by default) is checked when the task runs (RUN_TIME).
     ("send_delay_days", lambda o: o.SendDelayedMessageOperator(task_id="t", destination="q",
-                                                                delay_seconds=timedelta(days=8)),
-     DelayError, r"^delay_seconds must be in 0\.\.604800 seconds \(7 days\), got 691200$"),
+                                                                delay_seconds=timedelta(days=3700)),
+     DelayError, r"^delay_seconds must be in 0\.\.315576000 seconds \(10 years\), got 319680000$"),
     ("send_delay_text", lambda o: o.SendDelayedMessageOperator(task_id="t", destination="q", delay_seconds="soon"),
      DelayError, r"^delay_seconds must be a number of seconds or a timedelta, got 'soon'"),
     ("send_queue_delay", lambda o: o.SendDelayedMessageOperator(task_id="t", destination="q", queue_delay_seconds=-1),
-     DelayError, r"^queue_delay_seconds must be in 0\.\.604800 seconds"),
+     DelayError, r"^queue_delay_seconds must be in 0\.\.315576000 seconds"),
     ("send_deliver_at", lambda o: o.SendDelayedMessageOperator(task_id="t", destination="q", deliver_at="tomorrow"),
      DelayError, r"^deliver_at must be an ISO-8601 timestamp with a timezone, got 'tomorrow'"),
     ("send_both", lambda o: o.SendDelayedMessageOperator(task_id="t", destination="q", delay_seconds=5,
@@ -94,14 +96,14 @@ PARSE_TIME = [
     ("send_destination_newline", lambda o: o.SendDelayedMessageOperator(task_id="t", destination="a\nb"),
      InvalidMessageError, r"destination must be at most 255 characters without NUL or line breaks"),
     ("send_batch_second_bad", lambda o: o.SendDelayedMessageOperator(
-        task_id="t", messages=[{"destination": "q", "delay_seconds": 5}, {"destination": "q", "delay_seconds": 10**6}]),
-     DelayError, r"^messages\[1\]\.delay_seconds must be in 0\.\.604800 seconds \(7 days\), got 1000000"),
+        task_id="t", messages=[{"destination": "q", "delay_seconds": 5}, {"destination": "q", "delay_seconds": 10**9}]),
+     DelayError, r"^messages\[1\]\.delay_seconds must be in 0\.\.315576000 seconds \(10 years\), got 1000000000"),
     ("send_policy_native", lambda o: o.SendDelayedMessageOperator(task_id="t", destination="q", transport="rabbitmq",
                                                                   delivery_policy="http"),
      InvalidInputError, r"delivery_policy applies to messages kept in the store \(transport='sql'\)"),
-    ("schedule_delay_days", lambda o: _schedule()(task_id="t", dag_id="d", delay_seconds=timedelta(days=8),
+    ("schedule_delay_days", lambda o: _schedule()(task_id="t", dag_id="d", delay_seconds=timedelta(days=3700),
                                                   deliver_at=T),
-     DelayError, r"^delay_seconds must be in 0\.\.604800 seconds \(7 days\), got 691200$"),
+     DelayError, r"^delay_seconds must be in 0\.\.315576000 seconds \(10 years\), got 319680000$"),
     ("schedule_deliver_at", lambda o: _schedule()(task_id="t", dag_id="d", delay_seconds=T, deliver_at="tomorrow"),
      DelayError, r"^deliver_at must be an ISO-8601 timestamp with a timezone"),
     ("dispatch_due_before", lambda o: o.DispatchDueMessagesOperator(task_id="t", due_before="tomorrow"),
@@ -158,6 +160,15 @@ PARSE_TIME = [
     ("migrate_transport_sqs", lambda o: o.MigrateDelayedMessagesOperator(
         task_id="t", direction="rabbitmq_to_store", transport="sqs"),
      InvalidInputError, r"transport='sqs' cannot"),
+    ("send_on_duplicate", lambda o: o.SendDelayedMessageOperator(task_id="t", destination="q", on_duplicate="debounce"),
+     InvalidInputError, r"on_duplicate must be one of skip, replace, keep_earliest, replace_body, got 'debounce'"),
+    ("send_on_duplicate_native", lambda o: o.SendDelayedMessageOperator(
+        task_id="t", destination="q", transport="rabbitmq", on_duplicate="replace"),
+     InvalidInputError, r"on_duplicate='replace' needs the message kept in the store \(transport='sql'\): 'rabbitmq' "
+                        r"hands it to the broker's own delays.*allows on_duplicate='skip' only"),
+    ("schedule_on_duplicate", lambda o: _schedule()(task_id="t", dag_id="target", delay_seconds=5,
+                                                    on_duplicate="Replace"),
+     InvalidInputError, r"on_duplicate must be one of skip, replace, keep_earliest, replace_body, got 'Replace'"),
     ("relay_transport", lambda o: o.RelayDelayedMessagesOperator(task_id="t", endpoint="orders", transport="rabbitmq"),
      InvalidInputError, r"use transport='sqs'"),
     ("relay_runtime", lambda o: o.RelayDelayedMessagesOperator(task_id="t", endpoint="orders", max_runtime=-5),
@@ -236,6 +247,15 @@ RUN_TIME = [
                                                                    {"destination": "orders", "delay_seconds": "x"}])
      .execute(TI),
      DelayError, r"^messages\[1\]\.delay_seconds must be a number of seconds or a timedelta, got 'x'"),
+    ("send_on_duplicate", lambda o, c: _rendered(o.SendDelayedMessageOperator(
+        task_id="t", delay_store_conn_id=c, destination="orders", message_id="kept-1", on_duplicate=T),
+        on_duplicate="overwrite").execute(TI),
+     InvalidInputError, r"on_duplicate must be one of skip, replace, keep_earliest, replace_body, got 'overwrite'"),
+    ("send_on_duplicate_native", lambda o, c: _rendered(o.SendDelayedMessageOperator(
+        task_id="t", delay_store_conn_id=c, destination="orders", transport=T, on_duplicate="keep_earliest"),
+        transport="sqs").execute(TI),
+     InvalidInputError, r"on_duplicate='keep_earliest' needs the message kept in the store.*'sqs' allows "
+                        r"on_duplicate='skip' only"),
     ("dispatch_due_before", lambda o, c: _rendered(o.DispatchDueMessagesOperator(
         task_id="t", delay_store_conn_id=c, due_before=T, max_runtime=2), due_before="tomorrow").execute(TI),
      DelayError, r"^due_before must be an ISO-8601 timestamp with a timezone, got 'tomorrow'"),
@@ -492,7 +512,7 @@ from airflow.sdk import DAG
 from airflow_delay_provider.operators.send import SendDelayedMessageOperator
 
 with DAG(dag_id="literal_delay", schedule=None, start_date=datetime(2026, 1, 1)):
-    SendDelayedMessageOperator(task_id="send", destination="orders", delay_seconds=timedelta(days=8))
+    SendDelayedMessageOperator(task_id="send", destination="orders", delay_seconds=timedelta(days=3700))
 '''
 
 #: Known only at run time: templates and XCom, everywhere a literal would be checked at import.
@@ -533,4 +553,4 @@ def test_a_literal_delay_out_of_range_fails_the_dag_import_and_run_time_values_i
     assert set(bag.dag_ids) == {"run_time_values"}, bag.import_errors
     [(path, error)] = bag.import_errors.items()
     assert path.endswith("literal_delay.py")
-    assert "delay_seconds must be in 0..604800 seconds (7 days), got 691200" in error, error
+    assert "delay_seconds must be in 0..315576000 seconds (10 years), got 319680000" in error, error

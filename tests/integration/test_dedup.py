@@ -4,6 +4,7 @@ PostgreSQL's partitions, on a clock the test holds."""
 
 from __future__ import annotations
 
+import uuid
 from datetime import timedelta
 
 import pytest
@@ -15,6 +16,7 @@ from airflow_delay_provider.core.pump import Pump
 from airflow_delay_provider.stores import dedup
 from airflow_delay_provider.stores.sql import to_us
 from airflow_delay_provider.testing import InMemoryTransport
+from tests.conftest import PG_URL
 from tests.helpers import ClockedStore, HeldClock
 
 HOUR = 3_600
@@ -144,3 +146,50 @@ def test_a_store_object_that_has_not_seen_the_upgrade_to_partitions_yet_refuses_
     assert _send(store, clock, "m", 60) == 0
     assert _send(store, clock, "n", 60) == 1
     assert _rows(store, "m") == _rows(store, "n") == 1
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.services)])
+def test_a_debounce_re_sent_every_second_for_an_hour_delivers_once_at_the_end(clock, monkeypatch, request, tmp_path,
+                                                                               kind):
+    """`on_duplicate="replace"`: "five minutes after the last activity". The id is re-sent every second for an hour,
+    each send due five minutes later; a pump drains every ten seconds (and the move runs, on PostgreSQL). Nothing is
+    delivered during the hour; the message is delivered once, five minutes after the last send, with its body."""
+    from airflow_delay_provider.core import pump as pump_module
+    from airflow_delay_provider.stores import backlog, sql, tiers
+    from airflow_delay_provider.testing import InMemoryStore
+
+    clock.install(monkeypatch, pump_module, sql, tiers, backlog)
+    if kind == "memory":
+        store = InMemoryStore(clock=clock.clock, dedup_window_seconds=HOUR)
+    else:
+        schema = request.getfixturevalue("pg_schema") if kind == "postgres" else None
+        url = PG_URL if kind == "postgres" else f"sqlite:///{tmp_path / 'store.db'}"
+        store = _store((url, schema, f"t_{uuid.uuid4().hex[:12]}"), clock, window=HOUR)
+    transport = InMemoryTransport()
+    transport.provision("orders")
+    pump = clock.hold_breakers(Pump(store, transport, clock=clock.clock))
+    moves = getattr(store, "later", None) if getattr(store, "tiered", lambda: False)() else None
+    for second in range(HOUR):
+        body = f"activity {second}".encode()
+        assert store.store([DelayedMessage("orders", body, clock.now + timedelta(seconds=300),
+                                           message_id="remind-7")], on_duplicate="replace") == 1
+        if second % 10 == 9:
+            if moves is not None:
+                moves.run()
+            pump.run(stop_when_idle=True)
+            assert transport.receive("orders", 10) == [], f"delivered {second + 1} s in, before the last activity"
+        clock.advance(1)
+    last_send = clock.now - timedelta(seconds=1)
+    clock.now = last_send + timedelta(seconds=299)
+    if moves is not None:
+        moves.run()
+    pump.run(stop_when_idle=True)
+    assert transport.receive("orders", 10) == [], "delivered before five minutes after the last send"
+    clock.advance(1)
+    pump.run(stop_when_idle=True)
+    got = transport.receive("orders", 10)
+    assert [(m.message_id, m.body) for m in got] == [("remind-7", f"activity {HOUR - 1}".encode())]
+    transport.ack("orders", [m.receipt for m in got])
+    clock.advance(600)
+    pump.run(stop_when_idle=True)
+    assert transport.receive("orders", 10) == [] and store.count_scheduled() == {}

@@ -96,7 +96,9 @@ def test_every_connection_the_example_dags_name_is_defined_in_compose(airflow_ho
 
 
 @pytest.mark.parametrize(("conf", "field"), [
-    ({"delay_seconds": 604801}, "delay_seconds"),
+    ({"delay_seconds": 315576001}, "delay_seconds"),  # ten years; the connection's limit is checked at run time
+    ({"on_duplicate": "overwrite"}, "on_duplicate"),
+    ({"message_id": ""}, "message_id"),
     ({"delay_seconds": -1}, "delay_seconds"),
     ({"transport": "kafka"}, "transport"),
     ({"destination": "has space"}, "destination"),

@@ -62,7 +62,8 @@ def test_sql_destinations_keep_their_queue_level_delay_for_every_sender(store_co
     [
         ("sql", {"unrestricted": True}, r"endpoint_options \['unrestricted'\] .*transport='sql'; allowed: \['queue_"),
         ("rabbitmq", {"queue_delay": 5}, r"endpoint_options \['queue_delay'\] .*allowed: \['queue_delay_seconds'\]"),
-        ("sql", {"queue_delay_seconds": 8 * 86_400}, r"endpoint_options.queue_delay_seconds must be in 0..604800"),
+        ("sql", {"queue_delay_seconds": 3_700 * 86_400},
+         r"endpoint_options.queue_delay_seconds must be in 0..315576000 seconds \(10 years\)"),
         ("sql", {"queue_delay_seconds": "600"}, r"endpoint_options.queue_delay_seconds must be an int"),
         ("sqs", {"queue_delay_seconds": 901}, r"endpoint_options.queue_delay_seconds is 901.* allowed: 0..900"),
     ],

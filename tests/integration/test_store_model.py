@@ -36,6 +36,7 @@ from sqlalchemy import delete, null, select, text
 from airflow_delay_provider.core import progress
 from airflow_delay_provider.core import pump as pump_module
 from airflow_delay_provider.core.backlog import Selector
+from airflow_delay_provider.core.duplicates import ON_DUPLICATE_MODES
 from airflow_delay_provider.core.errors import CriticalError, InvalidInputError, UnknownDestinationError
 from airflow_delay_provider.core.message import HEADER_FAILED_DESTINATION, DelayedMessage
 from airflow_delay_provider.core.ports import Transport
@@ -52,6 +53,7 @@ from tests.store_model import StoreModel
 
 T0 = HeldClock.START  # a turn of the hour within the first steps
 IDS = [f"m{i}" for i in range(6)]
+BODIES = [b"x", b"y"]
 DESTINATIONS = ["a", "b"]
 ERROR = "error"
 RETRY_SECONDS = 3
@@ -190,13 +192,16 @@ class StoreMachine(RuleBasedStateMachine):
         self.clock.now = max(self.clock.now, turn + timedelta(seconds=offset))
 
     # -- sending -------------------------------------------------------------------------------------
-    @rule(items=st.lists(st.tuples(st.sampled_from(IDS), st.sampled_from(DESTINATIONS), st.sampled_from(DELAYS)),
-                         min_size=1, max_size=3))
-    def send(self, items) -> None:
+    @rule(items=st.lists(st.tuples(st.sampled_from(IDS), st.sampled_from(DESTINATIONS), st.sampled_from(DELAYS),
+                                   st.sampled_from(BODIES)), min_size=1, max_size=3),
+          on_duplicate=st.sampled_from(ON_DUPLICATE_MODES))
+    def send(self, items, on_duplicate: str = "skip") -> None:
         now = self.clock.now
-        messages = [DelayedMessage(d, b"x", now + timedelta(seconds=s), message_id=i) for i, d, s in items]
-        expected = self.model.store([(m.message_id, m.destination, to_us(m.due_at)) for m in messages], self.now_us)
-        assert self.store.store(messages) == expected
+        messages = [DelayedMessage(d, body, now + timedelta(seconds=s), message_id=i) for i, d, s, *b in items
+                    for body in [b[0] if b else b"x"]]
+        expected = self.model.store([(m.message_id, m.destination, to_us(m.due_at), m.body) for m in messages],
+                                    self.now_us, on_duplicate)
+        assert self.store.store(messages, on_duplicate=on_duplicate) == expected
 
     # -- moving and pumping ----------------------------------------------------------------------------
     @precondition(lambda self: self.model.tiered)
@@ -368,9 +373,9 @@ class StoreMachine(RuleBasedStateMachine):
         twice = {i for i, found in rows.items() if len(found) > 1}
         assert not twice, f"stored more than once: {sorted(twice)}"
         have = {i: found[0] for i, found in rows.items()}
-        want = {i: (m.destination, m.due_us, m.failures, m.claim if self.sql else None)
+        want = {i: (m.destination, m.due_us, m.failures, m.claim if self.sql else None, m.body)
                 for i, m in self.model.stored.items()}
-        assert {i: row[:4] for i, row in have.items()} == want
+        assert {i: (*row[:4], row[5]) for i, row in have.items()} == want
         assert self.store.count_scheduled() == self.model.counts()
         if self.checks_partitions:
             misplaced = {i: (row[4], sorted(self._partitions(i))) for i, row in have.items()
@@ -394,14 +399,14 @@ class StoreMachine(RuleBasedStateMachine):
         rows: dict[str, list[tuple]] = {}
         if not self.sql:
             for i, m in self.store._messages.items():
-                rows.setdefault(i, []).append((m.destination, to_us(m.due_at), m.failures, None, None))
+                rows.setdefault(i, []).append((m.destination, to_us(m.due_at), m.failures, None, None, m.body))
             return rows
         t = self.store.table
         tier = t.c.tier if self.checks_partitions else null()  # a store of schema version 7 has none
         with self.store.engine.connect() as conn:
             for row in conn.execute(select(t.c.message_id, t.c.destination, t.c.due_at_us, t.c.failures,
-                                           t.c.claim_id, tier)):
-                rows.setdefault(row[0], []).append(tuple(row[1:]))
+                                           t.c.claim_id, tier, t.c.body)):
+                rows.setdefault(row[0], []).append((*row[1:6], bytes(row[6])))
         return rows
 
 

@@ -147,7 +147,7 @@ def test_seconds_until_is_never_early_and_past_means_now(offset, zone):
 def test_build_message_due_time_is_the_delay_rounded_up_or_an_error_naming_delay_seconds(delay, queue):
     item = {"destination": "q", "delay_seconds": delay}
     if delay < 0 or math.ceil(delay) > MAX_DELAY_SECONDS:
-        with pytest.raises(DelayError, match=r"^delay_seconds must be in 0\.\.604800"):
+        with pytest.raises(DelayError, match=r"^delay_seconds must be (in 0\.\.604800|>= 0 seconds)"):
             build_message(item, NOW, queue)
         return
     due = build_message(item, NOW, queue).due_at

@@ -27,12 +27,21 @@ def routing_key(delay_seconds: int | float, destination: str, levels: int = LEVE
     Fractions round up, negative delays mean 0; a delay above 2^levels - 1 raises DelayError.
     """
     delay = whole_seconds(delay_seconds, negative_is_now=True)
+    check_levels(delay, levels)
+    return ".".join(format(delay, f"0{levels}b")) + "." + destination
+
+
+def check_levels(delay: int, levels: int = LEVELS) -> None:
+    """Raise DelayError when `levels` cannot carry `delay` seconds, naming the level count that would."""
     if delay > max_delay(levels):
+        needed = delay.bit_length()
+        fix = (f"{needed} levels would carry it (the connection's `levels` extra, at most {LEVELS})"
+               if needed <= LEVELS else f"no RabbitMQ topology carries more than {max_delay(LEVELS)} s ({LEVELS} "
+               "levels): keep the message in the store (transport='sql')")
         raise DelayError(
             f"cannot delay a message by {delay} s: it exceeds the maximum delay value of {max_delay(levels)} s "
-            f"({levels} levels, about {max_delay(levels) / 31_557_600:.1f} years)"
+            f"({levels} levels, about {max_delay(levels) / 31_557_600:.1f} years); {fix}"
         )
-    return ".".join(format(delay, f"0{levels}b")) + "." + destination
 
 
 def first_level(delay_seconds: int) -> int:

@@ -36,7 +36,13 @@ from airflow_delay_provider.transports.rabbitmq.publisher import (
     describe_error,
     unwrap,
 )
-from airflow_delay_provider.transports.rabbitmq.routing import LEVELS, check_endpoint, first_level, routing_key
+from airflow_delay_provider.transports.rabbitmq.routing import (
+    LEVELS,
+    check_endpoint,
+    check_levels,
+    first_level,
+    routing_key,
+)
 from airflow_delay_provider.transports.rabbitmq.topology import (
     DELIVERY_LIMIT,
     Names,
@@ -225,6 +231,9 @@ class RabbitMQTransport(Transport):
 
     def check_endpoint(self, endpoint: str, **options: Any) -> str:
         return check_endpoint(endpoint, self.names.levels)
+
+    def check_delay(self, message: DelayedMessage, seconds: int) -> None:
+        check_levels(seconds, self.names.levels)
 
     def provision(self, endpoint: str) -> dict[str, Any]:
         """Declare the endpoint's queue and binding, and (once per transport) the delay levels.

@@ -6,21 +6,24 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
 import re
 import uuid
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from airflow_delay_provider.core.errors import InvalidInputError, UnavailableError
+from airflow_delay_provider.core.errors import DelayError, InvalidInputError, UnavailableError
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.transports.sqs.wire import ATTR_BODY_S3, ATTR_ENCODING, _attr, _aws_error, _code
 
 log = logging.getLogger(__name__)
 
-#: Large bodies expire after the longest delay the operators take (7 days), plus the longest a
+#: Large bodies expire after the longest delay the operators take by default (7 days), plus the longest a
 #: destination queue keeps a message (14 days), plus a relay outage as long as the delay queue's retention.
 BODY_EXPIRATION_DAYS = 35
+#: What a large body must outlive beside its delay: a destination queue's 14 days and 14 of relay downtime.
+_BODY_MARGIN_DAYS = BODY_EXPIRATION_DAYS - 7
 BODY_KEY_PREFIX = "delay-bodies/"
 #: Bodies above this go to S3: SQS's old 256 KiB limit, which every SQS (and moto) accepts.
 MAX_BODY_BYTES = 256 * 1024 - 8 * 1024  # room left for the attributes
@@ -57,6 +60,18 @@ class Bodies:
         attributes.pop(ATTR_ENCODING, None)
         attributes[ATTR_BODY_S3] = {"DataType": "String", "StringValue": f"{self.bucket}/{key}"}
         return json.dumps({"s3": f"{self.bucket}/{key}"})
+
+    def check_delay(self, m: DelayedMessage, seconds: int) -> None:
+        """Refuse a body that goes to S3 and would expire there before it is delivered and read: it must outlive its
+        delay plus 28 days (a destination queue's 14, and 14 of relay downtime)."""
+        needed = math.ceil(seconds / 86_400) + _BODY_MARGIN_DAYS
+        if needed <= self.expiration_days or len(_encode_body(m.body, {}).encode()) <= self.max_bytes:
+            return
+        raise DelayError(
+            f"message {m.message_id} has a body too large for SQS, carried through S3, where it expires after "
+            f"body_expiration_days ({self.expiration_days}); its delay of {seconds} s needs at least {needed} days "
+            f"(the delay, plus {_BODY_MARGIN_DAYS} for a destination queue's retention and relay downtime): set the "
+            "connection's body_expiration_days extra to that, or send a smaller body")
 
     def expire(self) -> int:
         """A lifecycle rule expiring this prefix's large bodies: those whose message was never acked

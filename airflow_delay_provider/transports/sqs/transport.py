@@ -174,6 +174,9 @@ class SqsTransport(Transport):
                else f"{plan.fifo_cycles} cycle(s) through the delay queue, then {plan.final_delay} s")
         return f"{seconds} s = {how}; relay cost about ${estimate_cost(seconds, queue_delay=self.queue_delay):.6f}"
 
+    def check_delay(self, message: DelayedMessage, seconds: int) -> None:
+        self.bodies.check_delay(message, seconds)
+
     def queue_name(self, endpoint: str) -> str:
         """The endpoint's queue: `<prefix><endpoint>`; a name another endpoint's delay queue has is refused."""
         name = check_queue_name(f"{self.prefix}{endpoint}")
