@@ -97,7 +97,7 @@ def _refuse(message: str) -> NoReturn:
 
 def _request(args: argparse.Namespace) -> dict[str, Any]:
     """What a command was asked to act on, as the audit log records it."""
-    request = {k: v for k, v in vars(args).items() if k in ("destination", "destinations", "deliver_at",
+    request = {k: v for k, v in vars(args).items() if k in ("message_id", "destination", "destinations", "deliver_at",
                                                            "delay_seconds", "force", "error_queue")}
     if hasattr(args, "headers"):
         request.update({k: v for k, v in _selector(args).items() if v})
@@ -159,6 +159,19 @@ def cancel(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
 @_action("reschedule")
 def reschedule(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
     return hook.reschedule(**_selector(args), deliver_at=args.deliver_at, delay_seconds=args.delay_seconds)
+
+
+@_action("edit")
+def edit(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
+    headers = None
+    if args.set_headers is not None:
+        headers = {}
+        for pair in args.set_headers:
+            key, sep, value = pair.partition("=")
+            if not sep:
+                _refuse(f"--set-header takes KEY=VALUE, got {pair!r}")
+            headers[key] = value
+    return hook.edit(message_id=args.message_id, body=args.body, headers=headers)
 
 
 @_action("run_now")

@@ -28,6 +28,10 @@ ARG_AFTER = Arg(("--after",), help="the `next` cursor printed by the previous pa
 ARG_NO_BODIES = Arg(("--no-bodies",), action="store_true", help="show body sizes only")
 ARG_DELIVER_AT = Arg(("--deliver-at",), help="the new due time, an ISO time with offset (not in the past)")
 ARG_DELAY = Arg(("--delay-seconds",), type=float, help="the new due time, seconds from now (0: run now)")
+ARG_EDIT_ID = Arg(("message_id",), metavar="MESSAGE_ID", help="the scheduled message to edit")
+ARG_BODY = Arg(("--body",), help="its new body (UTF-8 text)")
+ARG_SET_HEADER = Arg(("--set-header",), dest="set_headers", action="append", metavar="KEY=VALUE",
+                     help="its new headers (repeat for several; they replace all of its headers)")
 ARG_DESTINATIONS = Arg(("destinations",), nargs="+", metavar="DESTINATION", help="the destinations")
 ARG_PURGE_DESTINATION = Arg(("--destination",), help="the destination whose scheduled messages go")
 # The destination as a positional argument, as purge took it first: kept for existing scripts.
@@ -69,6 +73,9 @@ COMMANDS = (
     ActionCommand(name="reschedule", help="Move scheduled messages to --deliver-at or --delay-seconds from now",
                   func=lazy_load_command(_COMMANDS + "reschedule"),
                   args=(*_STORE, *_SELECT, ARG_DELIVER_AT, ARG_DELAY)),
+    ActionCommand(name="edit", help="Change a scheduled message's body and/or headers (refused once it is taken for "
+                  "delivery)", func=lazy_load_command(_COMMANDS + "edit"),
+                  args=(*_STORE, ARG_EDIT_ID, ARG_BODY, ARG_SET_HEADER)),
     ActionCommand(name="run-now", help="Make scheduled messages due now",
                   func=lazy_load_command(_COMMANDS + "run_now"), args=(*_STORE, *_SELECT)),
     ActionCommand(name="pause", help="Pause destinations: their messages stay stored until resumed",

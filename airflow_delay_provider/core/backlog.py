@@ -221,6 +221,28 @@ def change_report(selector: Selector, changed: Sequence[str], in_flight: Sequenc
             "selector": selector.describe()}
 
 
+def edited_values(message_id: object, body: object = None, headers: object = None) -> tuple[str, dict[str, Any]]:
+    """(the id, the columns to write) of an edit of a scheduled message: a new body (bytes, or str as UTF-8) and/or
+    new headers (replacing them all), each checked as a send checks it."""
+    if body is None and headers is None:
+        raise InvalidInputError("an edit needs a new body and/or new headers")
+    given: Any = (b"" if body is None else body, {} if headers is None else headers, message_id)
+    checked = DelayedMessage("edited", given[0], datetime(2000, 1, 1, tzinfo=UTC), given[1], given[2])
+    values: dict[str, Any] = {}
+    if body is not None:
+        values["body"] = checked.body
+    if headers is not None:
+        values["headers"] = json.dumps(checked.headers, separators=(",", ":"))
+    return checked.message_id, values
+
+
+def edited_report(report: dict[str, Any]) -> dict[str, Any]:
+    """A change report as an edit words it: `edited` instead of `cancelled`."""
+    report["edited"] = report.pop("cancelled")
+    report["counts"]["edited"] = report["counts"].pop("cancelled")
+    return report
+
+
 def rescheduled_report(report: dict[str, Any], due_at: datetime) -> dict[str, Any]:
     """A change report as a reschedule words it: `rescheduled` instead of `cancelled`, and the new due time."""
     report["rescheduled"] = report.pop("cancelled")

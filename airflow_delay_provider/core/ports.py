@@ -118,6 +118,12 @@ class DelayedMessageStore(ABC):
         """Make the selected messages due at `due_at` (never before now); reports like `cancel`."""
         raise NotImplementedError(f"{type(self).__name__} cannot reschedule messages")
 
+    def edit(self, message_id: str, body: bytes | str | None = None,
+             headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Change one scheduled message's body and/or headers by id (not once taken); reports like `cancel`, with
+        `edited`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot edit messages")
+
     def purge(self, destination: str, dry_run: bool = True) -> dict[str, Any]:
         """Remove every scheduled message of one known destination (with `dry_run`, only count them)."""
         raise NotImplementedError(f"{type(self).__name__} cannot purge a destination")

@@ -65,6 +65,11 @@ class BacklogActions:
         limit = self.delay_limits.of(selector.destination)  # type: ignore[attr-defined]
         return store.reschedule(selector, new_due_time(store.clock(), deliver_at, delay_seconds, limit))
 
+    def edit(self, *, message_id: Any, body: Any = None, headers: Any = None) -> dict[str, Any]:
+        """Change one scheduled message's body (text as UTF-8, or bytes) and/or its headers (all of them, a dict of
+        str), keeping its due time; refused (`in_flight`) once a pump, a sweep or an event lease has taken it."""
+        return self.checked_store(writes=True).edit(message_id, body, headers)
+
     def run_now(self, *, message_ids: Any = None, destination: Any = None, headers: Any = None) -> dict[str, Any]:
         """Make selected messages due now."""
         return self.reschedule(message_ids=message_ids, destination=destination, headers=headers, delay_seconds=0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -28,6 +28,8 @@ from airflow_delay_provider.core.backlog import (
     backlog_report,
     change_report,
     destination_counts,
+    edited_report,
+    edited_values,
     forget_check,
     forget_report,
     parse_cursor,
@@ -215,6 +217,27 @@ class BacklogControls:
         due_us = max(to_us(due_at), to_us(self.db.clock()))
         changed, in_flight = self._change(selector, "reschedule messages", due_us)
         return rescheduled_report(change_report(selector, changed, in_flight, self._accepted), from_us(due_us))
+
+    def edit(self, message_id: str, body: bytes | str | None = None,
+             headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Change the body and/or the headers (all of them) of one scheduled message, keeping its due time. Refused
+        once taken: a row a pump's claim locks, or a sweep or an event lease holds, is reported `in_flight` and left
+        as it is (the delivery may be under way); `gone` and `unknown` as `cancel` reports them."""
+        message_id, values = edited_values(message_id, body, headers)
+        t = self.tables.messages
+        now_us = to_us(self.db.clock())
+        mine = [t.c.message_id == message_id, *self.scope()]
+
+        def work(conn: Connection) -> tuple[list[str], list[str]]:
+            row = conn.execute(select(t.c.id).where(*mine, self.tables.unleased(now_us))
+                               .with_for_update(skip_locked=True)).first()
+            if row is None:  # not there, or taken: a claim's lock, a lease
+                return [], [message_id] if conn.execute(select(t.c.id).where(*mine)).first() else []
+            conn.execute(update(t).where(t.c.id == row.id, *mine).values(**values))
+            return [message_id], []
+
+        edited, in_flight = self._in_transaction("edit a scheduled message", work)
+        return edited_report(change_report(Selector(message_ids=(message_id,)), edited, in_flight, self._accepted))
 
     def purge(self, destination: str, dry_run: bool = True) -> dict[str, Any]:
         """Remove every scheduled message of one named destination; with `dry_run` (the default) only

@@ -314,6 +314,10 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     def reschedule(self, selector: Selector, due_at: datetime) -> dict[str, Any]:
         return self.controls.reschedule(selector, due_at)
 
+    def edit(self, message_id: str, body: bytes | str | None = None,
+             headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+        return self.controls.edit(message_id, body, headers)
+
     def purge(self, destination: str, dry_run: bool = True) -> dict[str, Any]:
         return self.controls.purge(destination, dry_run)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import json
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -20,6 +21,8 @@ from airflow_delay_provider.core.backlog import (
     change_report,
     check_known,
     destination_counts,
+    edited_report,
+    edited_values,
     forget_check,
     forget_report,
     parse_cursor,
@@ -237,6 +240,22 @@ class InMemoryStore(DelayedMessageStore):
     def reschedule(self, selector: Selector, due_at: datetime) -> dict[str, Any]:
         due = max(due_at, self.clock()).astimezone(UTC)
         return rescheduled_report(change_report(selector, self._change(selector, due), [], self._accepted_of), due)
+
+    def edit(self, message_id: str, body: bytes | str | None = None,
+             headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+        message_id, values = edited_values(message_id, body, headers)
+        edited, in_flight = [], []
+        with self._lock:
+            m = self._messages.get(message_id)
+            if m is not None:
+                new_headers = json.loads(values["headers"]) if "headers" in values else dict(m.headers)
+                self._put(DelayedMessage.trusted(m.destination, values.get("body", m.body), m.due_at, new_headers,
+                                                 message_id, m.failures))
+                edited.append(message_id)
+            elif self._held(message_id):  # an open claim has it: refused, as the SQL store's locked row is
+                in_flight.append(message_id)
+        return edited_report(change_report(Selector(message_ids=(message_id,)), edited, in_flight,
+                                           self._accepted_of))
 
     def purge(self, destination: str, dry_run: bool = True) -> dict[str, Any]:
         self.check_known([check_destination(destination)])

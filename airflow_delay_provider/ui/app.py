@@ -136,6 +136,19 @@ class Selection(BaseModel):
     headers: dict[str, str] | None = None
 
 
+class Edited(BaseModel):
+    """The message an edit names, as the audit log records it: never its new body or headers."""
+
+    message_id: str
+
+
+class Edit(Edited):
+    """One scheduled message's new body and/or headers (the due time stays)."""
+
+    body: str | None = None
+    headers: dict[str, str] | None = None
+
+
 class Destinations(BaseModel):
     """The destinations a pause or a resume names."""
 
@@ -233,6 +246,11 @@ def create_app() -> FastAPI:
     @app.post("/api/run-now")
     def run_now(user: Editor, store: Store, selection: Selection) -> dict[str, Any]:
         return audited("run_now", user, selection, store.run_now(**selection.model_dump()))
+
+    @app.post("/api/edit")
+    def edit(user: Editor, store: Store, change: Edit) -> dict[str, Any]:
+        """Change one message's body and/or headers; the audit log names the message, never the body."""
+        return audited("edit", user, Edited(message_id=change.message_id), store.edit(**change.model_dump()))
 
     @app.post("/api/pause")
     def pause(user: Editor, store: Store, body: Destinations) -> dict[str, Any]:

@@ -359,3 +359,49 @@ def test_a_duplicate_of_a_claimed_message_waits_for_the_claims_outcome(store, ou
         assert result == {"n": 0} and store.count_scheduled() == {}
     else:
         assert result == {"n": 1} and _stored(store, "m-1")[1:3] == (later.isoformat(), "new")
+
+
+# -- editing one scheduled message ------------------------------------------------------------------------------------
+def test_an_edit_changes_the_body_and_headers_and_keeps_the_due_time(store):
+    due = store.clock() + timedelta(seconds=600)
+    store.store([DelayedMessage("orders", b"old", due, {"a": "1", "b": "2"}, "m-1")])
+    report = store.edit("m-1", body="new \u00e9", headers={"c": "3"})
+    assert report["edited"] == ["m-1"] and report["counts"]["edited"] == 1
+    assert _stored(store, "m-1") == ("orders", due.isoformat(), "new \u00e9", {"c": "3"})
+    assert store.edit("m-1", headers={})["edited"] == ["m-1"]  # headers alone; the body stays
+    assert _stored(store, "m-1") == ("orders", due.isoformat(), "new \u00e9", {})
+    with store.claim_due(due, limit=10) as claim:
+        assert [(m.body, m.headers, m.due_at) for m in claim.messages] == [("new \u00e9".encode(), {}, due)]
+        claim.remove(["m-1"])
+    gone = store.edit("m-1", body="late")
+    assert gone["edited"] == [] and gone["gone"] == ["m-1"]
+    assert store.edit("never-sent", body="x")["unknown"] == ["never-sent"]
+
+
+def test_an_edit_of_a_message_a_claim_holds_is_refused_and_the_delivery_keeps_its_body(store):
+    """Refused while the claim holds it (in flight); on SQLite, whose claim holds the database's write lock, the edit
+    waits for the claim instead and finds the message delivered (gone)."""
+    store.store([msg(1, -1)])
+    result: dict = {}
+    editing = threading.Thread(target=lambda: result.update(store.edit("m-1", body="too late")))
+    with store.claim_due(store.clock(), limit=10) as claim:
+        assert [m.body for m in claim.messages] == [b"body-1"]
+        editing.start()
+        editing.join(0.5 if not store.concurrent_claims else 30)
+        assert editing.is_alive() != store.concurrent_claims
+        claim.remove(["m-1"])
+    editing.join(30)
+    assert result["edited"] == [] and result["in_flight" if store.concurrent_claims else "gone"] == ["m-1"]
+    assert store.count_scheduled() == {}
+
+
+@pytest.mark.parametrize(("kwargs", "pattern"), [
+    ({}, r"an edit needs a new body and/or new headers"),
+    ({"body": {"a": 1}}, r"body must be bytes or str, got dict"),
+    ({"headers": {"n": 5}}, r"header 'n' must have a str value"),
+])
+def test_a_bad_edit_is_refused_and_changes_nothing(store, kwargs, pattern):
+    store.store([msg(1, 60)])
+    with pytest.raises(InvalidInputError, match=pattern):
+        store.edit("m-1", **kwargs)
+    assert _stored(store, "m-1")[2:] == ("body-1", {"n": "1"})

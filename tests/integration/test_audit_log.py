@@ -55,3 +55,20 @@ def test_the_command_lines_actions_are_in_the_audit_log_and_its_dry_runs_are_not
     assert added[0]["counts"] == {"purged": 2} and added[0]["target"] == {"destination": "orders"}
     assert all(a in audit.recent(200, conn_id) for a in added)
     assert not any(a in audit.recent(200, "another_connection") for a in added)
+
+
+def test_an_edit_from_the_page_changes_the_message_and_the_audit_log_names_it_without_its_body(client, store):  # noqa: F811
+    message = store.get("orders-1")
+    change = {"message_id": "orders-1", "body": "secret new body", "headers": {"k": "v"}}
+    assert client("viewer", "POST", "/api/edit", json=change).status_code == 403
+    assert store.get("orders-1") == message
+    report = client("user", "POST", "/api/edit", json=change).json()
+    assert report["edited"] == ["orders-1"]
+    now = store.get("orders-1")
+    assert (now.body, now.headers, now.due_at) == (b"secret new body", {"k": "v"}, message.due_at)
+    refused = client("user", "POST", "/api/edit", json={"message_id": "orders-1"})
+    assert refused.status_code == 400 and "an edit needs a new body and/or new headers" in refused.text
+    [latest] = client("viewer", "GET", "/api/actions", params={"limit": 1}).json()["actions"]
+    assert (latest["action"], latest["user"], latest["target"], latest["counts"]) == (
+        "edit", "user", {"message_id": "orders-1"}, {"edited": 1, "unknown": 0})
+    assert "secret new body" not in json.dumps(latest) and '"k"' not in json.dumps(latest["target"])

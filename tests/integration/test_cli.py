@@ -248,3 +248,20 @@ def test_dead_letters_delete_refuses_a_store_that_is_not_there_and_creates_nothi
             result = _cli("dead-letters", "delete", "--conn-id", missing, "--all", *yes)
             _refused(result, f"connection {missing!r}", "has no tables yet", "airflow delayed-messages db upgrade")
             assert not path.exists()
+
+
+def test_edit_changes_a_scheduled_messages_body_and_headers_and_says_what_it_did(on_sqlite):
+    conn_id, store, _ = on_sqlite
+    [message_id] = _schedule(store, "orders", 1)
+    due = store.get(message_id).due_at
+    edited = json.loads(_ok(_cli("edit", "--conn-id", conn_id, message_id, "--body", '{"qty": 2}',
+                                 "--set-header", "k=new", "--set-header", "reason=typo", "-o", "json")).stdout)
+    assert edited["edited"] == [message_id] and edited["counts"]["edited"] == 1
+    now = store.get(message_id)
+    assert (now.body, now.headers, now.due_at) == (b'{"qty": 2}', {"k": "new", "reason": "typo"}, due)
+    _refused(_cli("edit", "--conn-id", conn_id, message_id, "--set-header", "no-equals-sign"),
+             "--set-header takes KEY=VALUE, got 'no-equals-sign'")
+    _refused(_cli("edit", "--conn-id", conn_id, message_id), "an edit needs a new body and/or new headers")
+    gone = json.loads(_ok(_cli("edit", "--conn-id", conn_id, "never-sent", "--body", "x", "-o", "json")).stdout)
+    assert gone["edited"] == [] and gone["unknown"] == ["never-sent"]
+    assert store.get(message_id).body == b'{"qty": 2}'

@@ -175,3 +175,38 @@ def test_an_sqs_body_in_s3_must_outlive_its_delay():
                                          r"expires after body_expiration_days \(35\); its delay of 691201 s needs at "
                                          r"least 37 days"):
         bodies.check_delay(large, 8 * DAY + 1)
+
+
+@pytest.mark.services
+def test_rabbitmq_holds_a_message_due_in_a_year_in_its_levels_and_hands_it_back_intact(rabbit):
+    """The broker's clock cannot be held, so a year is not waited out: the message goes in at the level of its
+    highest bit (24 for a year) and comes back, taken as a migration to the store takes it, with its due time."""
+    rabbit.provision("renewals")
+    due = rabbit.clock() + timedelta(seconds=YEAR)
+    assert rabbit.send([DelayedMessage("renewals", b"renew", due, {"k": "v"}, "renew-year")]) == {}
+    levels = {n: rabbit.depth(rabbit.names.level(n))["visible"] for n in range(rabbit.names.levels)}
+    assert {n for n, count in levels.items() if count} == {YEAR.bit_length() - 1}
+    [held] = rabbit.take_held(10)
+    assert (held.message.message_id, held.message.body, held.message.headers) == ("renew-year", b"renew", {"k": "v"})
+    assert abs((held.message.due_at - due).total_seconds()) <= 1
+    rabbit.ack_held([held.receipt])
+
+
+@pytest.mark.services
+def test_sqs_takes_a_message_due_in_a_year_into_its_delay_queue_for_the_relay(sqs_client):
+    """SQS keeps the message in the destination's delay queue and the relay sends it back every cycle until it is
+    due (tests/integration/test_sqs.py waits cycles out); nothing reaches the destination early."""
+    from airflow_delay_provider.transports.sqs import SqsTransport
+
+    transport = SqsTransport(sqs_client, queue_delay=900, prefix=f"y{uuid.uuid4().hex[:6]}-")
+    try:
+        transport.provision("renewals")
+        due = transport.clock() + timedelta(seconds=YEAR)
+        assert transport.send([DelayedMessage("renewals", b"renew", due, message_id="renew-year")]) == {}
+        assert transport.describe_delay(YEAR, "renewals").startswith(f"{YEAR} s = 35063 cycle(s) through the delay "
+                                                                      "queue")
+        assert transport.receive("renewals") == []
+        waiting = transport.lifecycle("renewals", delay_queue=True)
+        assert waiting["scheduled"] + waiting["visible"] == 1 and transport.depth("renewals")["visible"] == 0
+    finally:
+        transport.close()

@@ -614,7 +614,7 @@ def test_a_viewer_sees_the_backlog_without_actions_or_bodies_and_is_refused_one(
         expect(frame.locator("tr[data-message-id='orders-4']")).to_contain_text("300 bytes")
         expect(frame.locator("tr[data-message-id='orders-4']")).to_contain_text("order-id=4")  # headers are shown
         expect(frame.locator("#chart svg rect.bar")).to_have_count(5)
-        for name in ("Cancel", "Run now", "Pause", "Resume", "Purge…", "Cancel selected"):
+        for name in ("Cancel", "Run now", "Edit", "Pause", "Resume", "Purge…", "Cancel selected"):
             expect(frame.get_by_role("button", name=name, exact=True)).to_have_count(0)
         expect(frame.locator("#messages input[type=checkbox]")).to_have_count(0)
         expect(frame.locator("#messages")).not_to_contain_text("order 4")  # no bodies, sizes only
@@ -624,7 +624,9 @@ def test_a_viewer_sees_the_backlog_without_actions_or_bodies_and_is_refused_one(
         # The server refuses the action too, whatever the page shows.
         refused = page.request.post(f"{base}{URL_PREFIX}/api/cancel", data={"message_ids": ["orders-4"]})
         assert refused.status == 403
-    assert store.get("orders-4") is not None
+        refused = page.request.post(f"{base}{URL_PREFIX}/api/edit", data={"message_id": "orders-4", "body": "x"})
+        assert refused.status == 403
+    assert store.get("orders-4") is not None and store.get("orders-4").body.startswith(b"<b>order 4</b>")
     assert screenshot.stat().st_size > 10_000
 
 
@@ -646,7 +648,24 @@ def test_the_roles_that_may_edit_dags_see_bodies_and_actions_and_run_a_message_n
         row.get_by_role("button", name="Run now").click()
         frame.get_by_role("alertdialog").get_by_role("button", name="Run now").click()
         expect(frame.locator("#status")).to_have_text("Made due now: 1 message.")
+
+        # Edit another message's body and headers: the dialog keeps the due time and says so.
+        edited = {"user": "orders-4", "op": "orders-3"}[role]
+        due = store.get(edited).due_at
+        frame.locator(f"tr[data-message-id='{edited}']").get_by_role("button", name="Edit").click()
+        dialog = frame.get_by_role("dialog", name="Edit message")
+        expect(dialog).to_contain_text("The due time stays")
+        expect(dialog.locator("#edit-headers")).to_have_value(f"order-id={edited[-1]}\ntenant=acme"
+                                                             if edited == "orders-4" else "order-id=3\ntenant=zenith")
+        dialog.locator("#edit-body").fill('{"order": "corrected"}')
+        dialog.locator("#edit-headers").fill("order-id=corrected")
+        dialog.get_by_role("button", name="Save").click()
+        expect(frame.locator("#status")).to_have_text(f"Edited {edited}: new body and headers, same due time.")
+        expect(frame.locator(f"tr[data-message-id='{edited}']")).to_contain_text('{"order": "corrected"}')
+        expect(frame.locator("#actions tbody tr").first).to_contain_text("edit")
     assert store.get(message_id).due_at <= utcnow()
+    now = store.get(edited)
+    assert (now.body, now.headers, now.due_at) == (b'{"order": "corrected"}', {"order-id": "corrected"}, due)
     assert screenshot.stat().st_size > 10_000
 
 

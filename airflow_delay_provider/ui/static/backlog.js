@@ -144,6 +144,54 @@
     });
   }
 
+  // -- editing one message: its body and headers; the due time stays -------------------------------------
+  function editForm(m) {
+    return new Promise((resolve) => {
+      const box = $("editor"), form = $("edit-form"), body = $("edit-body"), headers = $("edit-headers");
+      const before = document.activeElement;
+      // A body cut short in the list, or not text (shown with replacement characters), is not offered for editing
+      // as if it were what is stored.
+      const partial = m.body_truncated || (m.body ?? "").includes("\uFFFD");
+      body.value = partial ? "" : (m.body ?? "");
+      $("edit-note").textContent = partial
+        ? `The body (${plural(m.body_bytes, "byte")}) is not all shown as text: type the whole new body. The due time stays.`
+        : "The due time stays. Refused once the message is taken for delivery.";
+      headers.value = Object.entries(m.headers || {}).map(([k, v]) => `${k}=${v}`).join("\n");
+      box.hidden = false;
+      body.focus();
+      const onKey = (event) => { if (event.key === "Escape") done(null); };
+      function done(answer) {
+        box.hidden = true;
+        form.onsubmit = $("edit-no").onclick = null;
+        document.removeEventListener("keydown", onKey);
+        if (before && before.focus) before.focus();
+        resolve(answer);
+      }
+      form.onsubmit = (event) => {
+        event.preventDefault();
+        const pairs = headers.value.split("\n").map((line) => line.trim()).filter(Boolean);
+        const bad = pairs.find((line) => !line.includes("=") || line.startsWith("="));
+        if (bad) { say(`A header line must be key=value: “${bad}”`, "error"); return; }
+        done({ body: body.value, headers: Object.fromEntries(pairs.map((line) => {
+          const at = line.indexOf("="); return [line.slice(0, at), line.slice(at + 1)];
+        })) });
+      };
+      $("edit-no").onclick = () => done(null);
+      document.addEventListener("keydown", onKey);
+    });
+  }
+
+  function editMessage(m) {
+    return act(async () => {
+      const change = await editForm(m);
+      if (!change) return null;
+      const report = await api("api/edit", { message_id: m.message_id, ...change });
+      if (report.counts.edited) return `Edited ${m.message_id}: new body and headers, same due time.`;
+      if (report.in_flight.length) return `Not edited: ${m.message_id} was taken for delivery meanwhile.`;
+      return `Not edited: ${m.message_id} is no longer scheduled (delivered or cancelled).`;
+    });
+  }
+
   function describe(done, count, counts, notes = []) {
     if (counts.in_flight) notes.push(`${counts.in_flight} in flight (a sweep holds them: not changed)`);
     if (counts.gone) notes.push(`${counts.gone} already gone (delivered or cancelled)`);
@@ -367,6 +415,7 @@
           ? [el("pre", { class: "body" }, m.body + (m.body_truncated ? "…" : "")), size] : size),
         edit && el("td", {}, el("div", { class: "actions" },
           el("button", { type: "button", disabled: m.in_flight, onclick: () => runNow([m.message_id]) }, "Run now"),
+          el("button", { type: "button", disabled: m.in_flight, onclick: () => editMessage(m) }, "Edit"),
           el("button", { type: "button", class: "danger", disabled: m.in_flight,
             onclick: () => cancel([m.message_id]) }, "Cancel"))),
       ].filter((c) => c !== false);
@@ -475,6 +524,7 @@
   /** What an action acted on, as one line: its ids, destinations and headers. */
   function target(t) {
     const parts = [];
+    if (t.message_id) parts.push(`id ${t.message_id}`);
     if (t.message_ids) parts.push(`ids ${t.message_ids.join(", ")}`);
     if (t.destination) parts.push(t.destination);
     if (t.destinations) parts.push(t.destinations.join(", "));
