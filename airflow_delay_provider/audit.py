@@ -80,10 +80,14 @@ def recent(limit: int = 50, conn_id: str | None = None) -> list[dict[str, Any]]:
     from sqlalchemy import select
 
     found = []
+    where = [Log.event.like(EVENT_PREFIX + "%")]
+    if conn_id is not None:
+        # The connection as record() writes it into `extra`; quotes inside other values are escaped there, so no
+        # header value can fake it. Checked again below, on the parsed JSON.
+        where.append(Log.extra.contains(f'"conn_id": {json.dumps(conn_id)}', autoescape=True))
     with create_session() as session:
-        rows = session.execute(select(Log.dttm, Log.event, Log.owner, Log.extra)
-                               .where(Log.event.like(EVENT_PREFIX + "%"))
-                               .order_by(Log.dttm.desc(), Log.id.desc()).limit(limit * 4)).all()
+        rows = session.execute(select(Log.dttm, Log.event, Log.owner, Log.extra).where(*where)
+                               .order_by(Log.dttm.desc(), Log.id.desc()).limit(limit)).all()
     for when, event, owner, extra in rows:
         try:
             details = json.loads(extra or "{}")

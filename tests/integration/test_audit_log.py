@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import uuid
 
 from airflow_delay_provider import audit
 from tests.integration.test_cli import _cli, _schedule, on_sqlite  # noqa: F401 - a fixture
@@ -72,3 +73,17 @@ def test_an_edit_from_the_page_changes_the_message_and_the_audit_log_names_it_wi
     assert (latest["action"], latest["user"], latest["target"], latest["counts"]) == (
         "edit", "user", {"message_id": "orders-1"}, {"edited": 1, "unknown": 0})
     assert "secret new body" not in json.dumps(latest) and '"k"' not in json.dumps(latest["target"])
+
+
+def test_recent_finds_one_connections_actions_behind_many_of_others(on_sqlite):  # noqa: F811
+    """Filtered in the query: 12 newer actions of other connections do not hide the older one asked for, and a
+    connection id with LIKE's wildcards matches only itself."""
+    mine = f"mine_{uuid.uuid4().hex[:6]}"
+    assert audit.record("cancel", "me", "cli", mine, {"message_ids": ["a"]}, {"cancelled": ["a"]})
+    for i in range(12):
+        other = mine.replace("_", "X") if i % 2 else f"{mine}2"
+        assert audit.record("pause", "me", "cli", other, {"destinations": ["d"]}, {"changed": ["d"]})
+    [found] = audit.recent(1, mine)
+    assert (found["action"], found["target"]) == ("cancel", {"message_ids": ["a"]})
+    assert [a["action"] for a in audit.recent(50, mine)] == ["cancel"]
+    assert len(audit.recent(50, f"{mine}2")) == 6
