@@ -27,6 +27,8 @@ HEADER_FAILURE_REASON = "x-delay-failure-reason"
 HEADER_FAILURES = "x-delay-failures"
 HEADER_DUE_AT = "x-delay-due-at"
 HEADER_FIRST_FAILED_AT = "x-delay-first-failed-at"
+#: Why the delivery policy gave up on a dead letter: a final failure, or the phase whose retries it used up.
+HEADER_GAVE_UP = "x-delay-gave-up"
 
 
 def new_message_id() -> str:

@@ -31,6 +31,7 @@ from airflow_delay_provider.core.message import (
     HEADER_FAILURE_REASON,
     HEADER_FAILURES,
     HEADER_FIRST_FAILED_AT,
+    HEADER_GAVE_UP,
     DelayedMessage,
 )
 from airflow_delay_provider.core.ports import DelayedMessageStore, ReceivedMessage, Transport
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 #: How many times a message was redriven; the pump's own headers from its last failure are removed.
 HEADER_REDRIVEN = "x-delay-redriven"
 FAILURE_HEADERS = frozenset({HEADER_FAILED_DESTINATION, HEADER_FAILED_AT, HEADER_FIRST_FAILED_AT,
-                             HEADER_FAILURE_REASON, HEADER_FAILURES, HEADER_DUE_AT})
+                             HEADER_FAILURE_REASON, HEADER_FAILURES, HEADER_DUE_AT, HEADER_GAVE_UP})
 #: A filtered listing looks at up to this many messages of the error queue to find its matches.
 SCAN_LIMIT = MAX_PAGE
 #: How long a redrive keeps what it received hidden from other readers while it works.
@@ -78,6 +79,7 @@ def describe(message: ReceivedMessage, body_bytes: int = BODY_PREVIEW_BYTES) -> 
         "first_failed_at": h.get(HEADER_FIRST_FAILED_AT, h.get(HEADER_FAILED_AT)),
         "last_failed_at": h.get(HEADER_FAILED_AT),
         "last_error": h.get(HEADER_FAILURE_REASON),
+        "gave_up": h.get(HEADER_GAVE_UP),
         "redriven": _int(h.get(HEADER_REDRIVEN)) or 0,
         "enqueued_at": message.enqueued_at.isoformat(),
         **preview(message.body, body_bytes),

@@ -168,6 +168,29 @@ class DeliveryPolicy:
                                float(self.min_delay_target), float(self.max_delay_target))
         return float(self.max_delay_target)
 
+    def phase_of(self, retry: int) -> str:
+        """The phase retry number `retry` (1-based) belongs to: immediate, pre-backoff, backoff or post-backoff."""
+        if not 1 <= retry <= self.num_retries:
+            raise PolicyError(f"retry {retry} is outside this policy's 1..{self.num_retries}")
+        bounds = (("immediate", self.num_no_delay_retries), ("pre-backoff", self.num_min_delay_retries),
+                  ("backoff", self.num_backoff_retries))
+        left = retry
+        for name, count in bounds:
+            if left <= count:
+                return name
+            left -= count
+        return "post-backoff"
+
+    def gave_up(self, attempts: int, final: bool) -> str:
+        """Why a message was dead-lettered after `attempts` attempts, as its dead letter's header says it: a final
+        failure, no retries at all, or the last phase whose retries it used up."""
+        if final:
+            return "final failure: not retried"
+        if self.num_retries == 0:
+            return "the policy allows no retries"
+        return (f"{self.phase_of(self.num_retries)} phase: all {self.num_retries} retries used "
+                f"({attempts} attempts)")
+
     def total_duration(self) -> float:
         """Seconds from the first failure to the last retry."""
         m, big = float(self.min_delay_target), float(self.max_delay_target)

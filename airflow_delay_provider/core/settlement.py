@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from airflow_delay_provider.core.errors import DestinationNotFoundError, UnavailableError
-from airflow_delay_provider.core.message import HEADER_FIRST_FAILED_AT, DelayedMessage
+from airflow_delay_provider.core.message import HEADER_FIRST_FAILED_AT, HEADER_GAVE_UP, DelayedMessage
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.core.stats import PumpStats
 
@@ -52,7 +52,8 @@ def settle_failure(message: DelayedMessage, reason: str, policy: DeliveryPolicy,
     """
     attempts = message.failures + 1
     if final or attempts > policy.num_retries:
-        failed = DelayedMessage.trusted(message.destination, message.body, message.due_at, message.headers,
+        marked = {**message.headers, HEADER_GAVE_UP: policy.gave_up(attempts, final)}
+        failed = DelayedMessage.trusted(message.destination, message.body, message.due_at, marked,
                                         message.message_id, attempts)
         return DeadLetter(failed.dead_lettered(error_queue, f"{reason} (after {attempts} attempt(s))", now))
     delay = policy.jittered(policy.delay_before(attempts), jitter, random.Random(f"{message.message_id}:{attempts}"))

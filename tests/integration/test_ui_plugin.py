@@ -21,7 +21,7 @@ from sqlalchemy.engine import make_url
 
 from airflow_delay_provider.core.backlog import Selector
 from airflow_delay_provider.core.delays import utcnow
-from airflow_delay_provider.core.message import HEADER_FAILED_DESTINATION, DelayedMessage
+from airflow_delay_provider.core.message import HEADER_FAILED_DESTINATION, HEADER_GAVE_UP, DelayedMessage
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
 from airflow_delay_provider.transports.sql import SqlTableTransport
 from airflow_delay_provider.ui.plugin import URL_PREFIX, URL_ROUTE, DelayBacklogPlugin
@@ -703,17 +703,28 @@ def test_dead_letters_are_listed_for_each_role_and_an_admin_redrives_and_deletes
     transport = SqlTableTransport(store.url)
     now = utcnow()
     ids = ["page-dl-0", "page-dl-1"]
-    transport.send([DelayedMessage("orders", b'{"refund": 7}', now, message_id=m).dead_lettered(
+    gave_up = {HEADER_GAVE_UP: "backoff phase: all 3 retries used (4 attempts)"}
+    transport.send([DelayedMessage("orders", b'{"refund": 7}', now, gave_up, message_id=m).dead_lettered(
         "error", "410 gone for good", now) for m in ids])
     with backlog_page(base, "viewer") as (_, frame):
         row = frame.locator("#dead-letters tr[data-message-id='page-dl-0']")
         expect(row).to_contain_text("410 gone for good")
         expect(row).to_contain_text("13 bytes")  # a size, not the body
         expect(frame.locator("#dead-letters input[type=checkbox]")).to_have_count(0)
+        # The detail: why the policy gave up, every header; the body's size only.
+        row.get_by_role("button", name="page-dl-0").click()
+        detail = frame.locator("#dead-letters tr[data-detail-of='page-dl-0']")
+        expect(detail.locator("dt", has_text="Gave up").locator("xpath=following-sibling::dd[1]")).to_have_text(
+            "backoff phase: all 3 retries used (4 attempts)")
+        expect(detail).to_contain_text("x-delay-failed-destination=orders")
+        expect(detail).to_contain_text("Body: 13 bytes, shown to the roles that may act.")
+        expect(detail).not_to_contain_text("refund")
     with backlog_page(base, "admin") as (_, frame):
         dialog = frame.get_by_role("alertdialog")
         row = frame.locator("#dead-letters tr[data-message-id='page-dl-0']")
         expect(row).to_contain_text('{"refund": 7}')
+        row.get_by_role("button", name="page-dl-0").click()
+        expect(frame.locator("#dead-letters tr[data-detail-of='page-dl-0'] pre.body")).to_have_text('{"refund": 7}')
         row.get_by_role("checkbox").check()
         frame.get_by_role("button", name="Redrive selected").click()
         expect(dialog).to_contain_text("Store 1 dead letter again")

@@ -460,7 +460,7 @@
   }
 
   // -- dead letters: the error queue of [delay_provider] ui_transport ----------------------------------------
-  const dead = { letters: [], selected: new Set(), canEdit: false };
+  const dead = { letters: [], selected: new Set(), open: new Set(), canEdit: false };
 
   async function loadDeadLetters() {
     const query = new URLSearchParams({ limit: "100" });
@@ -484,19 +484,39 @@
       .filter((h) => h !== false);
     const table = $("dead-letters");
     table.tHead.rows[0].replaceChildren(...heads.map((h) => el("th", { scope: "col" }, h)));
-    const rows = dead.letters.map((d) => el("tr", { "data-message-id": d.message_id }, [
+    const rows = dead.letters.flatMap((d) => [el("tr", { "data-message-id": d.message_id }, [
       edit && el("td", { class: "pick" }, el("input", { type: "checkbox", "aria-label": `Select dead letter ${d.message_id}`,
         checked: dead.selected.has(d.message_id),
         onchange: (event) => { if (event.target.checked) dead.selected.add(d.message_id); else dead.selected.delete(d.message_id); renderDeadBulk(); } })),
-      el("td", { class: "id" }, d.message_id), el("td", { class: "dest" }, d.destination || "(unknown)"),
+      el("td", { class: "id" }, el("button", { type: "button", class: "link", "aria-expanded": dead.open.has(d.message_id) ? "true" : "false",
+        title: "Details", onclick: () => { if (!dead.open.delete(d.message_id)) dead.open.add(d.message_id); renderDeadLetters(); } }, d.message_id)),
+      el("td", { class: "dest" }, d.destination || "(unknown)"),
       el("td", { class: "num" }, d.attempts ?? ""), el("td", {}, d.last_failed_at ? window.airflowPrefs.formatTime(d.last_failed_at) : ""),
       el("td", { class: "error-text" }, d.last_error || ""),
       el("td", {}, edit && d.body !== null ? el("pre", { class: "body" }, d.body + (d.body_truncated ? "…" : ""))
         : plural(d.body_bytes, "byte")),
-    ].filter((c) => c !== false)));
+    ].filter((c) => c !== false)), dead.open.has(d.message_id) && deadLetterDetail(d, heads.length, edit)]
+      .filter(Boolean));
     if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: heads.length, class: "empty" }, "No dead letters match.")));
     table.tBodies[0].replaceChildren(...rows);
     renderDeadBulk();
+  }
+
+  // Everything the error queue says of one dead letter: its failures, why the policy gave up, every header, and
+  // (for the roles that may act) the body as far as the listing carries it.
+  function deadLetterDetail(d, columns, edit) {
+    const time = (iso) => (iso ? window.airflowPrefs.formatTime(iso) : "");
+    const facts = [["Destination", d.destination || "(unknown)"], ["Attempts", d.attempts ?? ""],
+      ["First failed", time(d.first_failed_at)], ["Last failed", time(d.last_failed_at)],
+      ["Last error", d.last_error || ""], ["Gave up", d.gave_up || "(not recorded)"],
+      ["Redriven before", d.redriven], ["In the error queue since", time(d.enqueued_at)]];
+    return el("tr", { class: "detail", "data-detail-of": d.message_id }, el("td", { colspan: columns },
+      el("dl", { class: "facts" }, facts.map(([k, v]) => [el("dt", {}, k), el("dd", {}, v)])),
+      el("h4", {}, "Headers"),
+      el("ul", { class: "headers" }, Object.entries(d.headers || {}).map(([k, v]) => el("li", {}, `${k}=${v}`))),
+      edit && d.body !== null
+        ? [el("h4", {}, "Body"), el("pre", { class: "body" }, d.body + (d.body_truncated ? "…" : ""))]
+        : el("p", { class: "note" }, `Body: ${plural(d.body_bytes, "byte")}, shown to the roles that may act.`)));
   }
 
   function renderDeadBulk() {

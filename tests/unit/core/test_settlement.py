@@ -2,11 +2,14 @@
 
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 from airflow_delay_provider.core.message import (
     HEADER_FAILED_DESTINATION,
     HEADER_FAILURE_REASON,
     HEADER_FAILURES,
     HEADER_FIRST_FAILED_AT,
+    HEADER_GAVE_UP,
     DelayedMessage,
 )
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
@@ -44,6 +47,7 @@ def test_the_attempt_after_the_last_retry_is_dead_lettered_with_where_when_and_w
     assert dead.headers[HEADER_FAILED_DESTINATION] == "orders"
     assert dead.headers[HEADER_FAILURE_REASON] == "ValueError: boom (after 4 attempt(s))"
     assert dead.headers[HEADER_FAILURES] == "4"
+    assert dead.headers[HEADER_GAVE_UP] == "backoff phase: all 3 retries used (4 attempts)"
     assert dead.headers["k"] == "v"
 
 
@@ -52,6 +56,22 @@ def test_a_final_failure_is_dead_lettered_at_once_whatever_the_policy():
     assert isinstance(outcome, DeadLetter)
     assert outcome.message.destination == "dlq"
     assert outcome.message.headers[HEADER_FAILURE_REASON] == "destination not found: gone (after 1 attempt(s))"
+    assert outcome.message.headers[HEADER_GAVE_UP] == "final failure: not retried"
+
+
+@pytest.mark.parametrize(("policy", "phases", "gave_up"), [
+    (dict(num_retries=0), [], "the policy allows no retries"),
+    (dict(num_retries=7, num_no_delay_retries=1, num_min_delay_retries=2, num_max_delay_retries=2),
+     ["immediate", "pre-backoff", "pre-backoff", "backoff", "backoff", "post-backoff", "post-backoff"],
+     "post-backoff phase: all 7 retries used (8 attempts)"),
+    (dict(num_retries=2, num_no_delay_retries=2), ["immediate", "immediate"],
+     "immediate phase: all 2 retries used (3 attempts)"),
+])
+def test_a_dead_letter_says_which_phase_of_its_policy_gave_up(policy, phases, gave_up):
+    p = DeliveryPolicy(min_delay_target=1, max_delay_target=60, **policy)
+    assert [p.phase_of(n) for n in range(1, p.num_retries + 1)] == phases
+    outcome = settle_failure(message(p.num_retries), "boom", p, "error", NOW, jitter=0.0)
+    assert outcome.message.headers[HEADER_GAVE_UP] == gave_up
 
 
 def test_the_jitter_is_the_same_for_the_same_message_and_attempt():
