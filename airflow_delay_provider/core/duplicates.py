@@ -25,7 +25,10 @@ from dataclasses import replace as with_fields
 from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import DelayedMessage
 
-SKIP, REPLACE, KEEP_EARLIEST, REPLACE_BODY = "skip", "replace", "keep_earliest", "replace_body"
+SKIP = "skip"
+REPLACE = "replace"
+KEEP_EARLIEST = "keep_earliest"
+REPLACE_BODY = "replace_body"
 ON_DUPLICATE_MODES = (SKIP, REPLACE, KEEP_EARLIEST, REPLACE_BODY)
 
 
