@@ -310,13 +310,21 @@ class Bench:
         every running pump calls; this process calls it as a pump would) or by autovacuum where it is on."""
         started = time.perf_counter()
         # The fill went to the partitions of `_later`: each that holds rows analysed since, as the upkeep's
-        # thresholds have it.
-        query = ("SELECT coalesce(bool_and(coalesce(last_analyze, last_autoanalyze) IS NOT NULL AND "
-                 "n_mod_since_analyze < 0.02 * n_live_tup + 1000), false) FROM pg_stat_user_tables WHERE relid IN "
-                 "(SELECT relid FROM pg_partition_tree(%s::regclass) WHERE isleaf) AND n_live_tup > 0")
+        # thresholds have it (a fifth of the rows changed for the hours still filling, 2% for the others).
+        query = ("SELECT relname, n_live_tup, n_mod_since_analyze, coalesce(last_analyze, last_autoanalyze) IS NOT "
+                 "NULL FROM pg_stat_user_tables WHERE relid IN (SELECT relid FROM pg_partition_tree(%s::regclass) "
+                 "WHERE isleaf) AND n_live_tup > 0")
+        thresholds = self.store.maintenance.thresholds
+
+        def fresh() -> bool:
+            growing = {t.name for t in self.store.later.growing()}
+            return all(analysed and not thresholds.work(live, 0, modified, growing=name in growing)
+                       for name, live, modified, analysed in self.conn.execute(
+                           query, [self.store.tables.later.fullname]).fetchall())
+
         while time.perf_counter() - started < self.args.settle_timeout:
             self.store.upkeep()
-            if self.conn.execute(query, [self.store.tables.later.fullname]).fetchone()[0]:
+            if fresh():
                 break
             time.sleep(1)
         else:

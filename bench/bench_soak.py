@@ -514,8 +514,8 @@ def compared(rows: list[dict], span: int = 10) -> tuple[list[dict], list[dict], 
 
 def report(r: dict) -> None:
     print(f"\n{describe(r['machine'])}")
-    # This machine's PostgreSQL runs with autovacuum off (the store's upkeep does it); any other change is named.
-    tuned = {k: v for k, v in r["machine"].get("postgresql_settings", {}).items() if k != "autovacuum"}
+    # Every setting that differs from what PostgreSQL ships, read at run time: autovacuum=off too.
+    tuned = dict(r["machine"].get("postgresql_settings", {}))
     rows = r["minutes_table"]
     print(f"{r['minutes']} minutes; sends at {r['rate']:,.0f} msg/s"
           + (f" (half the maximum that a sender, the pump and the consumer carried through together on this machine, "

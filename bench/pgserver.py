@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -29,25 +30,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pg", choices=("default",), default=None,
                        help="'default': a throwaway cluster of the installed PostgreSQL with its shipped settings "
                             "(initdb in a temporary directory, removed at the end)")
+    parser.add_argument("--pg-set", action="append", default=[], metavar="NAME=VALUE",
+                        help="with --pg default: a server setting changed from the shipped one (repeatable), as "
+                             "autovacuum=off for a run beside one with it on; the header reads it back")
 
 
 @contextlib.contextmanager
 def server(args: argparse.Namespace) -> Iterator[str]:
     """The URL to measure on, for as long as the bench runs: sets args.pg_url too."""
     if getattr(args, "pg", None) == "default":
-        with throwaway_cluster() as url:
+        with throwaway_cluster(_settings(getattr(args, "pg_set", []))) as url:
             args.pg_url = url
             yield url
     else:
+        if getattr(args, "pg_set", []):
+            raise SystemExit("--pg-set changes a throwaway cluster's settings: give it with --pg default")
         args.pg_url = args.pg_url or DEFAULT_URL
         yield args.pg_url
 
 
+def _settings(pairs: list[str]) -> dict[str, str]:
+    settings = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not re.fullmatch(r"[a-z_]+", name) or not re.fullmatch(r"[A-Za-z0-9_.]+", value):
+            raise SystemExit(f"--pg-set takes NAME=VALUE (a setting's name and a plain value), got {pair!r}")
+        settings[name] = value
+    return settings
+
+
 @contextlib.contextmanager
-def throwaway_cluster() -> Iterator[str]:
-    """A cluster with the shipped settings for as long as the bench runs (tests/pg_cluster.py)."""
+def throwaway_cluster(settings: dict[str, str] | None = None) -> Iterator[str]:
+    """A cluster with the shipped settings (and `settings`) for as long as the bench runs (tests/pg_cluster.py)."""
     try:
-        with pg_cluster.throwaway_cluster() as url:
+        with pg_cluster.throwaway_cluster(settings) as url:
             yield url
     except pg_cluster.ClusterError as exc:
         raise SystemExit(f"--pg default: {exc}; or name a server with --pg-url") from exc
