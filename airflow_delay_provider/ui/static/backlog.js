@@ -21,7 +21,7 @@
       else if (key === "class") node.className = value;
       else node.setAttribute(key, value === true ? "" : String(value));
     }
-    for (const child of children.flat()) {
+    for (const child of children.flat(Infinity)) {
       if (child !== undefined && child !== null && child !== false) node.append(child instanceof Node ? child : String(child));
     }
     return node;
@@ -411,11 +411,11 @@
         el("td", { class: "num" }, m.failures),
         el("td", {}, m.in_flight ? el("span", { class: "badge in-flight" }, "in flight")
           : m.paused ? el("span", { class: "badge paused" }, "paused") : "scheduled"),
-        el("td", {}, edit && m.body !== undefined
-          ? [el("pre", { class: "body" }, m.body + (m.body_truncated ? "…" : "")), size] : size),
+        el("td", { class: "body-cell" }, edit && m.body !== undefined
+          ? [el("pre", { class: "body" }, m.body + (m.body_truncated ? "…" : "")), size, " ",
+            el("button", { type: "button", disabled: m.in_flight, onclick: () => editMessage(m) }, "Edit")] : size),
         edit && el("td", {}, el("div", { class: "actions" },
           el("button", { type: "button", disabled: m.in_flight, onclick: () => runNow([m.message_id]) }, "Run now"),
-          el("button", { type: "button", disabled: m.in_flight, onclick: () => editMessage(m) }, "Edit"),
           el("button", { type: "button", class: "danger", disabled: m.in_flight,
             onclick: () => cancel([m.message_id]) }, "Cancel"))),
       ].filter((c) => c !== false);
