@@ -108,8 +108,7 @@ class InMemoryStore(DelayedMessageStore):
         batch = fold(messages, mode)
         with self._lock:
             if mode != SKIP:  # a message a claim holds: its outcome first (delivered, or back for a retry)
-                ids = {m.message_id for m in batch}
-                while any(i in c._unsettled for c in self._claims for i in ids):
+                while any(self._held(m.message_id) for m in batch):
                     self._settled.wait()
             now = self.clock()
             changed = applied(((self._messages[m.message_id], m) for m in batch
