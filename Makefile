@@ -99,6 +99,7 @@ bench-on-url:
 	$(BIN)/python bench/bench_throughput.py --plot docs/bench_throughput.png
 	$(BIN)/python bench/bench_scale.py --plot docs/bench_scale.png
 	$(BIN)/python bench/bench_soak.py --minutes 3 --prefill 200000
+	$(BIN)/python bench/bench_bulk.py --plot docs/bench_bulk.png
 	$(BIN)/python bench/bench_later_start.py
 	$(BIN)/python bench/bench_dispatchers.py
 	$(BIN)/python bench/profile_pump.py --plot docs/profile_pump.png

@@ -21,15 +21,17 @@ EVENT_PREFIX = "delayed_messages."
 #: What a result counts, by the key that holds it (a list of ids, a number, or numbers per destination).
 _COUNTED = ("cancelled", "rescheduled", "edited", "changed", "forgotten", "purged", "redriven", "deleted", "unknown")
 #: The parts of a request that say what it acted on.
-_TARGET = ("message_id", "message_ids", "destination", "destinations", "headers", "deliver_at", "delay_seconds",
-           "force", "error_queue", "everything")
+_TARGET = ("message_id", "message_ids", "destination", "destinations", "headers", "due_from", "due_before",
+           "body_contains", "deliver_at", "delay_seconds", "force", "error_queue", "everything")
 
 
 def counts(result: Mapping[str, Any]) -> dict[str, int]:
     """How many messages (or destinations) an action's result says it touched, per kind."""
     found = {}
+    complete = result.get("counts") if isinstance(result.get("counts"), Mapping) else {}
     for key in _COUNTED:
-        value = result.get(key)
+        # A report's lists of ids stop at LISTED; its `counts` are complete.
+        value = complete.get(key, result.get(key))
         if isinstance(value, bool) or value is None:
             continue
         if isinstance(value, (list, tuple, set)):
@@ -49,7 +51,7 @@ def target_of(request: Mapping[str, Any]) -> dict[str, Any]:
     target = {k: request[k] for k in _TARGET if request.get(k) not in (None, [], {}, "")}
     if isinstance(target.get("headers"), Mapping):
         target["headers"] = {k: redact(v, k) for k, v in target["headers"].items()}
-    return {k: str(v) if k in ("deliver_at",) else v for k, v in target.items()}
+    return {k: str(v) if k in ("deliver_at", "due_from", "due_before") else v for k, v in target.items()}
 
 
 def record(action: str, owner: str, source: str, conn_id: str | None, request: Mapping[str, Any],

@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import pgserver  # noqa: E402
-from bench_store import TABLE_AND_PARTITIONS, libpq, peak_rss_mb, pyplot  # noqa: E402
+from bench_store import TABLE_AND_PARTITIONS, finish, libpq, peak_rss_mb, pyplot  # noqa: E402
 from bench_throughput import Children, interrupt, log, percentile, save_figure  # noqa: E402
 from machine import describe, machine  # noqa: E402
 
@@ -241,16 +241,7 @@ class Soak:
         self.conn = psycopg.connect(libpq(self.args.pg_url), autocommit=True)
 
     def teardown(self) -> None:
-        self.children.kill_all()
-        for close in (self.store.close, self.queue.close, self.conn.close):
-            with contextlib.suppress(Exception):
-                close()
-        with psycopg.connect(libpq(self.args.pg_url), autocommit=True) as conn:
-            # The store's upkeep (a VACUUM of millions of rows) may still run in a backend of its own.
-            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
-                         "AND position(%s in query) > 0", [self.schema])
-            conn.execute("SET lock_timeout = '60s'")
-            conn.execute(f"DROP SCHEMA IF EXISTS {self.schema} CASCADE")
+        finish(self.args.pg_url, self.schema, self.children, self.store.close, self.queue.close, self.conn.close)
         log(f"dropped schema {self.schema}")
 
     def max_rate(self, seconds: int = 30) -> float:

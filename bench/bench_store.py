@@ -8,13 +8,16 @@ a small and a 1,000,000-row backlog. `make bench` runs it; `--plot` draws the ra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -47,6 +50,26 @@ TABLE_AND_PARTITIONS = ("(SELECT %(t)s::regclass UNION ALL "
 
 def libpq(url: str) -> str:
     return url.replace("postgresql+psycopg://", "postgresql://")
+
+
+def finish(url: str, schema: str, children: Any, *closers: Callable[[], object]) -> None:
+    """A bench's end: its child processes killed, its connections closed (each failure ignored: it is ending
+    anyway), its schema dropped."""
+    children.kill_all()
+    for close in closers:
+        with contextlib.suppress(Exception):
+            close()
+    drop_schema(url, schema)
+
+
+def drop_schema(url: str, schema: str) -> None:
+    """Drop a bench's schema, ending first any backend still working in it (the store's upkeep may be running a
+    VACUUM of millions of rows in one of its own)."""
+    with psycopg.connect(libpq(url), autocommit=True) as conn:
+        conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
+                     "AND position(%s in query) > 0", [schema])
+        conn.execute("SET lock_timeout = '60s'")
+        conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
 def new_messages(n: int) -> list[DelayedMessage]:

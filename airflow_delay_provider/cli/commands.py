@@ -17,6 +17,7 @@ from airflow.utils.providers_configuration_loader import providers_configuration
 
 from airflow_delay_provider import audit
 from airflow_delay_provider.cli.output import default_output, render
+from airflow_delay_provider.core.backlog import CONFIRM_ABOVE
 from airflow_delay_provider.core.errors import DelayProviderError
 from airflow_delay_provider.hooks.delay_store import DelayStoreHook
 from airflow_delay_provider.hooks.transport import transport_hook, transport_options
@@ -25,8 +26,10 @@ from airflow_delay_provider.stores.engine import safe_url
 #: The hook's words for what a user gave, as the command line's flags. The hook speaks to operators and the page
 #: too, so its errors name parameters; a command-line user sees the flags instead.
 _FLAGS = (
-    (r"select messages by message_ids, by headers \(e\.g\. \{'order-id': '42'\}\) or by destination",
-     "select messages with --id, --header KEY=VALUE or --destination"),
+    (r"select messages by message_ids, destination, headers \(e\.g\. \{'order-id': '42'\}\), body_contains or a "
+     r"due window \(due_from, due_before\)",
+     "select messages with --id, --destination, --header KEY=VALUE, --body-contains or a due window (--due-from, "
+     "--due-before)"),
     (r"select the dead letters to delete by message_ids and/or destination, or all of them with everything=True",
      "select the dead letters to delete with --id and/or --destination, or all of them with --all"),
     (r"headers \(the header match\)", "--header"),
@@ -36,6 +39,7 @@ _FLAGS = (
     (r"\bdelay_seconds\b", "--delay-seconds"),
     (r"\bdue_from\b", "--due-from"),
     (r"\bdue_before\b", "--due-before"),
+    (r"\bbody_contains\b", "--body-contains"),
     (r"\bmax_messages\b", "--max-messages"),
     (r"\bmax_per_second\b", "--max-per-second"),
     (r"^(limit|after) (must)", r"--\1 \2"),
@@ -132,7 +136,8 @@ def _selector(args: argparse.Namespace) -> dict[str, Any]:
         if not sep or not key:
             _refuse(f"--header takes KEY=VALUE, got {pair!r}")
         headers[key] = value
-    return {"message_ids": _ids(args), "destination": args.destination, "headers": headers or None}
+    return {"message_ids": _ids(args), "destination": args.destination, "headers": headers or None,
+            **{k: getattr(args, k) for k in ("due_from", "due_before", "body_contains") if getattr(args, k, None)}}
 
 
 def _transport(hook: DelayStoreHook, args: argparse.Namespace) -> Any:
@@ -147,18 +152,61 @@ def backlog(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
 
 @_command_of("messages", "message_id")
 def browse(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
-    return hook.browse(**_selector(args), due_from=args.due_from, due_before=args.due_before, limit=args.limit,
-                       after=args.after, show_bodies=not args.no_bodies)
+    return hook.browse(**_selector(args), limit=args.limit, after=args.after, show_bodies=not args.no_bodies)
 
 
-@_action("cancel")
-def cancel(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
-    return hook.cancel(**_selector(args))
+#: A change's call of the hook: (hook, the command's arguments, the selection, dry_run) -> its report.
+_Change = Callable[[DelayStoreHook, argparse.Namespace, dict[str, Any], bool], dict]
 
 
-@_action("reschedule")
-def reschedule(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
-    return hook.reschedule(**_selector(args), deliver_at=args.deliver_at, delay_seconds=args.delay_seconds)
+def _bulk(verb: str, change: _Change) -> Callable[[DelayStoreHook, argparse.Namespace], dict]:
+    """A cancel, reschedule or run-now: by --id at once; by a filter counted first, and above CONFIRM_ABOVE asked
+    (on a terminal) or refused (elsewhere) without --yes, as `airflow tasks clear` asks. --dry-run only counts."""
+
+    def run(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
+        selection = _selector(args)
+        if args.dry_run or selection["message_ids"] is None:
+            counted = change(hook, args, selection, True)
+            if args.dry_run:
+                return counted
+            n = next(v for k, v in counted.items() if k.startswith("would_"))
+            if counted["confirm"] and not args.yes:
+                question = f"{verb} {n:,} scheduled messages ({_described(counted['selector'])})?"
+                if not sys.stdin.isatty():
+                    _refuse(f"{question} More than {CONFIRM_ABOVE:,}: run it again with --yes to confirm (or "
+                            "--dry-run to count only)")
+                if input(f"{question} [y/N] ").strip().lower() not in ("y", "yes"):
+                    _refuse("nothing was changed")
+        return change(hook, args, selection, False)
+
+    return run
+
+
+def _described(selector: dict[str, Any]) -> str:
+    return ", ".join(f"{k.replace('_', '-')} {v}" for k, v in selector.items())
+
+
+def _count_note(report: dict) -> str | None:
+    """After a --dry-run of a cancel, reschedule or run-now: what it counted, and how to do it."""
+    if not report.get("dry_run"):
+        return None
+    n = next(v for k, v in report.items() if k.startswith("would_"))
+    again = shlex.join(arg for arg in sys.argv[1:] if arg != "--dry-run")
+    held = f"; {report['in_flight']} held by a running sweep would stay" if report["in_flight"] else ""
+    return f"Dry run: nothing was changed; {n} scheduled message(s) would be{held}. To do it: airflow {again}"
+
+
+def _action_unless_dry(name: str) -> Callable[[argparse.Namespace], str | None]:
+    return lambda args: None if args.dry_run else name
+
+
+cancel = _command(_bulk("Cancel", lambda hook, _, selection, dry_run: hook.cancel(**selection, dry_run=dry_run)),
+                  note=_count_note, action=_action_unless_dry("cancel"))
+reschedule = _command(_bulk("Reschedule", lambda hook, args, selection, dry_run: hook.reschedule(
+    **selection, deliver_at=args.deliver_at, delay_seconds=args.delay_seconds, dry_run=dry_run)),
+    note=_count_note, action=_action_unless_dry("reschedule"))
+run_now = _command(_bulk("Run now", lambda hook, _, selection, dry_run: hook.run_now(**selection, dry_run=dry_run)),
+                   note=_count_note, action=_action_unless_dry("run_now"))
 
 
 @_action("edit")
@@ -172,11 +220,6 @@ def edit(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
                 _refuse(f"--set-header takes KEY=VALUE, got {pair!r}")
             headers[key] = value
     return hook.edit(message_id=args.message_id, body=args.body, headers=headers)
-
-
-@_action("run_now")
-def run_now(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
-    return hook.run_now(**_selector(args))
 
 
 @_action("pause")

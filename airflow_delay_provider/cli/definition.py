@@ -23,6 +23,14 @@ ARG_HEADER = Arg(("--header",), dest="headers", action="append", metavar="KEY=VA
                  help="only messages with this header value (repeat: all must match)")
 ARG_DUE_FROM = Arg(("--due-from",), help="due at or after this ISO time (with offset)")
 ARG_DUE_BEFORE = Arg(("--due-before",), help="due before this ISO time (with offset)")
+ARG_BODY_CONTAINS = Arg(("--body-contains",), metavar="TEXT",
+                        help="only messages whose body contains this text (UTF-8, case matters; at most 200 "
+                             "characters)")
+ARG_ACTION_DRY_RUN = Arg(("--dry-run",), action="store_true",
+                         help="only count the messages it would change (and those a sweep holds); change nothing")
+ARG_ASSUME_YES = Arg(("-y", "--yes"), action="store_true",
+                     help="do not ask first: a change by a filter that would touch more than 1,000 messages asks on a "
+                          "terminal, and is refused elsewhere without this")
 ARG_LIMIT = Arg(("--limit",), type=int, default=50, help="messages per page (1..1000, default 50)")
 ARG_AFTER = Arg(("--after",), help="the `next` cursor printed by the previous page")
 ARG_NO_BODIES = Arg(("--no-bodies",), action="store_true", help="show body sizes only")
@@ -61,23 +69,26 @@ ARG_DRY_RUN = Arg(("--dry-run",), action="store_true",
 _STORE_ONLY = (ARG_CONN_ID, ARG_TABLE, ARG_DB_SCHEMA)
 _STORE = (*_STORE_ONLY, ARG_OUTPUT)
 _SELECT = (ARG_IDS, ARG_DESTINATION, ARG_HEADER)
+_FILTER = (ARG_DUE_FROM, ARG_DUE_BEFORE, ARG_BODY_CONTAINS)
+_BULK = (*_SELECT, *_FILTER, ARG_ACTION_DRY_RUN, ARG_ASSUME_YES)
 
 COMMANDS = (
     ActionCommand(name="backlog", help="Counts per destination: scheduled, due, in flight, paused, histogram",
                   func=lazy_load_command(_COMMANDS + "backlog"), args=(*_STORE, ARG_DESTINATION)),
     ActionCommand(name="browse", help="List scheduled messages, soonest due first, without claiming them",
                   func=lazy_load_command(_COMMANDS + "browse"),
-                  args=(*_STORE, *_SELECT, ARG_DUE_FROM, ARG_DUE_BEFORE, ARG_LIMIT, ARG_AFTER, ARG_NO_BODIES)),
-    ActionCommand(name="cancel", help="Cancel scheduled messages (by --id, --header and/or --destination)",
-                  func=lazy_load_command(_COMMANDS + "cancel"), args=(*_STORE, *_SELECT)),
-    ActionCommand(name="reschedule", help="Move scheduled messages to --deliver-at or --delay-seconds from now",
-                  func=lazy_load_command(_COMMANDS + "reschedule"),
-                  args=(*_STORE, *_SELECT, ARG_DELIVER_AT, ARG_DELAY)),
+                  args=(*_STORE, *_SELECT, *_FILTER, ARG_LIMIT, ARG_AFTER, ARG_NO_BODIES)),
+    ActionCommand(name="cancel", help="Cancel scheduled messages: by --id, or by a filter (--destination, --header, "
+                  "--due-from/--due-before, --body-contains), counted first and changed in batches",
+                  func=lazy_load_command(_COMMANDS + "cancel"), args=(*_STORE, *_BULK)),
+    ActionCommand(name="reschedule", help="Move scheduled messages to --deliver-at or --delay-seconds from now "
+                  "(selected as cancel selects them)", func=lazy_load_command(_COMMANDS + "reschedule"),
+                  args=(*_STORE, *_BULK, ARG_DELIVER_AT, ARG_DELAY)),
     ActionCommand(name="edit", help="Change a scheduled message's body and/or headers (refused once it is taken for "
                   "delivery)", func=lazy_load_command(_COMMANDS + "edit"),
                   args=(*_STORE, ARG_EDIT_ID, ARG_BODY, ARG_SET_HEADER)),
-    ActionCommand(name="run-now", help="Make scheduled messages due now",
-                  func=lazy_load_command(_COMMANDS + "run_now"), args=(*_STORE, *_SELECT)),
+    ActionCommand(name="run-now", help="Make scheduled messages due now (selected as cancel selects them)",
+                  func=lazy_load_command(_COMMANDS + "run_now"), args=(*_STORE, *_BULK)),
     ActionCommand(name="pause", help="Pause destinations: their messages stay stored until resumed",
                   func=lazy_load_command(_COMMANDS + "pause"), args=(*_STORE, ARG_DESTINATIONS)),
     ActionCommand(name="resume", help="Resume paused destinations",

@@ -1,8 +1,10 @@
 """Operating the backlog: which scheduled messages an action applies to, and what it reports.
 
-Every control (browse, cancel, reschedule, run now, purge) takes a `Selector`. A selector must name
-something: message ids, a header match, or a destination, so that an empty form or a missing template
-value never means "every message". Results are plain dicts of lists and counts (XCom and JSON friendly).
+Every control (browse, count, cancel, reschedule, run now, purge) takes a `Selector`. A selector that changes
+messages must name something: message ids, a destination, a header match, a body text or a due window, so that
+an empty form or a missing template value never means "every message". A change by a filter (no ids) can be
+counted first (a dry run) and works in batches, each its own short transaction. Results are plain dicts of lists
+and counts (XCom and JSON friendly).
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ MAX_PAGE = 1_000
 BODY_PREVIEW_BYTES = 200
 #: Ids a report lists at most (its counts are always complete).
 LISTED = 1_000
+#: The longest text a body search takes (UTF-8 characters).
+MAX_BODY_SEARCH = 200
+#: Messages a change by a filter changes per transaction: a million-message cancel never holds a long one.
+BULK_BATCH = 10_000
+#: A change by a filter that would touch more than this many messages asks first: the CLI wants --yes (or a "y" on
+#: a terminal), the page shows the count on its confirm button.
+CONFIRM_ABOVE = 1_000
 #: The backlog histogram's buckets: messages due at most this far ahead (seconds), then "later".
 BUCKETS: tuple[tuple[str, int], ...] = (("due", 0), ("next_minute", 60), ("next_hour", 3_600),
                                         ("next_day", 86_400))
@@ -46,6 +55,7 @@ class Selector:
     :param headers: messages whose headers include all of these (e.g. ``{"order-id": "42"}``).
     :param due_from: due at or after (aware datetime).
     :param due_before: due before (aware datetime).
+    :param body_contains: messages whose body contains this text (as UTF-8 bytes; case matters).
     """
 
     message_ids: tuple[str, ...] = ()
@@ -53,10 +63,12 @@ class Selector:
     headers: Mapping[str, str] = field(default_factory=dict)
     due_from: datetime | None = None
     due_before: datetime | None = None
+    body_contains: str | None = None
 
     @classmethod
     def build(cls, message_ids: object = None, destination: object = None, headers: object = None,
-              due_from: object = None, due_before: object = None, allow_everything: bool = False) -> Selector:
+              due_from: object = None, due_before: object = None, allow_everything: bool = False,
+              body_contains: object = None) -> Selector:
         """A checked selector; `allow_everything` only for reads (a browse of the whole store)."""
         ids = _ids(message_ids)
         dest = None if destination in (None, "") else check_destination(destination)
@@ -64,7 +76,8 @@ class Selector:
             match = check_headers(headers or {})
         except Exception as exc:
             raise InvalidInputError(f"headers (the header match): {exc}") from None
-        selector = cls(ids, dest, match, _moment("due_from", due_from), _moment("due_before", due_before))
+        selector = cls(ids, dest, match, _moment("due_from", due_from), _moment("due_before", due_before),
+                       _body_search(body_contains))
         if not allow_everything:
             selector.require_something()
         if selector.due_from and selector.due_before and selector.due_from >= selector.due_before:
@@ -74,11 +87,23 @@ class Selector:
 
     def require_something(self) -> None:
         """Refuse a selector that names nothing: every action that changes messages calls this."""
-        if not (self.message_ids or self.destination or self.headers):
+        if not (self.message_ids or self.destination or self.headers or self.body_contains or self.due_from
+                or self.due_before):
             raise InvalidInputError(
-                "select messages by message_ids, by headers (e.g. {'order-id': '42'}) or by destination; "
-                "an action with none of them would apply to every message, which is refused"
+                "select messages by message_ids, destination, headers (e.g. {'order-id': '42'}), body_contains "
+                "or a due window (due_from, due_before); an action with none of them would apply to every "
+                "message, which is refused"
             )
+
+    @property
+    def is_filter(self) -> bool:
+        """Whether this selects by a filter rather than by ids: a change then counts first and works in batches."""
+        return not self.message_ids
+
+    @cached_property
+    def body_bytes(self) -> bytes | None:
+        """The body search as the bytes a stored body must contain."""
+        return None if self.body_contains is None else self.body_contains.encode("utf-8")
 
     def header_patterns(self) -> list[str]:
         """Substrings every matching row's stored header JSON contains (stored as compact JSON, ASCII)."""
@@ -97,7 +122,8 @@ class Selector:
                 and (self.destination is None or message.destination == self.destination)
                 and self.matches_headers(message.headers)
                 and (self.due_from is None or message.due_at >= self.due_from)
-                and (self.due_before is None or message.due_at < self.due_before))
+                and (self.due_before is None or message.due_at < self.due_before)
+                and (self.body_bytes is None or self.body_bytes in message.body))
 
     def describe(self) -> dict[str, Any]:
         return {k: v for k, v in (
@@ -105,6 +131,7 @@ class Selector:
             ("headers", dict(self.headers) or None),
             ("due_from", self.due_from and self.due_from.isoformat()),
             ("due_before", self.due_before and self.due_before.isoformat()),
+            ("body_contains", self.body_contains),
         ) if v is not None}
 
 
@@ -123,6 +150,16 @@ def _ids(value: object) -> tuple[str, ...]:
             raise InvalidInputError(f"message ids are non-empty strings of at most {MAX_MESSAGE_ID_LENGTH} "
                                     f"characters, got {mid!r:.60}")
     return ids
+
+
+def _body_search(value: object) -> str | None:
+    if value in (None, ""):
+        return None
+    if not isinstance(value, str):
+        raise InvalidInputError(f"body_contains must be text, got {type(value).__name__}")
+    if len(value) > MAX_BODY_SEARCH:
+        raise InvalidInputError(f"body_contains is at most {MAX_BODY_SEARCH} characters, got {len(value)}")
+    return value
 
 
 def _moment(name: str, value: object) -> datetime | None:
@@ -212,12 +249,27 @@ def change_report(selector: Selector, changed: Sequence[str], in_flight: Sequenc
     the ids neither changed nor in flight, those the store accepted within its de-duplication window);
     otherwise the first LISTED ids of each kind and complete counts."""
     if not selector.message_ids:
-        return {"cancelled": list(changed[:LISTED]), "in_flight": list(in_flight[:LISTED]),
-                "counts": {"cancelled": len(changed), "in_flight": len(in_flight)},
-                "truncated": len(changed) > LISTED or len(in_flight) > LISTED, "selector": selector.describe()}
+        return bulk_report(selector, changed, len(changed), in_flight, len(in_flight), 1)
     done = set(changed) | set(in_flight)
     missing = [m for m in selector.message_ids if m not in done]
     return {**cancel_report(selector.message_ids, changed, in_flight, accepted(missing)),
+            "selector": selector.describe()}
+
+
+def count_report(selector: Selector, action: str, matching: int, in_flight: int) -> dict[str, Any]:
+    """What a change by `selector` would touch (a dry run): `would_<action>` (the messages it would change now) and
+    `in_flight` (held by a sweep: it would leave them), and whether it asks for confirmation first."""
+    return {"dry_run": True, f"would_{action}": matching, "in_flight": in_flight,
+            "confirm": matching > CONFIRM_ABOVE, "selector": selector.describe()}
+
+
+def bulk_report(selector: Selector, changed: Sequence[str], changed_count: int, in_flight: Sequence[str],
+                in_flight_count: int, batches: int) -> dict[str, Any]:
+    """What a change by a filter did, in the words of `change_report` (the first LISTED ids of each kind, complete
+    counts), with the number of batches (transactions) it took."""
+    return {"cancelled": list(changed[:LISTED]), "in_flight": list(in_flight[:LISTED]),
+            "counts": {"cancelled": changed_count, "in_flight": in_flight_count},
+            "truncated": changed_count > LISTED or in_flight_count > LISTED, "batches": batches,
             "selector": selector.describe()}
 
 

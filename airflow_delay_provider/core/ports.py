@@ -110,6 +110,11 @@ class DelayedMessageStore(ABC):
         """Counts per destination (scheduled, due, in flight, paused, due-time histogram) and totals."""
         raise NotImplementedError(f"{type(self).__name__} cannot count its backlog")
 
+    def count_selected(self, selector: Selector, action: str = "cancel") -> dict[str, Any]:
+        """What a change by `selector` would touch, changing nothing: `would_<action>` and `in_flight`
+        (`core.backlog.count_report`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot count selected messages")
+
     def cancel(self, selector: Selector) -> dict[str, Any]:
         """Remove the selected messages; reports ids cancelled, in flight, gone and unknown."""
         raise NotImplementedError(f"{type(self).__name__} cannot cancel messages")

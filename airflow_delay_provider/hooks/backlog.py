@@ -38,12 +38,15 @@ class BacklogActions:
 
     def browse(self, *, message_ids: Any = None, destination: Any = None, headers: Any = None,
                due_from: Any = None, due_before: Any = None, limit: int = 50, after: str | None = None,
-               show_bodies: bool = True, body_bytes: int = BODY_PREVIEW_BYTES) -> dict[str, Any]:
+               show_bodies: bool = True, body_bytes: int = BODY_PREVIEW_BYTES,
+               body_contains: Any = None) -> dict[str, Any]:
         """A page of scheduled messages, soonest first, claiming nothing. With no selector: every message.
 
         :param show_bodies: False leaves bodies out (only their size is shown).
+        :param body_contains: only messages whose body contains this text (for readers who may see bodies).
         """
-        selector = Selector.build(message_ids, destination, headers, due_from, due_before, allow_everything=True)
+        selector = Selector.build(message_ids, destination, headers, due_from, due_before, allow_everything=True,
+                                  body_contains=body_contains)
         return self.checked_store().browse(selector, limit=limit, after=after,
                                            body_bytes=body_bytes if show_bodies else None)
 
@@ -51,28 +54,48 @@ class BacklogActions:
         """Per destination: scheduled, due, in flight (a sweep holds them), paused, the due-time histogram."""
         return self.checked_store().backlog(destination or None)
 
+    def count(self, *, message_ids: Any = None, destination: Any = None, headers: Any = None, due_from: Any = None,
+              due_before: Any = None, body_contains: Any = None, action: str = "cancel") -> dict[str, Any]:
+        """What a cancel (or another `action`) of these messages would touch, changing nothing: `would_<action>`,
+        `in_flight` (a sweep holds them: left alone) and `confirm` (more than CONFIRM_ABOVE: ask first)."""
+        selector = Selector.build(message_ids, destination, headers, due_from, due_before, body_contains=body_contains)
+        return self.checked_store().count_selected(selector, action)
+
     def cancel(self, *, message_ids: Any = None, destination: Any = None, headers: Any = None,
-               due_from: Any = None, due_before: Any = None) -> dict[str, Any]:
-        """Cancel scheduled messages (by ids, header match and/or a named destination)."""
-        return self.checked_store(writes=True).cancel(Selector.build(message_ids, destination, headers, due_from,
-                                                              due_before))
+               due_from: Any = None, due_before: Any = None, body_contains: Any = None,
+               dry_run: bool = False) -> dict[str, Any]:
+        """Cancel scheduled messages: by ids, or by a filter (destination, header match, due window, body text),
+        which works in batches of BULK_BATCH, each its own transaction. `dry_run` only counts (see `count`)."""
+        if dry_run:
+            return self.count(message_ids=message_ids, destination=destination, headers=headers, due_from=due_from,
+                              due_before=due_before, body_contains=body_contains)
+        selector = Selector.build(message_ids, destination, headers, due_from, due_before, body_contains=body_contains)
+        return self.checked_store(writes=True).cancel(selector)
 
     def reschedule(self, *, message_ids: Any = None, destination: Any = None, headers: Any = None,
-                   deliver_at: Any = None, delay_seconds: Any = None) -> dict[str, Any]:
-        """Make selected messages due at `deliver_at` or after `delay_seconds` from now (0: run now)."""
-        store = self.checked_store(writes=True)
-        selector = Selector.build(message_ids, destination, headers)
+                   deliver_at: Any = None, delay_seconds: Any = None, due_from: Any = None, due_before: Any = None,
+                   body_contains: Any = None, dry_run: bool = False) -> dict[str, Any]:
+        """Make selected messages due at `deliver_at` or after `delay_seconds` from now (0: run now); selected as
+        `cancel` selects them, and in batches the same way. `dry_run` checks the new time and only counts."""
+        selector = Selector.build(message_ids, destination, headers, due_from, due_before, body_contains=body_contains)
+        store = self.checked_store(writes=not dry_run)
         limit = self.delay_limits.of(selector.destination)  # type: ignore[attr-defined]
-        return store.reschedule(selector, new_due_time(store.clock(), deliver_at, delay_seconds, limit))
+        due_at = new_due_time(store.clock(), deliver_at, delay_seconds, limit)
+        if dry_run:
+            return {**store.count_selected(selector, "reschedule"), "due_at": due_at.isoformat()}
+        return store.reschedule(selector, due_at)
 
     def edit(self, *, message_id: Any, body: Any = None, headers: Any = None) -> dict[str, Any]:
         """Change one scheduled message's body (text as UTF-8, or bytes) and/or its headers (all of them, a dict of
         str), keeping its due time; refused (`in_flight`) once a pump, a sweep or an event lease has taken it."""
         return self.checked_store(writes=True).edit(message_id, body, headers)
 
-    def run_now(self, *, message_ids: Any = None, destination: Any = None, headers: Any = None) -> dict[str, Any]:
-        """Make selected messages due now."""
-        return self.reschedule(message_ids=message_ids, destination=destination, headers=headers, delay_seconds=0)
+    def run_now(self, *, message_ids: Any = None, destination: Any = None, headers: Any = None, due_from: Any = None,
+                due_before: Any = None, body_contains: Any = None, dry_run: bool = False) -> dict[str, Any]:
+        """Make selected messages due now (selected as `cancel` selects them)."""
+        return self.reschedule(message_ids=message_ids, destination=destination, headers=headers, delay_seconds=0,
+                               due_from=due_from, due_before=due_before, body_contains=body_contains,
+                               dry_run=dry_run)
 
     def pause(self, destinations: Any) -> dict[str, Any]:
         """Pause destinations: their messages stay stored until resumed (batches already claimed finish)."""

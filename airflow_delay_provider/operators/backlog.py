@@ -1,8 +1,9 @@
 """Operators for the backlog: cancel, reschedule (or run now), pause/resume and purge scheduled messages.
 
 Each is a call on DelayStoreHook's backlog methods and returns that call's JSON report. A selector names
-message ids, a header match and/or a destination; one with none of them is refused (when the DAG is
-parsed if nothing is templated, else when the task runs), so a missing XCom never cancels everything.
+message ids, or a filter: a destination, a header match, a due window and/or a body text; one with none of them is
+refused (when the DAG is parsed if nothing is templated, else when the task runs), so a missing XCom never cancels
+everything.
 """
 
 from __future__ import annotations
@@ -62,29 +63,56 @@ def _literal(text: str, field: str) -> Any:
 
 
 class _BacklogOperator(DelayStoreMixin, BaseOperator):
-    """The selector arguments, checked when the DAG is parsed where nothing is templated.
+    """The selector arguments, checked when the DAG is parsed where nothing is templated. By ids, the change is one
+    transaction; by a filter (no ids), it works in batches (10,000 messages per transaction).
 
     :param message_ids: ids of scheduled messages (a send task's XCom, e.g.
         ``"{{ ti.xcom_pull(task_ids='send') }}"``), a list or comma-separated text (templated).
     :param destination: only this destination's messages; alone, every message of it (templated).
     :param headers: only messages whose headers include these, e.g. ``{"order-id": "42"}`` (templated).
+    :param due_from: only messages due at or after this aware datetime or ISO time (templated).
+    :param due_before: only messages due before this aware datetime or ISO time (templated).
+    :param body_contains: only messages whose body contains this text (UTF-8; case matters) (templated).
+    :param dry_run: only count what it would change (``would_cancel`` or ``would_reschedule``); change nothing.
+    :param max_messages: by a filter, count first and fail the task, changing nothing, when more match (a guard
+        against a filter wider than meant); None: no limit.
     """
 
-    template_fields: Sequence[str] = ("message_ids", "destination", "headers")
+    template_fields: Sequence[str] = ("message_ids", "destination", "headers", "due_from", "due_before",
+                                      "body_contains")
     ui_color = "#f4e1d2"
+    #: The hook's word for this change in a count (`would_<action>`).
+    counted_as = "cancel"
 
     def __init__(self, *, message_ids: Any = None, destination: str | None = None, headers: Any = None,
-                 **kwargs: Any) -> None:
+                 due_from: Any = None, due_before: Any = None, body_contains: str | None = None,
+                 dry_run: bool = False, max_messages: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.message_ids, self.destination, self.headers = message_ids, destination, headers
-        if not _templated(message_ids, destination, headers):
+        self.due_from, self.due_before, self.body_contains = due_from, due_before, body_contains
+        self.dry_run, self.max_messages = dry_run, max_messages
+        if max_messages is not None and (isinstance(max_messages, bool) or not isinstance(max_messages, int)
+                                         or max_messages < 0):
+            raise InvalidInputError(f"max_messages must be a whole number >= 0 or None, got {max_messages!r}")
+        if not _templated(message_ids, destination, headers, due_from, due_before, body_contains):
             self._selector()
 
     def _selector(self) -> dict[str, Any]:
         selector = {"message_ids": as_list(self.message_ids, "message_ids"), "destination": self.destination,
-                    "headers": as_dict(self.headers, "headers")}
+                    "headers": as_dict(self.headers, "headers"), "due_from": self.due_from or None,
+                    "due_before": self.due_before or None, "body_contains": self.body_contains or None}
         Selector.build(**selector)  # refuses an empty or malformed selector with a clear error
         return selector
+
+    def _guard(self, selector: dict[str, Any]) -> None:
+        """`max_messages`: a filter that matches more fails the task before anything changes."""
+        if self.max_messages is None or selector["message_ids"]:
+            return
+        counted = self.hook.count(**selector, action=self.counted_as)
+        n = counted[f"would_{self.counted_as}"]
+        if n > self.max_messages:
+            raise DelayProviderError(f"the filter {json.dumps(counted['selector'])} matches {n} scheduled messages, "
+                                     f"more than max_messages={self.max_messages}: nothing was changed")
 
 
 class CancelDelayedMessagesOperator(_BacklogOperator):
@@ -102,7 +130,11 @@ class CancelDelayedMessagesOperator(_BacklogOperator):
         self.fail_if_not_cancelled = fail_if_not_cancelled
 
     def execute(self, context: Context) -> dict:
-        result = self.hook.cancel(**self._selector())
+        selector = self._selector()
+        if self.dry_run:
+            return self.hook.count(**selector)
+        self._guard(selector)
+        result = self.hook.cancel(**selector)
         self.log.info("Cancel %s: %s", result["selector"], json.dumps(result["counts"]))
         if self.fail_if_not_cancelled and any(result.get(k) for k in ("in_flight", "gone", "unknown")):
             raise DelayProviderError(f"not every message was cancelled: {json.dumps(result['counts'])}")
@@ -127,8 +159,16 @@ class RescheduleDelayedMessagesOperator(_BacklogOperator):
             # The connection's longest delay is read when the task runs; a DAG file is held to the most any allows.
             new_due_time(utcnow(), None, delay_seconds, LONGEST_MAX_DELAY_SECONDS)
 
+    counted_as = "reschedule"
+
     def execute(self, context: Context) -> dict:
-        result = self.hook.reschedule(**self._selector(), deliver_at=self.deliver_at, delay_seconds=self.delay_seconds)
+        selector = self._selector()
+        if not self.dry_run:
+            self._guard(selector)
+        result = self.hook.reschedule(**selector, deliver_at=self.deliver_at, delay_seconds=self.delay_seconds,
+                                      dry_run=self.dry_run)
+        if self.dry_run:
+            return result
         self.log.info("Reschedule %s to %s: %s", result["selector"], result["due_at"], json.dumps(result["counts"]))
         return result
 

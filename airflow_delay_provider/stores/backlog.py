@@ -16,17 +16,36 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
-from sqlalchemy import ColumnElement, and_, case, delete, func, inspect, literal, or_, select, union_all, update
+from sqlalchemy import (
+    ColumnElement,
+    Integer,
+    and_,
+    case,
+    delete,
+    func,
+    inspect,
+    literal,
+    or_,
+    select,
+    union_all,
+    update,
+)
 from sqlalchemy.engine import Connection
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
 
 from airflow_delay_provider.core.backlog import (
     BODY_PREVIEW_BYTES,
     BUCKETS,
+    BULK_BATCH,
     LISTED,
     MAX_PAGE,
     Selector,
     backlog_report,
+    bulk_report,
     change_report,
+    count_report,
     destination_counts,
     edited_report,
     edited_values,
@@ -40,6 +59,7 @@ from airflow_delay_provider.core.backlog import (
 )
 from airflow_delay_provider.core.checks import check_int
 from airflow_delay_provider.core.message import check_destination
+from airflow_delay_provider.stores.bulk import BatchedChange
 from airflow_delay_provider.stores.dedup import AcceptedIds
 from airflow_delay_provider.stores.destinations import DestinationSettings
 from airflow_delay_provider.stores.engine import PASSES, Database, in_transaction
@@ -73,6 +93,8 @@ class BacklogControls:
         self.tiered = tiered
         self.ringed = ringed
         self._has_counts = False
+        #: Messages a change by a filter changes per transaction (tests make it small, to see many batches).
+        self.batch = BULK_BATCH
 
     # -- reading ------------------------------------------------------------------------------------
     def browse(self, selector: Selector, limit: int = 50, after: str | None = None,
@@ -130,6 +152,18 @@ class BacklogControls:
                 previous = int(upto or 0)
             entry["histogram"]["later"] = scheduled - previous
         return backlog_report(from_us(now_us), report)
+
+    def count(self, selector: Selector, action: str = "cancel") -> dict[str, Any]:
+        """What a change by `selector` would touch (its dry run): `would_<action>` (the messages it would change now)
+        and `in_flight` (held by a sweep: left as they are), counted in one snapshot, changing nothing."""
+        selector.require_something()
+        if selector.destination is not None:
+            self.settings.check_known([selector.destination])
+        held = case((self._leased_now(), 1), else_=0)
+        query = select(func.count(), func.sum(held)).where(*self._selected(selector))
+        with self.db.errors("count selected messages"), self.db.engine.connect() as conn:
+            total, held = conn.execute(query).one()
+        return count_report(selector, action, int(total or 0) - int(held or 0), int(held or 0))
 
     def counted(self) -> bool:
         """Whether this store keeps counts per slot of due time (PostgreSQL, schema version 6 on)."""
@@ -208,6 +242,8 @@ class BacklogControls:
             and for ids that were asked for and not found: ``gone`` (accepted earlier, no longer
             scheduled: delivered, dead-lettered or cancelled before) and ``unknown``; with counts.
         """
+        if selector.is_filter:
+            return self._bulk(selector, "cancel scheduled messages", None)
         cancelled, in_flight = self._change(selector, "cancel scheduled messages", None)
         return change_report(selector, cancelled, in_flight, self._accepted)
 
@@ -215,6 +251,8 @@ class BacklogControls:
         """Make the selected messages due at `due_at` (checked by `core.backlog.new_due_time`: never before
         now). Pumps waiting past the new time are woken. Reports like `cancel`, with `rescheduled`."""
         due_us = max(to_us(due_at), to_us(self.db.clock()))
+        if selector.is_filter:
+            return rescheduled_report(self._bulk(selector, "reschedule messages", due_us), from_us(due_us))
         changed, in_flight = self._change(selector, "reschedule messages", due_us)
         return rescheduled_report(change_report(selector, changed, in_flight, self._accepted), from_us(due_us))
 
@@ -247,8 +285,8 @@ class BacklogControls:
         if dry_run:
             counts = self.backlog(destination)["destinations"][destination]
             return purge_report(destination, True, counts["scheduled"] - counts["in_flight"], counts["in_flight"])
-        purged, in_flight = self._change(selector, "purge a destination", None)
-        return purge_report(destination, False, len(purged), len(in_flight))
+        report = self._bulk(selector, "purge a destination", None)
+        return purge_report(destination, False, report["counts"]["cancelled"], report["counts"]["in_flight"])
 
     def forget(self, destinations: Collection[str], force: bool = False) -> dict[str, Any]:
         """Forget destinations (a mistyped one, a retired one): they are no longer listed, known or paused, and
@@ -284,14 +322,9 @@ class BacklogControls:
         t = self.tables.messages
         now_us = to_us(self.db.clock())
         where = [*self._selected(selector), self.tables.unleased(now_us)]
-        new_values: dict[str, int] = {}
+        new_values = self._new_values(due_us, now_us)
         if due_us is not None:
             where.append(t.c.due_at_us != due_us)  # rows already at the new time are done
-            new_values["due_at_us"] = due_us
-            if self.tiered():
-                # A row of `_later` made due now goes where claims read at once, not at the next move; PostgreSQL
-                # moves a row whose partition key changes.
-                new_values["tier"] = tier_of(due_us, now_us, self.ringed())
 
         def change(conn: Connection) -> tuple[list[str], list[str]]:
             changed: list[str] = []
@@ -325,6 +358,50 @@ class BacklogControls:
 
         return self._in_transaction(action, change)
 
+    def _bulk(self, selector: Selector, action: str, due_us: int | None) -> dict[str, Any]:
+        """`_change` of a selection by a filter, in batches (stores/bulk.py); reports like a cancel: the first LISTED
+        ids changed and in flight, complete counts, and the batches. A reschedule counts the rows already at the new
+        time as rescheduled, as `_change` does (once: they are counted before, and no batch chooses them)."""
+        selector.require_something()
+        if selector.destination is not None:
+            self.settings.check_known([selector.destination])
+        t = self.tables.messages
+        now_us = to_us(self.db.clock())
+        selected = self._selected(selector)
+        where = [*selected, self.tables.unleased(now_us)]
+        already: list[str] = []
+        already_count = 0
+        if due_us is not None:
+            at_time = [*where, t.c.due_at_us == due_us]  # a range of the due index: cheap
+            with self.db.errors(action), self.db.engine.connect() as conn:
+                already_count = int(conn.execute(select(func.count()).where(*at_time)).scalar_one())
+                already = list(conn.execute(select(t.c.message_id).where(*at_time).limit(LISTED + 1)).scalars())
+            where.append(t.c.due_at_us != due_us)
+        change = BatchedChange(self.db, self.tables, self.accepted, action, where, due_us,
+                               self._new_values(due_us, now_us), self.batch, self.tiered()).run()
+        # Held: a sweep's live lease (looked for only while a sweep holds one), or a claim that wrote the row back for
+        # a retry before every pass (`left`): not changed, and it may yet be delivered.
+        held, held_count = list(change.left), len(change.left)
+        s = self.tables.sweeps
+        with self.db.errors(action), self.db.engine.connect() as conn:
+            if conn.execute(select(s.c.claim_id).where(s.c.lease_until_us >= now_us).limit(1)).first():
+                leased = self._leased_now()
+                held_count += int(conn.execute(select(func.count()).where(*selected, leased)).scalar_one())
+                held += conn.execute(select(t.c.message_id).where(*selected, leased).limit(LISTED + 1)).scalars()
+        return bulk_report(selector, [*change.listed, *already][:LISTED + 1], change.count + already_count, held,
+                           held_count, change.batches)
+
+    def _new_values(self, due_us: int | None, now_us: int) -> dict[str, int]:
+        """The columns a reschedule to `due_us` writes (none for a cancel)."""
+        if due_us is None:
+            return {}
+        values = {"due_at_us": due_us}
+        if self.tiered():
+            # A row of `_later` made due now goes where claims read at once, not at the next move; PostgreSQL moves
+            # a row whose partition key changes.
+            values["tier"] = tier_of(due_us, now_us, self.ringed())
+        return values
+
     def _in_transaction(self, action: str, work: Callable[[Connection], _T]) -> _T:
         return in_transaction(self.db, action, work)
 
@@ -351,7 +428,29 @@ class BacklogControls:
             conditions.append(t.c.due_at_us >= to_us(selector.due_from))
         if selector.due_before is not None:
             conditions.append(t.c.due_at_us < to_us(selector.due_before))
+        if selector.body_bytes is not None:
+            conditions.append(_position(selector.body_bytes, t.c.body) > 0)
         return conditions
 
     def _leased_now(self) -> ColumnElement[bool]:
         return self.tables.leased(to_us(self.db.clock()))
+
+
+class _position(FunctionElement[int]):
+    """Where a byte string first occurs in a binary column, from 1 (0: nowhere), on both databases: a body search is
+    of bytes, which `LIKE` would read as text (SQLite) or need escaped (PostgreSQL)."""
+
+    type = Integer()
+    inherit_cache = True
+
+
+@compiles(_position)
+def _position_sqlite(element: _position, compiler: SQLCompiler, **kw: Any) -> str:
+    needle, haystack = (compiler.process(c, **kw) for c in element.clauses)
+    return f"instr({haystack}, {needle})"
+
+
+@compiles(_position, "postgresql")
+def _position_postgres(element: _position, compiler: SQLCompiler, **kw: Any) -> str:
+    needle, haystack = (compiler.process(c, **kw) for c in element.clauses)
+    return f"position({needle} IN {haystack})"

@@ -20,6 +20,7 @@ from typing import Any
 
 from sqlalchemy import (
     ARRAY,
+    CTE,
     ColumnElement,
     String,
     any_,
@@ -34,6 +35,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
+from sqlalchemy.sql.expression import Executable
 
 from airflow_delay_provider.core.ports import DEFAULT_DEDUP_WINDOW_SECONDS
 from airflow_delay_provider.stores.engine import Database
@@ -123,6 +125,17 @@ class AcceptedIds:
         """Cancelled messages (never delivered), as (id, accepted at) rows: their ids are remembered from their
         acceptance again, no longer until their due time."""
         self._keep(conn, {m: self._accepted_at(accepted) for m, accepted in rows})
+
+    def kept_from(self, changed: CTE, due_us: int | None) -> Executable:
+        """On PostgreSQL, the statement that does what `cancelled` (`due_us` None) or `moved` does for the rows of
+        `changed` (a CTE of a DELETE or UPDATE returning message_id and stored_at_us), in the same statement: the
+        rows never leave the database. It returns the ids it kept, one per changed row."""
+        accepted = changed.c.stored_at_us - (0 if self.window_us > 0 else 1)
+        seen = accepted if due_us is None else func.greatest(accepted, due_us - self.window_us - 1)
+        insert = postgresql.insert(self.ids).from_select(["message_id", "seen_at_us"],
+                                                         select(changed.c.message_id, seen))
+        return insert.on_conflict_do_update(index_elements=["message_id"], set_={
+            "seen_at_us": insert.excluded.seen_at_us}).returning(self.ids.c.message_id)
 
     def _keep(self, conn: Connection, seen_at: Mapping[str, int]) -> None:
         if seen_at:  # a row is missing only for a store from before the ids of stored messages were kept

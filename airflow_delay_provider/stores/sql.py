@@ -308,6 +308,9 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     def backlog(self, destination: str | None = None) -> dict[str, Any]:
         return self.controls.backlog(destination)
 
+    def count_selected(self, selector: Selector, action: str = "cancel") -> dict[str, Any]:
+        return self.controls.count(selector, action)
+
     def cancel(self, selector: Selector) -> dict[str, Any]:
         return self.controls.cancel(selector)
 

@@ -20,6 +20,7 @@ from airflow_delay_provider.core.backlog import (
     bucket_of,
     change_report,
     check_known,
+    count_report,
     destination_counts,
     edited_report,
     edited_values,
@@ -232,6 +233,13 @@ class InMemoryStore(DelayedMessageStore):
             report[name]["scheduled"] += 1
             report[name]["histogram"][bucket_of((due_at - now).total_seconds())] += 1
         return backlog_report(now, report)
+
+    def count_selected(self, selector: Selector, action: str = "cancel") -> dict[str, Any]:
+        selector.require_something()
+        if selector.destination is not None:
+            self.check_known([selector.destination])
+        with self._lock:
+            return count_report(selector, action, len(self._select(selector)), 0)
 
     def cancel(self, selector: Selector) -> dict[str, Any]:
         return change_report(selector, self._change(selector, None), [], self._accepted_of)

@@ -5,8 +5,9 @@ dependency (the UI's JWT cookie, or an `Authorization: Bearer` token). Authoriza
 configured auth manager about DAGs (any DAG, no team):
 
 * reading (the counts, the histogram, the message list) needs ``is_authorized_dag(method="GET")``;
-* every action (POST: cancel, run now, pause, resume, purge, forget) needs ``is_authorized_dag(method="PUT")``,
-  the permission to edit DAGs, and so do message bodies: readers who may not edit see sizes only.
+* every action (POST: count, cancel, run now, reschedule, edit, pause, resume, purge, forget) needs
+  ``is_authorized_dag(method="PUT")``, the permission to edit DAGs, and so do message bodies and searching them:
+  readers who may not edit see sizes only.
 
 The store is the one of the ``[delay_provider] ui_conn_id`` connection (default ``delay_store_default``).
 Dead-lettered messages live on the transport, not in the store: with ``[delay_provider] ui_transport``
@@ -29,7 +30,7 @@ import logging
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from airflow.api_fastapi.app import get_auth_manager
 from airflow.api_fastapi.core_api.security import bearer_scheme, get_user
@@ -40,7 +41,7 @@ from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from airflow_delay_provider import audit
-from airflow_delay_provider.core.backlog import MAX_IDS, MAX_PAGE
+from airflow_delay_provider.core.backlog import MAX_BODY_SEARCH, MAX_IDS, MAX_PAGE
 from airflow_delay_provider.core.errors import (
     ConnectionTypeError,
     DelayProviderError,
@@ -129,11 +130,28 @@ def dead_letter_counts(store: DelayStoreHook) -> dict[str, Any] | None:
 
 
 class Selection(BaseModel):
-    """Which scheduled messages an action applies to (at least one of them: the store refuses none)."""
+    """Which scheduled messages an action applies to (at least one of them: the store refuses none): ids, or a filter
+    (destination, header match, due window, body text), which the store counts and changes in batches."""
 
     message_ids: list[str] | None = Field(None, max_length=MAX_IDS)
     destination: str | None = None
     headers: dict[str, str] | None = None
+    due_from: str | None = None
+    due_before: str | None = None
+    body_contains: str | None = Field(None, max_length=MAX_BODY_SEARCH)
+
+
+class Counting(Selection):
+    """A selection and the action it is counted for (its dry run)."""
+
+    action: Literal["cancel", "reschedule", "run_now"] = "cancel"
+
+
+class Rescheduling(Selection):
+    """A selection and its new due time: exactly one of an ISO time (with offset) or seconds from now."""
+
+    deliver_at: str | None = None
+    delay_seconds: float | None = None
 
 
 class Edited(BaseModel):
@@ -223,21 +241,42 @@ def create_app() -> FastAPI:
         message_id: Annotated[list[str] | None, Query()] = None,
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
         after: str | None = None,
+        due_from: str | None = None,
+        due_before: str | None = None,
+        body_contains: Annotated[str | None, Query(max_length=MAX_BODY_SEARCH)] = None,
     ) -> dict[str, Any]:
-        """A page of scheduled messages, soonest first; bodies (cut short) only for users who may edit."""
+        """A page of scheduled messages, soonest first; bodies (cut short), and searching them, only for users who
+        may edit."""
         can_edit = may_edit(user)
+        if body_contains and not can_edit:  # a search is a way to read bodies
+            raise HTTPException(status.HTTP_403_FORBIDDEN, "Forbidden: searching message bodies needs edit access "
+                                                           "to DAGs, as seeing them does")
         result = store.browse(message_ids=[m for m in message_id or () if m] or None,
                               destination=destination or None,
                               headers=_headers([h for h in header or () if h.strip()]), limit=limit,
-                              after=after or None, show_bodies=can_edit)
+                              after=after or None, show_bodies=can_edit, due_from=due_from or None,
+                              due_before=due_before or None, body_contains=body_contains or None)
         return {**result, "can_edit": can_edit}
 
     add_dead_letter_routes(app)
 
     @app.get("/api/actions")
-    def actions(_user: Reader, limit: Annotated[int, Query(ge=1, le=200)] = 20) -> dict[str, Any]:
-        """The latest actions on this connection's store, from Airflow's audit log, newest first."""
-        return {"actions": audit.recent(limit, conn_id())}
+    def actions(user: Reader, limit: Annotated[int, Query(ge=1, le=200)] = 20) -> dict[str, Any]:
+        """The latest actions on this connection's store, from Airflow's audit log, newest first (a body search's
+        text only for users who may see bodies)."""
+        found = audit.recent(limit, conn_id())
+        if not may_edit(user):
+            for entry in found:
+                if "body_contains" in entry["target"]:
+                    entry["target"]["body_contains"] = "(hidden)"
+        return {"actions": found}
+
+    @app.post("/api/count")
+    def count(_user: Editor, store: Store, counting: Counting) -> dict[str, Any]:
+        """What an action on this selection would touch (`would_<action>`, `in_flight`, `confirm`), changing
+        nothing: the page shows it before the user confirms."""
+        action = "reschedule" if counting.action == "run_now" else counting.action
+        return store.count(**counting.model_dump(exclude={"action"}), action=action)
 
     @app.post("/api/cancel")
     def cancel(user: Editor, store: Store, selection: Selection) -> dict[str, Any]:
@@ -246,6 +285,10 @@ def create_app() -> FastAPI:
     @app.post("/api/run-now")
     def run_now(user: Editor, store: Store, selection: Selection) -> dict[str, Any]:
         return audited("run_now", user, selection, store.run_now(**selection.model_dump()))
+
+    @app.post("/api/reschedule")
+    def reschedule(user: Editor, store: Store, change: Rescheduling) -> dict[str, Any]:
+        return audited("reschedule", user, change, store.reschedule(**change.model_dump()))
 
     @app.post("/api/edit")
     def edit(user: Editor, store: Store, change: Edit) -> dict[str, Any]:

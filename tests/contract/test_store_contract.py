@@ -405,3 +405,97 @@ def test_a_bad_edit_is_refused_and_changes_nothing(store, kwargs, pattern):
     with pytest.raises(InvalidInputError, match=pattern):
         store.edit("m-1", **kwargs)
     assert _stored(store, "m-1")[2:] == ("body-1", {"n": "1"})
+
+
+def _filtered(store, n: int = 40) -> list[DelayedMessage]:
+    """`n` messages of two destinations, due a minute apart, every third body holding a customer's name (one in
+    UTF-8 beyond ASCII, one with LIKE's wildcards), every fourth with a `tier: gold` header."""
+    now = store.clock()
+    names = ["Zoë", "50%_off", "plain"]
+    sent = [DelayedMessage("orders" if i % 2 else "refunds", f"order {i} for {names[i % 3]}".encode(),
+                           now + timedelta(minutes=10 + i), {"tier": "gold"} if i % 4 == 0 else {}, f"f-{i}")
+            for i in range(n)]
+    store.store(sent)
+    return sent
+
+
+def _small_batches(store, size: int = 3) -> None:
+    """A SQL store changes a filter's messages `size` per transaction: many batches from a few messages."""
+    if hasattr(store, "controls"):
+        store.controls.batch = size
+
+
+@pytest.mark.parametrize("selection", [
+    {"body_contains": "Zoë"},
+    {"body_contains": "50%_"},
+    {"body_contains": "%"},  # a wildcard to LIKE, a character here: only the one body that has it
+    {"destination": "orders", "body_contains": "plain"},
+    {"headers": {"tier": "gold"}, "due_before": "+20m"},
+    {"due_from": "+15m", "due_before": "+30m"},
+])
+def test_a_filter_is_counted_first_then_cancelled_in_batches_exactly(store, selection):
+    sent = _filtered(store)
+    now = store.clock()
+    selection = {k: (now + timedelta(minutes=int(v[1:-1])) if isinstance(v, str) and v.startswith("+") else v)
+                 for k, v in selection.items()}
+    selector = Selector.build(**selection)
+    expected = sorted(m.message_id for m in sent if selector.matches(m))
+    assert expected and len(expected) < len(sent)
+    counted = store.count_selected(selector)
+    assert (counted["dry_run"], counted["would_cancel"], counted["in_flight"]) == (True, len(expected), 0)
+    assert sum(store.count_scheduled().values()) == len(sent)  # counting changed nothing
+    _small_batches(store)
+    report = store.cancel(selector)
+    assert sorted(report["cancelled"]) == expected and report["counts"] == {"cancelled": len(expected),
+                                                                            "in_flight": 0}
+    if hasattr(store, "controls"):
+        assert report["batches"] == -(-len(expected) // 3)
+    left = sorted(m["message_id"] for m in store.browse(Selector(), limit=100)["messages"])
+    assert left == sorted(m.message_id for m in sent if m.message_id not in expected)
+    assert store.count_selected(selector)["would_cancel"] == 0
+    # The cancelled ids stay accepted, as after a cancel by ids: a retried send cannot revive them.
+    assert store.store([m for m in sent if m.message_id in expected]) == 0
+
+
+def test_a_reschedule_by_a_filter_moves_each_once_and_counts_those_already_there(store):
+    sent = _filtered(store, 25)
+    _small_batches(store, 2)
+    at = store.clock() + timedelta(hours=3)
+    first = store.reschedule(Selector.build(destination="orders", due_before=store.clock() + timedelta(minutes=30)),
+                             at)
+    moved = sorted(m.message_id for m in sent if m.destination == "orders" and m.due_at < at - timedelta(
+        hours=3) + timedelta(minutes=30))
+    assert sorted(first["rescheduled"]) == moved and first["counts"]["rescheduled"] == len(moved)
+    assert all(store.get(i).due_at == at for i in moved)
+    # Again, by a filter the moved ones still match with others: each is counted once, the moved ones as they are.
+    again = store.reschedule(Selector.build(destination="orders"), at)
+    orders_all = sorted(m.message_id for m in sent if m.destination == "orders")
+    assert sorted(again["rescheduled"]) == orders_all and again["counts"]["rescheduled"] == len(orders_all)
+    assert {store.get(i).due_at for i in orders_all} == {at}
+    refunds = [m for m in sent if m.destination == "refunds"]
+    assert all(store.get(m.message_id).due_at == m.due_at for m in refunds)
+
+
+def test_run_now_by_a_body_search_makes_only_those_due(store):
+    sent = _filtered(store, 12)
+    _small_batches(store, 1)
+    report = store.reschedule(Selector.build(body_contains="Zoë"), store.clock())
+    chosen = sorted(m.message_id for m in sent if "Zoë" in m.body.decode())
+    assert sorted(report["rescheduled"]) == chosen
+    with store.claim_due(utcnow() + timedelta(seconds=1), 100) as claim:
+        assert sorted(m.message_id for m in claim.messages) == chosen
+
+
+@pytest.mark.parametrize(("selection", "pattern"), [
+    ({"body_contains": "x" * 201}, "at most 200 characters"),
+    ({"body_contains": 42}, "body_contains must be text"),
+    ({"due_from": "+20m", "due_before": "+10m"}, "must be before"),
+])
+def test_a_bad_filter_is_refused_and_changes_nothing(store, selection, pattern):
+    sent = _filtered(store, 6)
+    now = store.clock()
+    selection = {k: (now + timedelta(minutes=int(v[1:-1])) if isinstance(v, str) and v.startswith("+") else v)
+                 for k, v in selection.items()}
+    with pytest.raises(InvalidInputError, match=pattern):
+        store.cancel(Selector.build(**selection))
+    assert sum(store.count_scheduled().values()) == len(sent)

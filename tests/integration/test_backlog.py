@@ -15,6 +15,7 @@ from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.pump import Pump, PumpConfig
 from airflow_delay_provider.testing import InMemoryTransport
 from tests.helpers import make_store, orders, spread_backlog
+from tests.waiting import wait_for
 
 
 def test_backlog_counts_what_a_sweep_leases_as_in_flight(db):
@@ -141,3 +142,35 @@ def test_an_id_a_claim_writes_back_after_the_last_pass_is_reported_in_flight_not
     cancelling.join(30)
     assert result["in_flight"] == ["m-1"] and "m-1" not in result.get("gone", []), result
     assert result["cancelled"] == [] and store.get("m-1") is not None
+
+
+def test_a_cancel_by_a_filter_in_batches_races_pumps_without_a_message_both_cancelled_and_delivered(pg):
+    """Two pumps drain 3,000 due messages through a flaky transport while one cancel by a body search (900 of them)
+    runs in batches of 25, each its own transaction. Every marked message is then cancelled or delivered, never
+    both; every other one delivered; the report's count is what it removed."""
+    store = make_store(*pg)
+    store.controls.batch = 25
+    n = 3000
+    transport = _SlowFlaky()
+    for queue in ("orders", "error"):
+        transport.provision(queue)
+    marked = {f"m{i}" for i in range(0, n, 10)} | {f"m{i}" for i in range(3, n, 5)}
+    store.store([DelayedMessage("orders", b"cancel me" if f"m{i}" in marked else b"keep",
+                                utcnow() - timedelta(seconds=1), message_id=f"m{i}") for i in range(n)])
+    pumps = [Pump(make_store(*pg), transport, PumpConfig(batch_size=50, number_of_retries=100))
+             for _ in range(2)]
+    threads = [threading.Thread(target=p.run, kwargs={"stop_when_idle": True}) for p in pumps]
+    for t in threads:
+        t.start()
+    wait_for(lambda: len(transport.sent_at) >= 100, 60, "the pumps delivering")
+    report = store.cancel(Selector.build(body_contains="cancel me"))
+    for t in threads:
+        t.join()
+    delivered = [m.message_id for m in transport.receive("orders", max_messages=10 * n)]
+    cancelled = set(report["cancelled"])
+    assert len(delivered) == len(set(delivered))
+    assert len(cancelled) == report["counts"]["cancelled"] > 0 and report["batches"] > 1
+    assert not cancelled & set(delivered)
+    assert cancelled <= marked and cancelled | set(delivered) == {f"m{i}" for i in range(n)}
+    # Held by a claim's retry through every pass: reported in flight, never silently left.
+    assert set(report["in_flight"]) <= (marked - cancelled) & set(delivered)

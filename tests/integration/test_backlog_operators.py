@@ -71,6 +71,43 @@ def test_operators_cancel_reschedule_pause_and_purge_what_a_send_task_scheduled(
     assert store.get(ids[3]) is not None and store.get(ids[0]) is None
 
 
+def test_operators_count_guard_and_change_by_a_filter(run_dag, pg_store):
+    """By a body text (templated) and a due window: a dry run counts, `max_messages` fails the task before anything
+    changes when more match, and the change then goes by the same filter."""
+    from airflow.sdk import DAG
+
+    from airflow_delay_provider.operators.backlog import (
+        CancelDelayedMessagesOperator,
+        RescheduleDelayedMessagesOperator,
+    )
+    from airflow_delay_provider.operators.send import SendDelayedMessageOperator
+
+    conn_id, store = pg_store
+    store_args = {"delay_store_conn_id": conn_id}
+    with DAG(f"backlog_filter_{uuid.uuid4().hex[:6]}", schedule=None, start_date=START) as dag:
+        send = SendDelayedMessageOperator(task_id="send", **store_args, messages=[
+            {"destination": "orders", "body": f"{'vip' if i % 2 else 'plain'} order {i}",
+             "delay_seconds": 600 * (i + 1)} for i in range(6)])
+        count = CancelDelayedMessagesOperator(task_id="count", **store_args, body_contains="{{ 'vip' }}",
+                                              dry_run=True)
+        guard = CancelDelayedMessagesOperator(task_id="guard", **store_args, body_contains="vip", max_messages=2)
+        cancel = CancelDelayedMessagesOperator(task_id="cancel", **store_args, body_contains="vip", max_messages=3)
+        later = RescheduleDelayedMessagesOperator(
+            task_id="later", **store_args, destination="orders", due_from="{{ macros.datetime.now(macros.dateutil."
+            "tz.UTC).isoformat() }}", due_before="{{ (macros.datetime.now(macros.dateutil.tz.UTC) + "
+            "macros.timedelta(seconds=1900)).isoformat() }}", delay_seconds=7200)
+        send >> [count, guard]
+        count >> cancel >> later
+    state, states, values = run_dag(dag)
+    assert states["guard"] == "failed" and all(states[t] == "success" for t in ("send", "count", "cancel", "later"))
+    ids = values["send"]
+    assert (values["count"]["dry_run"], values["count"]["would_cancel"]) == (True, 3)
+    assert sorted(values["cancel"]["cancelled"]) == sorted(ids[1::2])
+    # Due in 10, 30 and 50 minutes were the plain ones; the window of 1,900 s holds the first two.
+    assert sorted(values["later"]["rescheduled"]) == sorted([ids[0], ids[2]])
+    assert store.get(ids[4]).due_at < store.get(ids[0]).due_at
+
+
 def test_an_empty_or_unknown_selector_fails_at_parse_or_run_time(run_dag, pg_store):
     from airflow.sdk import DAG
 

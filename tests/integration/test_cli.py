@@ -22,6 +22,7 @@ import pytest
 import yaml
 from sqlalchemy import create_engine, text
 
+from airflow_delay_provider.core.backlog import Selector
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.pump import Pump, PumpConfig
@@ -174,7 +175,8 @@ def test_errors_name_the_flags_and_what_is_allowed(on_sqlite):
     conn_id, _, _ = on_sqlite
     base = ("--conn-id", conn_id)
     # As the shell sees it, from a process of its own: exit status 1, one line, no traceback.
-    everything = _refused(_process("cancel", *base), "select messages with --id, --header KEY=VALUE or --destination")
+    everything = _refused(_process("cancel", *base), "select messages with --id, --destination, --header KEY=VALUE, "
+                          "--body-contains or a due window (--due-from, --due-before)")
     too_many = _refused(_cli("browse", *base, "--limit", "5000"), "--limit must be an int in 1..1000, got 5000")
     neither = _refused(_cli("reschedule", *base, "--id", "x"), "give exactly one of --deliver-at (a time) or "
                        "--delay-seconds (0 runs it now)")
@@ -265,3 +267,40 @@ def test_edit_changes_a_scheduled_messages_body_and_headers_and_says_what_it_did
     gone = json.loads(_ok(_cli("edit", "--conn-id", conn_id, "never-sent", "--body", "x", "-o", "json")).stdout)
     assert gone["edited"] == [] and gone["unknown"] == ["never-sent"]
     assert store.get(message_id).body == b'{"qty": 2}'
+
+
+def test_a_cancel_by_a_filter_counts_first_and_asks_above_a_thousand(on_sqlite, monkeypatch):
+    """--dry-run counts; a filter over 1,000 messages is refused in a pipe without --yes and asked on a terminal;
+    a smaller one goes at once; the audit log records the changes with their filter, not the counts."""
+    from airflow_delay_provider import audit
+    from airflow_delay_provider.core.backlog import CONFIRM_ABOVE
+
+    conn_id, store, _ = on_sqlite
+    now = utcnow()
+    store.store([DelayedMessage("orders", b"vip order" if i % 2 else b"plain order", now + timedelta(minutes=5 + i),
+                                {}, f"o-{i}") for i in range(2 * CONFIRM_ABOVE + 4)])
+    base = ("--conn-id", conn_id, "-o", "json")
+    counted = _ok(_cli("cancel", *base, "--body-contains", "vip", "--dry-run"))
+    report = json.loads(counted.stdout)
+    assert (report["would_cancel"], report["confirm"]) == (CONFIRM_ABOVE + 2, True)
+    assert "Dry run: nothing was changed; 1002 scheduled message(s) would be" in counted.stderr
+    assert "--dry-run" not in counted.stderr.rpartition("To do it:")[2]
+    _refused(_cli("cancel", *base, "--body-contains", "vip"), "Cancel 1,002 scheduled messages (body-contains vip)?",
+             "run it again with --yes")
+    assert store.count_selected(Selector.build(body_contains="vip"))["would_cancel"] == CONFIRM_ABOVE + 2
+    # On a terminal it asks; "n" changes nothing, "y" cancels.
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
+    monkeypatch.setattr("builtins.input", lambda question: "n")
+    _refused(_cli("cancel", *base, "--body-contains", "vip"), "nothing was changed")
+    monkeypatch.setattr("builtins.input", lambda question: "y")
+    done = json.loads(_ok(_cli("cancel", *base, "--body-contains", "vip")).stdout)
+    assert done["counts"] == {"cancelled": CONFIRM_ABOVE + 2, "in_flight": 0} and done["truncated"]
+    # A small filter goes at once; a due window alone is a filter too.
+    later = (now + timedelta(minutes=5 + 2 * CONFIRM_ABOVE)).isoformat()
+    moved = json.loads(_ok(_cli("run-now", *base, "--due-from", later)).stdout)
+    assert moved["counts"]["rescheduled"] == 2
+    assert store.count_scheduled() == {"orders": CONFIRM_ABOVE + 2}
+    recorded = [a for a in audit.recent(10, conn_id) if a["action"] in ("cancel", "run_now")]
+    assert [(a["action"], a["counts"]) for a in recorded] == [("run_now", {"rescheduled": 2}),
+                                                              ("cancel", {"cancelled": CONFIRM_ABOVE + 2})]
+    assert recorded[1]["target"]["body_contains"] == "vip" and recorded[0]["target"]["due_from"] == later

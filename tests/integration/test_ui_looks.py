@@ -23,7 +23,8 @@ from tests.integration.test_ui_plugin import api_server  # noqa: F401 - the fixt
 
 WIDTHS = (1024, 1400, 1920)
 #: Rows of buttons (and the search form) that must each stay on one line.
-TOOLBARS = ["#destinations .actions", "#messages .actions", "form#search", ".pager", ".meta", "#bulk"]
+TOOLBARS = ["#destinations .actions", "#messages .actions", "#search-main", "#search-more", ".pager", ".meta",
+            "#bulk", "#matching"]
 #: A destination with a long name, paused, with nothing scheduled: its row has the most buttons (Resume,
 #: Purge…, Forget…) and the widest name.
 LONG_NAME = "archive.eu-west-1.customer-notifications"
@@ -91,6 +92,10 @@ def test_the_page_follows_airflows_mode_and_time_zone_with_no_layout_break_from_
             expect(frame.locator(f"#destinations tr[data-destination='{LONG_NAME}']")).to_contain_text("paused")
             # The widest the counts get: the dead-letter column shown (and, for user and op, three buttons a row).
             expect(frame.get_by_role("columnheader", name="Dead-lettered")).to_be_visible()
+            if role != "viewer":  # and the bar of what a filter matches, its count and its three buttons
+                frame.locator("#search").get_by_label("Due before").fill("2099-12-31T23:59:59")
+                frame.locator("#search").get_by_role("button", name="Search").click()
+                expect(frame.locator("#matching-count")).to_contain_text("match this filter")
             for width in WIDTHS:
                 page.set_viewport_size({"width": width, "height": 900})
                 frame_width = _frame(page).evaluate(

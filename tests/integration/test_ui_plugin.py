@@ -50,6 +50,8 @@ ACTIONS = {  # every POST of the page, with a body that would change something
     "pause": {"destinations": ["orders"]},
     "resume": {"destinations": ["refunds"]},
     "purge": {"destination": "orders", "dry_run": False},
+    "reschedule": {"destination": "orders", "delay_seconds": 60},
+    "count": {"destination": "orders"},
 }
 
 
@@ -253,6 +255,47 @@ def test_search_by_destination_header_and_id_and_page_through(client, store):
         if not (after := page.json()["next"]):
             break
     assert seen == ["orders-0", "orders-1", "refunds-0", "refunds-1", "orders-2", "orders-3", "orders-4", "orders-5"]
+
+
+def test_a_filter_is_counted_then_changed_by_editors_and_searching_bodies_is_theirs_too(client, store):
+    """By a due window, a header and a body text: the count first (changing nothing), then cancel, run now and
+    reschedule of what matches; a viewer may not search bodies, count or act, and sees a body search hidden in
+    the recent actions."""
+    now = utcnow()
+
+    def ids(role="admin", **params):
+        response = client(role, "GET", "/api/messages", params=params)
+        assert response.status_code == 200, response.text
+        return [m["message_id"] for m in response.json()["messages"]]
+
+    assert ids(body_contains="order 3") == ["orders-3"]
+    assert ids(due_from=now.isoformat(), due_before=(now + timedelta(hours=3)).isoformat()) == ["orders-2", "orders-3"]
+    refused = client("viewer", "GET", "/api/messages", params={"body_contains": "order"})
+    assert refused.status_code == 403 and "searching message bodies" in refused.json()["detail"]
+    assert client("viewer", "POST", "/api/count", json={"destination": "orders"}).status_code == 403
+
+    zenith = {"headers": {"tenant": "zenith"}, "due_from": (now - timedelta(hours=1)).isoformat()}
+    counted = client("user", "POST", "/api/count", json=zenith).json()
+    assert (counted["would_cancel"], counted["in_flight"], counted["confirm"]) == (3, 0, False)
+    assert client("user", "POST", "/api/count", json={**zenith, "action": "run_now"}).json()["would_reschedule"] == 3
+    assert store.count_scheduled() == {"orders": 6, "refunds": 2}  # counting changed nothing
+    later = (now + timedelta(days=5)).isoformat()
+    moved = client("user", "POST", "/api/reschedule", json={**zenith, "deliver_at": later}).json()
+    assert sorted(moved["rescheduled"]) == ["orders-1", "orders-3", "orders-5"] and moved["counts"]["in_flight"] == 0
+    assert {store.get(f"orders-{i}").due_at.isoformat() for i in (1, 3, 5)} == {later}
+    ran = client("user", "POST", "/api/run-now", json={"body_contains": "order 5"}).json()
+    assert ran["rescheduled"] == ["orders-5"] and store.get("orders-5").due_at <= utcnow()
+    gone = client("admin", "POST", "/api/cancel", json={"destination": "orders", "body_contains": "order",
+                                                        "due_from": (now + timedelta(days=1)).isoformat()}).json()
+    assert sorted(gone["cancelled"]) == ["orders-1", "orders-3"] and gone["batches"] == 1
+    assert store.count_scheduled() == {"orders": 4, "refunds": 2}
+
+    seen = {role: client(role, "GET", "/api/actions").json()["actions"][0] for role in ("admin", "viewer")}
+    assert seen["admin"]["action"] == "cancel" and seen["admin"]["counts"] == {"cancelled": 2}
+    assert seen["admin"]["target"]["body_contains"] == "order"
+    assert seen["viewer"]["target"]["body_contains"] == "(hidden)"
+    bad = client("admin", "POST", "/api/cancel", json={"body_contains": "x" * 201})
+    assert bad.status_code == 422
 
 
 def test_bad_input_is_a_400_that_says_why(client, store):
@@ -616,6 +659,12 @@ def test_a_viewer_sees_the_backlog_without_actions_or_bodies_and_is_refused_one(
         expect(frame.locator("#chart svg rect.bar")).to_have_count(5)
         for name in ("Cancel", "Run now", "Edit", "Pause", "Resume", "Purge…", "Cancel selected"):
             expect(frame.get_by_role("button", name=name, exact=True)).to_have_count(0)
+        # A search by a filter lists what matches, with neither a body search nor the actions on all of it.
+        expect(frame.get_by_label("Body contains")).to_be_hidden()
+        frame.locator("#search").get_by_label("Destination").fill("orders")
+        frame.locator("#search").get_by_role("button", name="Search").click()
+        expect(frame.locator("#messages tbody tr").first).to_contain_text("orders")
+        expect(frame.locator("#matching")).to_be_hidden()
         expect(frame.locator("#messages input[type=checkbox]")).to_have_count(0)
         expect(frame.locator("#messages")).not_to_contain_text("order 4")  # no bodies, sizes only
         frame.locator("h1").scroll_into_view_if_needed()
@@ -670,6 +719,60 @@ def test_the_roles_that_may_edit_dags_see_bodies_and_actions_and_run_a_message_n
     assert (now.body, now.headers, now.due_at) == (b'{"order": "corrected"}', {"order-id": "corrected"}, due)
     store.cancel(Selector(message_ids=(edited,)))
     assert screenshot.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("role", ["user", "op"])
+def test_editors_search_bodies_and_change_everything_a_filter_matches_after_seeing_its_count(api_server, role):
+    """Messages of this test's own (a marker in their bodies, so the others see the store as seeded): the filter's
+    count on the page, a reschedule of what it matches to a time typed in the user's zone, then a cancel of the
+    rest, each confirmed on a button that says how many; the recent actions show the filter."""
+    from playwright.sync_api import expect
+
+    base, store = api_server
+    now = utcnow()
+    marker = f"bulk-{role}"
+    ids = [f"{marker}-{i}" for i in range(5)]
+    store.store([DelayedMessage("orders", f"{marker} {'vip' if i < 3 else 'plain'}".encode(),
+                                now + timedelta(hours=2 + i), {}, m) for i, m in enumerate(ids)])
+    with backlog_page(base, role) as (_page, frame):
+        form = frame.locator("#search")
+        form.get_by_label("Body contains").fill(f"{marker} vip")
+        form.get_by_role("button", name="Search").click()
+        expect(frame.locator("#messages tbody tr")).to_have_count(3)
+        expect(frame.locator("#matching-count")).to_have_text("3 scheduled messages match this filter.")
+
+        frame.get_by_role("button", name="Reschedule all matching…").click()
+        chooser = frame.get_by_role("dialog", name="Reschedule the matching messages")
+        expect(chooser).to_contain_text("The 3 messages matching body containing")
+        # Two days ahead at 10:00:00 wall time in the browser's zone (UTC here, as the UI's timezone is unset).
+        day = (now + timedelta(days=2)).date().isoformat()
+        chooser.locator("#reschedule-at").fill(f"{day}T10:00:00")
+        chooser.get_by_role("button", name="Next").click()
+        dialog = frame.get_by_role("alertdialog")
+        expect(dialog).to_contain_text("Move 3 scheduled messages matching body containing")
+        dialog.get_by_role("button", name="Reschedule 3").click()
+        expect(frame.locator("#status")).to_have_text("Rescheduled 3 messages.")
+        assert {store.get(m).due_at.isoformat() for m in ids[:3]} == {f"{day}T10:00:00+00:00"}
+
+        expect(frame.locator("body")).not_to_have_attribute("aria-busy", "true")
+        form.get_by_label("Body contains").fill(marker)
+        form.get_by_role("button", name="Search").click()
+        expect(frame.locator("#matching-count")).to_have_text("5 scheduled messages match this filter.")
+        frame.get_by_role("button", name="Cancel all matching…").click()
+        expect(dialog).to_contain_text(f"Cancel 5 scheduled messages matching body containing “{marker}”?")
+        dialog.get_by_role("button", name="Keep").click()
+        expect(frame.locator("body")).not_to_have_attribute("aria-busy", "true")
+        assert all(store.get(m) is not None for m in ids)
+        frame.get_by_role("button", name="Cancel all matching…").click()
+        dialog.get_by_role("button", name="Cancel 5").click()
+        expect(frame.locator("#status")).to_have_text("Cancelled 5 messages.")
+        expect(frame.locator("#matching-count")).to_have_text("0 scheduled messages match this filter.")
+        expect(frame.get_by_role("button", name="Cancel all matching…")).to_be_disabled()
+        latest = frame.locator("#actions tbody tr").first
+        expect(latest).to_contain_text(f"body containing “{marker}”")
+        expect(latest).to_contain_text("cancelled 5")
+        expect(latest).to_contain_text(role)
+    assert [m for m in ids if store.get(m) is not None] == []
 
 
 def test_a_mistyped_destination_with_dead_letters_is_forgotten_after_a_second_confirmation(api_server):

@@ -50,11 +50,20 @@ def test_an_empty_page_says_so(capsys):
     assert capsys.readouterr().out.splitlines()[0] == "No messages."
 
 
+def _refusal() -> str:
+    """What the store says of a selector that names nothing."""
+    from airflow_delay_provider.core.backlog import Selector
+    from airflow_delay_provider.core.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError) as refused:
+        Selector.build()
+    return str(refused.value)
+
+
 @pytest.mark.parametrize(("said", "shown"), [
-    ("select messages by message_ids, by headers (e.g. {'order-id': '42'}) or by destination; an action with none "
-     "of them would apply to every message, which is refused",
-     "select messages with --id, --header KEY=VALUE or --destination; an action with none of them would apply to "
-     "every message, which is refused"),
+    (_refusal(),  # the store's own words, as they are now
+     "select messages with --id, --destination, --header KEY=VALUE, --body-contains or a due window (--due-from, "
+     "--due-before); an action with none of them would apply to every message, which is refused"),
     ("limit must be an int in 1..1000, got 0", "--limit must be an int in 1..1000, got 0"),
     ("deliver_at 2026-01-01T00:00:00+00:00 is in the past (now 2026-01-02T00:00:00+00:00); a message cannot be made "
      "due earlier than now: use delay_seconds=0 to run it now",

@@ -102,7 +102,7 @@
     try {
       const message = await work();
       if (message) say(message, "ok");
-      await Promise.all([loadBacklog(), loadMessages(state.after), loadActions()]);
+      await Promise.all([loadBacklog(), loadMessages(state.after), loadActions(), loadMatching()]);
     } catch (error) {
       failed(error);
     } finally {
@@ -141,6 +141,98 @@
       const waits = `${names.join(", ")} ${names.length > 1 ? "send" : "sends"} nothing until resumed`;
       return paused === count ? describe("Made due now; held while paused:", count, report.counts, [waits])
         : describe("Made due now:", count, report.counts, [`${paused} held while paused (${waits})`]);
+    });
+  }
+
+  // -- everything a filter matches: counted first, then changed (by the server, in batches) ---------------
+  /** The search's filter as an action's selection (no ids: a link's or the form's ids are a selection of their own). */
+  function filterSelection() {
+    const q = state.query, selection = {};
+    if (q.destination) selection.destination = q.destination;
+    if (q.header) {
+      const at = q.header.indexOf("=");
+      if (at > 0) selection.headers = { [q.header.slice(0, at).trim()]: q.header.slice(at + 1).trim() };
+    }
+    for (const key of ["due_from", "due_before", "body_contains"]) if (q[key]) selection[key] = q[key];
+    return selection;
+  }
+
+  const filtered = () => state.canEdit && !(state.query.message_id || []).length
+    && Object.keys(filterSelection()).length > 0;
+
+  /** The filter in words, as the confirmation and the status line say it. */
+  function describeFilter(selection) {
+    const parts = [];
+    if (selection.destination) parts.push(`destination “${selection.destination}”`);
+    for (const [k, v] of Object.entries(selection.headers || {})) parts.push(`header ${k}=${v}`);
+    if (selection.due_from) parts.push(`due from ${window.airflowPrefs.formatTime(selection.due_from)}`);
+    if (selection.due_before) parts.push(`due before ${window.airflowPrefs.formatTime(selection.due_before)}`);
+    if (selection.body_contains) parts.push(`body containing “${selection.body_contains}”`);
+    return parts.join(", ");
+  }
+
+  const number = (n) => n.toLocaleString("en-US");
+
+  async function loadMatching() {
+    const bar = $("matching");
+    if (!filtered()) { bar.hidden = true; return; }
+    const counted = await api("api/count", { ...filterSelection(), action: "cancel" });
+    const held = counted.in_flight ? ` (and ${number(counted.in_flight)} held by a running sweep, left as they are)` : "";
+    const n = counted.would_cancel;
+    $("matching-count").textContent = `${number(n)} scheduled message${n === 1 ? " matches" : "s match"} this filter${held}.`;
+    for (const id of ["match-run-now", "match-reschedule", "match-cancel"]) $(id).disabled = !counted.would_cancel;
+    bar.hidden = false;
+  }
+
+  function rescheduleForm(count) {
+    return new Promise((resolve) => {
+      const box = $("rescheduler"), form = $("reschedule-form"), at = $("reschedule-at");
+      const before = document.activeElement;
+      $("reschedule-note").textContent = `The ${plural(count, "message")} matching ${describeFilter(filterSelection())}`
+        + ` become due at this time (in ${window.airflowPrefs.timeZone().zone}).`;
+      box.hidden = false;
+      at.focus();
+      const onKey = (event) => { if (event.key === "Escape") done(null); };
+      function done(answer) {
+        box.hidden = true;
+        form.onsubmit = $("reschedule-no").onclick = null;
+        document.removeEventListener("keydown", onKey);
+        if (before && before.focus) before.focus();
+        resolve(answer);
+      }
+      form.onsubmit = (event) => { event.preventDefault(); if (at.value) done(window.airflowPrefs.toUtc(at.value)); };
+      $("reschedule-no").onclick = () => done(null);
+      document.addEventListener("keydown", onKey);
+    });
+  }
+
+  /** Cancel, run now or reschedule every message the filter matches: the count first, on the confirm button. */
+  function onFilter(kind) {
+    return act(async () => {
+      const selection = filterSelection(), words = describeFilter(selection);
+      const counted = await api("api/count", { ...selection, action: kind });
+      const n = kind === "cancel" ? counted.would_cancel : counted.would_reschedule;
+      if (!n) return `Nothing changed: no scheduled message matches ${words}.`;
+      let change = {}, question;
+      if (kind === "reschedule") {
+        const at = await rescheduleForm(n);
+        if (!at) return null;
+        change = { deliver_at: at };
+        question = `Move ${plural(n, "scheduled message")} matching ${words} to ${window.airflowPrefs.formatTime(at)}?`;
+      } else {
+        question = kind === "cancel"
+          ? `Cancel ${plural(n, "scheduled message")} matching ${words}? They will never be delivered. This cannot be undone.`
+          : `Deliver ${plural(n, "scheduled message")} matching ${words} now instead of at their scheduled times?`;
+      }
+      if (counted.in_flight) question += ` ${plural(counted.in_flight, "message")} held by a running sweep will stay.`;
+      if (counted.confirm) question += " It is done in batches and may take a while; messages stored meanwhile that match are changed too.";
+      const label = { cancel: "Cancel", run_now: "Run now", reschedule: "Reschedule" }[kind];
+      if (!await confirmAction(question, `${label} ${number(n)}`)) return null;
+      const path = kind === "run_now" ? "api/run-now" : `api/${kind}`;
+      const report = await api(path, { ...selection, ...change });
+      const done = kind === "cancel" ? report.counts.cancelled : report.counts.rescheduled;
+      const verb = { cancel: "Cancelled", run_now: "Made due now:", reschedule: "Rescheduled" }[kind];
+      return describe(verb, done, report.counts);
     });
   }
 
@@ -196,7 +288,7 @@
     if (counts.in_flight) notes.push(`${counts.in_flight} in flight (a sweep holds them: not changed)`);
     if (counts.gone) notes.push(`${counts.gone} already gone (delivered or cancelled)`);
     if (counts.unknown) notes.push(`${counts.unknown} unknown`);
-    return `${done} ${plural(count, "message")}${notes.length ? "; " + notes.join(", ") : ""}.`;
+    return `${done} ${number(count)} message${count === 1 ? "" : "s"}${notes.length ? "; " + notes.join(", ") : ""}.`;
   }
 
   function pause(name) {
@@ -334,15 +426,17 @@
     const form = $("search").elements;
     const id = form.message_id.value.trim();
     // The form's id, else the ids a link named (a send task's extra link: the messages it sent).
+    const moment = (input) => (input.value ? window.airflowPrefs.toUtc(input.value) : "");
     state.query = {
       destination: form.destination.value.trim(), header: form.header.value.trim(),
-      message_id: id ? [id] : state.ids, limit: form.limit.value,
+      message_id: id ? [id] : state.ids, limit: form.limit.value, due_from: moment(form.due_from),
+      due_before: moment(form.due_before), body_contains: state.canEdit ? form.body_contains.value : "",
     };
     $("id-filter").hidden = Boolean(id) || !state.ids.length;
     $("id-filter-text").textContent = `Only the ${plural(state.ids.length, "message")} the link names.`;
     state.cursors = [];
     state.selected.clear();
-    return loadMessages(null).catch(failed);
+    return Promise.all([loadMessages(null), loadMatching()]).catch(failed);
   }
 
   /** The query of a link to the page: its own URL's (Airflow 3.3 hands the UI's on to the frame), else the UI's
@@ -383,6 +477,7 @@
     state.next = result.next;
     state.page = result.messages;
     state.canEdit = result.can_edit;
+    $("body-search").hidden = !state.canEdit;  // searching bodies is seeing them
     for (const id of [...state.selected]) if (!state.page.some((m) => m.message_id === id)) state.selected.delete(id);
     renderMessages();
   }
@@ -549,6 +644,9 @@
     if (t.destination) parts.push(t.destination);
     if (t.destinations) parts.push(t.destinations.join(", "));
     if (t.headers) parts.push(Object.entries(t.headers).map(([k, v]) => `${k}=${v}`).join(", "));
+    if (t.due_from) parts.push(`due from ${window.airflowPrefs.formatTime(t.due_from)}`);
+    if (t.due_before) parts.push(`due before ${window.airflowPrefs.formatTime(t.due_before)}`);
+    if (t.body_contains) parts.push(`body containing “${t.body_contains}”`);
     if (t.everything) parts.push("everything");
     return parts.join("; ");
   }
@@ -604,6 +702,9 @@
     $("next").addEventListener("click", () => page("next"));
     $("bulk-cancel").addEventListener("click", () => cancel([...state.selected]));
     $("bulk-run-now").addEventListener("click", () => runNow([...state.selected]));
+    $("match-cancel").addEventListener("click", () => onFilter("cancel"));
+    $("match-run-now").addEventListener("click", () => onFilter("run_now"));
+    $("match-reschedule").addEventListener("click", () => onFilter("reschedule"));
     showZone();
     window.airflowPrefs.onChange(() => {  // the user chose another zone (or theme) in Airflow's UI
       showZone();
@@ -618,7 +719,7 @@
     $("dead-delete").addEventListener("click", () => deadAction("delete"));
     searchFromUrl();
     setInterval(() => {
-      if (!document.hidden && !state.busy && $("confirm").hidden) loadBacklog().catch(failed);
+      if (!document.hidden && !state.busy && $("confirm").hidden && $("rescheduler").hidden) loadBacklog().catch(failed);
     }, REFRESH_MS);
   });
 })();

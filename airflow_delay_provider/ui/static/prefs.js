@@ -52,6 +52,22 @@
     return `${parts.year}-${parts.month}-${parts.day} ${parts.hour}:${parts.minute}:${parts.second} ${parts.timeZoneName}`;
   }
 
+  /** A wall time of a datetime-local input ("YYYY-MM-DDTHH:mm[:ss]") in the user's zone, as an ISO time in UTC. */
+  function toUtc(local) {
+    const [y, mo, d, h, mi, s = 0] = local.split(/[-T:]/).map(Number);
+    const wall = Date.UTC(y, mo - 1, d, h, mi, s);
+    const { zone } = timeZone();
+    const numeric = new Intl.DateTimeFormat("en-US", { timeZone: zone, year: "numeric", month: "numeric",
+      day: "numeric", hour: "numeric", minute: "numeric", second: "numeric", hourCycle: "h23" });
+    const offset = (at) => {
+      const p = Object.fromEntries(numeric.formatToParts(new Date(at)).map((part) => [part.type, Number(part.value)]));
+      return Date.UTC(p.year, p.month - 1, p.day, p.hour, p.minute, p.second) - at;
+    };
+    // The zone's offset at the guess, then at the instant found (they differ across a change of offset).
+    const first = wall - offset(wall);
+    return new Date(wall - offset(first)).toISOString();
+  }
+
   function apply() {
     const mode = theme();
     document.documentElement.dataset.theme = mode;
@@ -68,5 +84,5 @@
     if (event.key === null || event.key === THEME_KEY || event.key === ZONE_KEY) changed();
   });
   osDark.addEventListener("change", changed);
-  window.airflowPrefs = { theme, timeZone, formatTime, onChange: (listener) => listeners.push(listener) };
+  window.airflowPrefs = { theme, timeZone, formatTime, toUtc, onChange: (listener) => listeners.push(listener) };
 })();

@@ -1,0 +1,136 @@
+"""A cancel or a reschedule by a filter, in batches: a million selected messages as many short transactions, never
+one long one (which would hold back vacuum and every pump's snapshot, and lose all its work to one failure).
+
+A pass first reads which rows the filter selects, in one snapshot and one scan (the plan the database picks for the
+filter: a range of the due index for a due window, the table itself for a destination or a body text), keeping only
+each row's partition and id; the snapshot ends there. It then changes them `BULK_BATCH` at a time, in partition and
+id order (each batch looks in one or two partitions), each batch its own transaction, re-checking the filter on every
+row. A pump's claim is waited for row by row, as by one transaction: a row it delivered is gone and skipped; a row it
+wrote back for a retry is a new row, which the next pass finds, as it finds rows stored meanwhile that match. Passes
+repeat until one finds nothing (changed rows no longer match: deleted, or at the new due time), at most PASSES.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import ColumnElement, and_, delete, func, select, update
+from sqlalchemy.engine import Connection
+
+from airflow_delay_provider.core.backlog import BULK_BATCH, LISTED
+from airflow_delay_provider.stores.dedup import AcceptedIds
+from airflow_delay_provider.stores.engine import PASSES, Database, in_transaction
+from airflow_delay_provider.stores.tables import StoreTables
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two progress lines of a long change.
+PROGRESS_EVERY = 5.0
+#: Rows read at a time while a pass reads what it selects.
+_READ_CHUNK = 50_000
+
+
+class BatchedChange:
+    """Delete (`due_us` None) or re-time the rows `where` selects, `batch` rows per transaction.
+
+    :param where: the selection's conditions, with the one that leaves rows a live sweep lease holds and, for a
+        reschedule, the one that leaves rows already at the new due time (so a changed row is never chosen again).
+    :param values: the columns a reschedule writes.
+    :param tiered: whether the rows are in partitions by `tier` (a store from before has no such column).
+
+    After `run`: `listed` (the first LISTED + 1 ids changed), `count`, `batches`, and `left` (ids still selected
+    after the last pass: a claim wrote them back for a retry before every pass)."""
+
+    def __init__(self, db: Database, tables: StoreTables, accepted: AcceptedIds, action: str,
+                 where: Sequence[ColumnElement[bool]], due_us: int | None, values: dict[str, Any],
+                 batch: int = BULK_BATCH, tiered: bool = False) -> None:
+        self.db, self.tables, self.accepted, self.action = db, tables, accepted, action
+        self.where, self.due_us, self.values, self.batch = list(where), due_us, values, batch
+        self.tiered = tiered
+        self.listed: list[str] = []
+        self.left: list[str] = []
+        self.count = 0
+        self.batches = 0
+        self.expected = 0
+        self._started = self._said = time.monotonic()
+
+    def run(self) -> BatchedChange:
+        """Every pass; returns itself."""
+        for number in range(1, PASSES + 1):
+            tiers, ids = self._selected()
+            if not ids:
+                break
+            if number == 1:
+                self.expected = len(ids)
+                log.info("%s: %d messages selected; changing them %d at a time", self.action, len(ids), self.batch)
+            for start in range(0, len(ids), self.batch):
+                self._change(tiers[start:start + self.batch], ids[start:start + self.batch])
+        else:
+            t = self.tables.messages
+            with self.db.errors(self.action), self.db.engine.connect() as conn:
+                self.left = list(conn.execute(select(t.c.message_id).where(*self.where).limit(LISTED + 1)).scalars())
+        took = time.monotonic() - self._started
+        log.info("%s: %d messages in %d batches of at most %d, %.1f s (%.0f/s)", self.action, self.count,
+                 self.batches, self.batch, took, self.count / took if took > 0 else 0.0)
+        return self
+
+    def _selected(self) -> tuple[array[int], array[int]]:
+        """(partitions, ids) of the rows selected now, in that order: one read, one snapshot."""
+        t = self.tables.messages
+        order = [t.c.tier, t.c.id] if self.tiered else [t.c.id]
+        tiers, ids = array("h"), array("q")
+        with self.db.errors(self.action), self.db.engine.connect() as conn:
+            rows = conn.execution_options(yield_per=_READ_CHUNK).execute(
+                select(*order).where(*self.where).order_by(*order))
+            for part in rows.partitions():
+                for row in part:
+                    tiers.append(row[0] if self.tiered else 0)
+                    ids.append(row[-1])
+        return tiers, ids
+
+    def _change(self, tiers: Sequence[int], ids: Sequence[int]) -> None:
+        t = self.tables.messages
+        # The partitions by value (literals): PostgreSQL then looks for the ids in those one or two, not in each of
+        # the store's hundred and more (its hours).
+        chosen: ColumnElement[bool] = t.c.id.in_(list(ids))
+        if self.tiered:
+            chosen = and_(t.c.tier.in_(sorted(set(tiers))), chosen)
+        plain = delete(t) if self.due_us is None else update(t).values(**self.values)
+        statement = plain.where(chosen, *self.where).returning(t.c.message_id, t.c.stored_at_us)
+
+        def work(conn: Connection) -> tuple[int, list[str]]:
+            if self.db.is_postgres:
+                # The change and the ids it keeps in one statement: 10,000 rows need not go to the client and back.
+                ids = list(conn.execute(self.accepted.kept_from(statement.cte("changed"), self.due_us)).scalars())
+                if ids and self.due_us is not None:  # pumps asleep past the new time wake
+                    conn.execute(select(func.pg_notify(self.tables.channel, str(self.due_us))))
+            else:
+                rows = conn.execute(statement).all()
+                if self.due_us is None:
+                    self.accepted.cancelled(conn, rows)
+                else:
+                    self.accepted.moved(conn, ((m, self.due_us, accepted) for m, accepted in rows))
+                ids = [m for m, _ in rows]
+            # Only once committed: a transaction tried again (in_transaction) lists nothing twice.
+            return len(ids), ids[:max(0, LISTED + 1 - len(self.listed))]
+
+        changed, listed = in_transaction(self.db, self.action, work)
+        self.count += changed
+        self.listed.extend(listed)
+        self.batches += 1
+        self._progress()
+
+    def _progress(self) -> None:
+        now = time.monotonic()
+        if now - self._said < PROGRESS_EVERY:
+            return
+        self._said = now
+        rate = self.count / (now - self._started)
+        left = max(0, self.expected - self.count)
+        eta = f"{left / rate:.0f} s" if rate > 0 else "unknown"
+        log.info("%s: %d of about %d messages in %d batches, %.0f/s, ETA %s", self.action, self.count,
+                 self.expected, self.batches, rate, eta)
