@@ -169,7 +169,7 @@ def _bulk(verb: str, change: _Change) -> Callable[[DelayStoreHook, argparse.Name
             counted = change(hook, args, selection, True)
             if args.dry_run:
                 return counted
-            n = next(v for k, v in counted.items() if k.startswith("would_"))
+            n = _would(counted)
             if counted["confirm"] and not args.yes:
                 question = f"{verb} {n:,} scheduled messages ({_described(counted['selector'])})?"
                 if not sys.stdin.isatty():
@@ -182,6 +182,11 @@ def _bulk(verb: str, change: _Change) -> Callable[[DelayStoreHook, argparse.Name
     return run
 
 
+def _would(counted: dict) -> int:
+    """What a count (a dry run) says the change would touch: its `would_cancel` or `would_reschedule`."""
+    return next(v for k, v in counted.items() if k.startswith("would_"))
+
+
 def _described(selector: dict[str, Any]) -> str:
     return ", ".join(f"{k.replace('_', '-')} {v}" for k, v in selector.items())
 
@@ -190,7 +195,7 @@ def _count_note(report: dict) -> str | None:
     """After a --dry-run of a cancel, reschedule or run-now: what it counted, and how to do it."""
     if not report.get("dry_run"):
         return None
-    n = next(v for k, v in report.items() if k.startswith("would_"))
+    n = _would(report)
     again = shlex.join(arg for arg in sys.argv[1:] if arg != "--dry-run")
     held = f"; {report['in_flight']} held by a running sweep would stay" if report["in_flight"] else ""
     return f"Dry run: nothing was changed; {n} scheduled message(s) would be{held}. To do it: airflow {again}"

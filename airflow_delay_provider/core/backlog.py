@@ -95,6 +95,13 @@ class Selector:
                 "message, which is refused"
             )
 
+    def check_for_change(self, check_known: Callable[[Collection[str]], None]) -> None:
+        """What every count and change of a store checks first: the selector names something, and its destination
+        (if any) is one the store knows (`check_known`, the store's, refuses it by name)."""
+        self.require_something()
+        if self.destination is not None:
+            check_known([self.destination])
+
     @property
     def is_filter(self) -> bool:
         """Whether this selects by a filter rather than by ids: a change then counts first and works in batches."""

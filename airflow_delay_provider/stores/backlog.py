@@ -156,9 +156,7 @@ class BacklogControls:
     def count(self, selector: Selector, action: str = "cancel") -> dict[str, Any]:
         """What a change by `selector` would touch (its dry run): `would_<action>` (the messages it would change now)
         and `in_flight` (held by a sweep: left as they are), counted in one snapshot, changing nothing."""
-        selector.require_something()
-        if selector.destination is not None:
-            self.settings.check_known([selector.destination])
+        selector.check_for_change(self.settings.check_known)
         held = case((self._leased_now(), 1), else_=0)
         query = select(func.count(), func.sum(held)).where(*self._selected(selector))
         with self.db.errors("count selected messages"), self.db.engine.connect() as conn:
@@ -314,11 +312,10 @@ class BacklogControls:
         return forget_report(names, self._in_transaction("forget destinations", forget))
 
     def _change(self, selector: Selector, action: str, due_us: int | None) -> tuple[list[str], list[str]]:
-        """Delete (due_us None) or re-time the selected rows no live sweep lease holds, in passes until a
-        pass finds nothing; returns (changed ids, in-flight ids: the first LISTED + 1)."""
-        selector.require_something()
-        if selector.destination is not None:
-            self.settings.check_known([selector.destination])
+        """Delete (due_us None) or re-time the rows a selection by ids selects and no live sweep lease holds, in one
+        transaction, in passes until a pass finds nothing; returns (changed ids, in-flight ids: the first LISTED + 1).
+        A selection by a filter goes through `_bulk`."""
+        selector.check_for_change(self.settings.check_known)
         t = self.tables.messages
         now_us = to_us(self.db.clock())
         where = [*self._selected(selector), self.tables.unleased(now_us)]
@@ -349,11 +346,10 @@ class BacklogControls:
                     conn.execute(select(func.pg_notify(self.tables.channel, str(due_us))))
             in_flight = list(conn.execute(select(t.c.message_id).where(
                 *self._selected(selector), self._leased_now()).limit(LISTED + 1)).scalars())
-            if selector.message_ids:
-                # An id still stored after the last pass: a pump's claim had it again each time, and wrote it back
-                # for a retry. Not changed, and not gone either: "gone" says it was delivered or cancelled before.
-                retried = conn.execute(select(t.c.message_id).where(*where).limit(LISTED + 1)).scalars()
-                in_flight.extend(m for m in retried if m not in in_flight)
+            # An id still stored after the last pass: a pump's claim had it again each time, and wrote it back for a
+            # retry. Not changed, and not gone either: "gone" says it was delivered or cancelled before.
+            retried = conn.execute(select(t.c.message_id).where(*where).limit(LISTED + 1)).scalars()
+            in_flight.extend(m for m in retried if m not in in_flight)
             return changed, in_flight
 
         return self._in_transaction(action, change)
@@ -362,9 +358,7 @@ class BacklogControls:
         """`_change` of a selection by a filter, in batches (stores/bulk.py); reports like a cancel: the first LISTED
         ids changed and in flight, complete counts, and the batches. A reschedule counts the rows already at the new
         time as rescheduled, as `_change` does (once: they are counted before, and no batch chooses them)."""
-        selector.require_something()
-        if selector.destination is not None:
-            self.settings.check_known([selector.destination])
+        selector.check_for_change(self.settings.check_known)
         t = self.tables.messages
         now_us = to_us(self.db.clock())
         selected = self._selected(selector)

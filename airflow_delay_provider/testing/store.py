@@ -235,9 +235,7 @@ class InMemoryStore(DelayedMessageStore):
         return backlog_report(now, report)
 
     def count_selected(self, selector: Selector, action: str = "cancel") -> dict[str, Any]:
-        selector.require_something()
-        if selector.destination is not None:
-            self.check_known([selector.destination])
+        selector.check_for_change(self.check_known)
         with self._lock:
             return count_report(selector, action, len(self._select(selector)), 0)
 
@@ -292,9 +290,7 @@ class InMemoryStore(DelayedMessageStore):
 
     def _change(self, selector: Selector, due_at: datetime | None) -> list[str]:
         """Delete (due_at None) or re-time the selected messages, once no open claim holds one of them."""
-        selector.require_something()
-        if selector.destination is not None:
-            self.check_known([selector.destination])
+        selector.check_for_change(self.check_known)
         changed = []
         with self._lock:
             while any(selector.matches(m) for c in self._claims for m in c._unsettled.values()):

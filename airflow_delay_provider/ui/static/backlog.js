@@ -72,26 +72,36 @@
     return [text, seconds > 0 ? `in ${amount}` : `due ${amount} ago`];
   }
 
-  // -- confirmation (window.confirm is blocked in the UI's sandboxed frame, so the page has its own) ------
-  function confirmAction(text, label) {
+  // -- dialogs (window.confirm is blocked in the UI's sandboxed frame, so the page has its own) -------------
+  /** Show the overlay `box`, focus on `first`, until an answer: `wire(done)` sets the dialog's handlers, which call
+   * done(answer), and returns what clears them; Escape answers null. Then it hides and gives the focus back. */
+  function dialog(box, first, wire) {
     return new Promise((resolve) => {
-      const box = $("confirm"), yes = $("confirm-yes"), no = $("confirm-no");
       const before = document.activeElement;
-      $("confirm-text").textContent = text;
-      yes.textContent = label;
-      box.hidden = false;
-      no.focus();
-      const onKey = (event) => { if (event.key === "Escape") done(false); };
+      const onKey = (event) => { if (event.key === "Escape") done(null); };
+      let clear = () => {};
       function done(answer) {
         box.hidden = true;
-        yes.onclick = no.onclick = null;
+        clear();
         document.removeEventListener("keydown", onKey);
         if (before && before.focus) before.focus();
         resolve(answer);
       }
+      clear = wire(done);
+      box.hidden = false;
+      first.focus();
+      document.addEventListener("keydown", onKey);
+    });
+  }
+
+  function confirmAction(text, label) {
+    const yes = $("confirm-yes"), no = $("confirm-no");
+    $("confirm-text").textContent = text;
+    yes.textContent = label;
+    return dialog($("confirm"), no, (done) => {
       yes.onclick = () => done(true);
       no.onclick = () => done(false);
-      document.addEventListener("keydown", onKey);
+      return () => { yes.onclick = no.onclick = null; };
     });
   }
 
@@ -185,24 +195,13 @@
   }
 
   function rescheduleForm(count) {
-    return new Promise((resolve) => {
-      const box = $("rescheduler"), form = $("reschedule-form"), at = $("reschedule-at");
-      const before = document.activeElement;
-      $("reschedule-note").textContent = `The ${plural(count, "message")} matching ${describeFilter(filterSelection())}`
-        + ` become due at this time (in ${window.airflowPrefs.timeZone().zone}).`;
-      box.hidden = false;
-      at.focus();
-      const onKey = (event) => { if (event.key === "Escape") done(null); };
-      function done(answer) {
-        box.hidden = true;
-        form.onsubmit = $("reschedule-no").onclick = null;
-        document.removeEventListener("keydown", onKey);
-        if (before && before.focus) before.focus();
-        resolve(answer);
-      }
+    const form = $("reschedule-form"), at = $("reschedule-at"), no = $("reschedule-no");
+    $("reschedule-note").textContent = `The ${plural(count, "message")} matching ${describeFilter(filterSelection())}`
+      + ` become due at this time (in ${window.airflowPrefs.timeZone().zone}).`;
+    return dialog($("rescheduler"), at, (done) => {
       form.onsubmit = (event) => { event.preventDefault(); if (at.value) done(window.airflowPrefs.toUtc(at.value)); };
-      $("reschedule-no").onclick = () => done(null);
-      document.addEventListener("keydown", onKey);
+      no.onclick = () => done(null);
+      return () => { form.onsubmit = no.onclick = null; };
     });
   }
 
@@ -238,27 +237,16 @@
 
   // -- editing one message: its body and headers; the due time stays -------------------------------------
   function editForm(m) {
-    return new Promise((resolve) => {
-      const box = $("editor"), form = $("edit-form"), body = $("edit-body"), headers = $("edit-headers");
-      const before = document.activeElement;
-      // A body cut short in the list, or not text (shown with replacement characters), is not offered for editing
-      // as if it were what is stored.
-      const partial = m.body_truncated || (m.body ?? "").includes("\uFFFD");
-      body.value = partial ? "" : (m.body ?? "");
-      $("edit-note").textContent = partial
-        ? `The body (${plural(m.body_bytes, "byte")}) is not all shown as text: type the whole new body. The due time stays.`
-        : "The due time stays. Refused once the message is taken for delivery.";
-      headers.value = Object.entries(m.headers || {}).map(([k, v]) => `${k}=${v}`).join("\n");
-      box.hidden = false;
-      body.focus();
-      const onKey = (event) => { if (event.key === "Escape") done(null); };
-      function done(answer) {
-        box.hidden = true;
-        form.onsubmit = $("edit-no").onclick = null;
-        document.removeEventListener("keydown", onKey);
-        if (before && before.focus) before.focus();
-        resolve(answer);
-      }
+    const form = $("edit-form"), body = $("edit-body"), headers = $("edit-headers"), no = $("edit-no");
+    // A body cut short in the list, or not text (shown with replacement characters), is not offered for editing
+    // as if it were what is stored.
+    const partial = m.body_truncated || (m.body ?? "").includes("\uFFFD");
+    body.value = partial ? "" : (m.body ?? "");
+    $("edit-note").textContent = partial
+      ? `The body (${plural(m.body_bytes, "byte")}) is not all shown as text: type the whole new body. The due time stays.`
+      : "The due time stays. Refused once the message is taken for delivery.";
+    headers.value = Object.entries(m.headers || {}).map(([k, v]) => `${k}=${v}`).join("\n");
+    return dialog($("editor"), body, (done) => {
       form.onsubmit = (event) => {
         event.preventDefault();
         const pairs = headers.value.split("\n").map((line) => line.trim()).filter(Boolean);
@@ -268,8 +256,8 @@
           const at = line.indexOf("="); return [line.slice(0, at), line.slice(at + 1)];
         })) });
       };
-      $("edit-no").onclick = () => done(null);
-      document.addEventListener("keydown", onKey);
+      no.onclick = () => done(null);
+      return () => { form.onsubmit = no.onclick = null; };
     });
   }
 
