@@ -97,6 +97,7 @@ bench-on-url:
 	$(BIN)/python bench/bench_store.py --plot docs/bench_store.png
 	$(BIN)/python bench/bench_rabbitmq.py
 	$(BIN)/python bench/bench_throughput.py --plot docs/bench_throughput.png
+	$(BIN)/python bench/bench_throughput.py --history-ab 10 --json bench/results/history.json --plot docs/bench_history.png
 	$(BIN)/python bench/bench_scale.py --plot docs/bench_scale.png
 	$(BIN)/python bench/bench_soak.py --minutes 3 --prefill 200000
 	$(BIN)/python bench/bench_bulk.py --plot docs/bench_bulk.png

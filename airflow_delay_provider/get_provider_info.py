@@ -84,6 +84,13 @@ def get_provider_info() -> dict:
                             "type": "integer", "minimum": 1, "maximum": 315576000}},
                         "description": 'Destinations with a longest delay of their own: {"renewals": 31557600}',
                     },
+                    "history_days": {
+                        "label": "Days of delivery history",
+                        "schema": {"type": ["integer", "null"], "default": 7, "minimum": 0, "maximum": 90},
+                        "description": "What became of each message (delivered, retried, dead-lettered, cancelled) "
+                                       "is kept this many days for the page and `airflow delayed-messages history` "
+                                       "(0: none is kept)",
+                    },
                     "db_schema": {
                         "label": "Database schema (PostgreSQL)",
                         "schema": {"type": ["string", "null"], "pattern": "^[A-Za-z_][A-Za-z0-9_]{0,62}$"},

@@ -27,6 +27,11 @@ connections open). Progress goes to stderr, the tables to stdout, the figures to
     .venv/bin/python bench/bench_throughput.py                          # 20,000 messages, 5 latency runs
     .venv/bin/python bench/bench_throughput.py --messages 5000 --runs 1 --plot docs/bench_throughput.png
 
+`--history-ab ROUNDS` runs only the pump with the delivery history on and off in alternation (RabbitMQ and the SQL-table
+queue), and times the page's reads of the history it left.
+
+    .venv/bin/python bench/bench_throughput.py --pg default --history-ab 5 --json bench/results/history.json
+
 `--ab COMMIT` runs only the first delivery of a burst (bench/first_delivery.py): COMMIT's package and the working
 tree's in turns, `--ab-rounds` bursts each, with the ratios of their medians; `--graphile` adds graphile-worker's
 run of the same burst to each round. No RabbitMQ is needed for it.
@@ -381,6 +386,51 @@ class Bench:
         assert got["distinct"] == self.n, got
         return rate, self.n / (got["last"] - started)
 
+    # -- the delivery history's cost (--history-ab)
+    def history_rounds(self, rounds: int) -> None:
+        """The pump with the delivery history on (7 days) and off (0), in alternation on one store, into RabbitMQ
+        (the claim's settlement inserts the batch's entries) and into the SQL-table queue (the move's own statement
+        does); each round's ratio is its on/off pair's, the figure the median of the rounds'. Then the reads the page
+        makes, timed on the history those rounds left."""
+        runs: dict[str, list[float]] = {f"{kind}_{state}": [] for kind in ("rabbitmq", "sql")
+                                        for state in ("on", "off")}
+        warm_up(self.store, self.rmq)
+        for round_ in range(1, rounds + 1):
+            for kind, transport in (("rabbitmq", self.rmq), ("sql", self.sql)):
+                for state in ("on", "off") if round_ % 2 else ("off", "on"):  # neither always goes first
+                    self.store.history.days = 7 if state == "on" else 0
+                    self.reset()
+                    self.fill()
+                    runs[f"{kind}_{state}"].append(self.pump(transport)[0])
+                    log(f"round {round_}/{rounds}: pump -> {kind}, history {state}: "
+                        f"{runs[f'{kind}_{state}'][-1]:,.0f} msg/s")
+        for key, values in runs.items():
+            self.r[f"history_{key}"] = statistics.median(values)
+            self.r[f"history_{key}_runs"] = values
+        for kind in ("rabbitmq", "sql"):
+            ratios = [on / off for on, off in zip(runs[f"{kind}_on"], runs[f"{kind}_off"], strict=True)]
+            self.r[f"history_{kind}_ratio"] = statistics.median(ratios)
+            self.r[f"history_{kind}_ratio_runs"] = ratios
+        self.store.history.days = 7
+        now = self.store.clock()
+        sample = self.store.history.entries(limit=1)[0][0].message_id
+        reads = {"entries": lambda: self.store.history.entries(limit=50),
+                 "chart_1h": lambda: self.store.history.chart(None, now - timedelta(hours=1), now),
+                 "chart_1h_destination": lambda: self.store.history.chart(QUEUE, now - timedelta(hours=1), now),
+                 "story": lambda: self.store.history.entries(message_id=sample, oldest_first=True)}
+        timed = {}
+        for name, read in reads.items():
+            took = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                read()
+                took.append((time.perf_counter() - t0) * 1000)
+            timed[name] = statistics.median(took)
+        stored = self.conn.execute(f"SELECT coalesce(sum(n), 0) FROM {self.store.history.table.fullname}").fetchone()[0]
+        self.conn.commit()
+        self.r["history_reads_ms"] = timed
+        self.r["history_rows"] = stored
+
     # -- 5. first delivery after the due time
     def latency(self, kind: str) -> None:
         self.reset()
@@ -547,6 +597,47 @@ def report(r: dict, args) -> None:
               "and the consumer's poll.")
 
 
+def history_report(r: dict) -> None:
+    m = r["machine"]
+    print(f"\n{m['cpus']} CPUs ({m['cpu_model']}), load average {m['load_average_at_start']:.1f} at start "
+          f"({m.get('load_average_at_end', 0):.1f} at end); PostgreSQL {m['postgresql']} "
+          f"({settings_text(m.get('postgresql_settings', {}))}), RabbitMQ {m['rabbitmq']}")
+    print(f"{r['messages']:,} messages of {r['body_bytes']} B due at once, pump batches of {r['batch_size']:,}; "
+          f"history on (7 days) and off (0) in alternation, {len(r['history_sql_on_runs'])} rounds.\n")
+    print("| pump -> | history on, msg/s | history off, msg/s | on / off (target >= 0.90) | rounds' ratios |")
+    print("|---|---:|---:|---:|---|")
+    for kind, label in (("rabbitmq", "RabbitMQ quorum queue (the settlement inserts the entries)"),
+                        ("sql", "SQL-table queue (the move's statement inserts them)")):
+        each = " / ".join(f"{x:.2f}" for x in r[f"history_{kind}_ratio_runs"])
+        print(f"| {label} | {r[f'history_{kind}_on']:,.0f} | {r[f'history_{kind}_off']:,.0f} | "
+              f"{r[f'history_{kind}_ratio']:.2f} | {each} |")
+    reads = r["history_reads_ms"]
+    print(f"\nReads of the page on {r['history_rows']:,} entries (median of 3, ms): recent 50 "
+          f"{reads['entries']:.1f}, chart of the last hour {reads['chart_1h']:.1f} (all destinations), "
+          f"{reads['chart_1h_destination']:.1f} (one), a message's story {reads['story']:.1f}.")
+
+
+def history_plot(r: dict, path: Path) -> None:
+    """Each round's rate with the history on and off, per transport."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    for ax, (kind, label) in zip(axes, (("rabbitmq", "pump -> RabbitMQ"), ("sql", "pump -> SQL-table queue")),
+                                 strict=True):
+        on, off = r[f"history_{kind}_on_runs"], r[f"history_{kind}_off_runs"]
+        rounds = range(1, len(on) + 1)
+        ax.bar([x - 0.2 for x in rounds], off, 0.4, label="history off", color="0.6")
+        ax.bar([x + 0.2 for x in rounds], on, 0.4, label="history on", color="tab:blue")
+        ax.set_title(f"{label}: on/off {r[f'history_{kind}_ratio']:.2f}")
+        ax.set_xlabel("round")
+        ax.set_ylabel("messages / s")
+        ax.set_xticks(list(rounds))
+    axes[0].legend(loc="lower left")
+    fig.suptitle(f"{r['messages']:,} due at once, history on and off in alternation")
+    save_figure(fig, path)
+
+
 def paired(r: dict, pump: str) -> str:
     """The median of the rounds' pump/raw ratios (see Bench.paired_rounds), with each round's."""
     return f"{r[f'{pump}_ratio']:.0%} ({' / '.join(f'{x:.0%}' for x in r[f'{pump}_ratio_runs'])})"
@@ -624,6 +715,8 @@ def main() -> None:
     parser.add_argument("--ab-lead", type=float, default=24.0, help="seconds a burst is stored ahead with --ab")
     parser.add_argument("--graphile", action="store_true", help="with --ab, graphile-worker's run of the same burst "
                         "in each round (bench/graphile, installed with npm ci)")
+    parser.add_argument("--history-ab", type=int, metavar="ROUNDS", help="only the pump with the delivery history "
+                        "on and off, in alternation, ROUNDS rounds into RabbitMQ and the SQL-table queue")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -638,6 +731,15 @@ def main() -> None:
         try:
             bench.setup()
             bench.r["machine"] = header(bench)
+            if args.history_ab:
+                bench.history_rounds(args.history_ab)
+                bench.r["machine"]["load_average_at_end"] = os.getloadavg()[0]
+                history_report(bench.r)
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(bench.r, indent=2, default=str))
+                if args.plot:
+                    history_plot(bench.r, args.plot)
+                return
             bench.raw_limits()
             bench.paired_rounds()
             for kind in ("rabbitmq", "sql"):

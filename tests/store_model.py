@@ -19,6 +19,7 @@ refused, and which messages a claim at a given moment may take and must take:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -60,6 +61,8 @@ class StoreModel:
     moves: list[int] = field(default_factory=list)  # when the move ran
     delivered: dict[str, int] = field(default_factory=dict)  # id -> how many times delivered (re-sent ids again)
     dead: dict[str, str] = field(default_factory=dict)  # id -> the destination it failed for
+    #: The delivery history the store must have kept: (id, outcome, attempts) -> how many times.
+    history: Counter[tuple[str, str, int]] = field(default_factory=Counter)
 
     # -- storing ---------------------------------------------------------------------------------------
     def refused(self, message_id: str, now_us: int) -> bool:
@@ -147,7 +150,7 @@ class StoreModel:
     def settle(self, delivered: Iterable[str], refused: Iterable[str], now_us: int) -> set[str]:
         """What a pump did with what it took; returns the ids that must have been dead-lettered."""
         for message_id in delivered:
-            del self.stored[message_id]
+            self.history[message_id, "delivered", self.stored.pop(message_id).failures + 1] += 1
             self.delivered[message_id] = self.delivered.get(message_id, 0) + 1
         dead = set()
         for message_id in refused:
@@ -158,8 +161,10 @@ class StoreModel:
                 del self.stored[message_id]
                 self.dead[message_id] = m.destination
                 dead.add(message_id)
+                self.history[message_id, "dead_lettered", m.failures] += 1
             else:
                 m.due_us, m.since_us = now_us + self.retry_us, now_us
+                self.history[message_id, "retried", m.failures] += 1
         return dead
 
     # -- sweeps ----------------------------------------------------------------------------------------
@@ -201,7 +206,7 @@ class StoreModel:
     def cancel(self, ids: Iterable[str] | None, destination: str | None, now_us: int) -> tuple[set[str], set[str]]:
         changed, busy = self._selected(None if ids is None else set(ids), destination, now_us)
         for i in changed:
-            del self.stored[i]
+            self.history[i, "cancelled", self.stored.pop(i).failures] += 1
         return set(changed), set(busy)
 
     def reschedule(self, ids: Iterable[str] | None, destination: str | None, due_us: int,

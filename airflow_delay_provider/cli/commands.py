@@ -155,6 +155,22 @@ def browse(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
     return hook.browse(**_selector(args), limit=args.limit, after=args.after, show_bodies=not args.no_bodies)
 
 
+@_command_of("entries", "message_id")
+def history(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
+    return hook.history(destination=args.destination, message_id=args.message_id, outcome=args.outcome,
+                        since=args.since, before=args.before, limit=args.limit, after=args.after)
+
+
+@_command_of("minutes", "minute")
+def lateness(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
+    return hook.history_chart(destination=args.destination, window=args.window)
+
+
+@_command_of("history", "handed_at")
+def story(hook: DelayStoreHook, args: argparse.Namespace) -> dict:
+    return hook.story(args.message_id, show_bodies=not args.no_bodies)
+
+
 #: A change's call of the hook: (hook, the command's arguments, the selection, dry_run) -> its report.
 _Change = Callable[[DelayStoreHook, argparse.Namespace, dict[str, Any], bool], dict]
 

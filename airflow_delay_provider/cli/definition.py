@@ -66,6 +66,14 @@ ARG_RATE = Arg(("--max-per-second",), type=float, help="redrive at most this man
 ARG_DRY_RUN = Arg(("--dry-run",), action="store_true",
                   help="only print the schema versions that would be applied; change nothing")
 
+ARG_HISTORY_ID = Arg(("--id",), dest="message_id", metavar="MESSAGE_ID", help="only this message's entries")
+ARG_OUTCOME = Arg(("--outcome",), choices=("delivered", "retried", "dead_lettered", "cancelled"),
+                  help="only entries of this outcome")
+ARG_SINCE = Arg(("--since",), help="handed over at or after this ISO time (with offset)")
+ARG_BEFORE = Arg(("--before",), help="handed over before this ISO time (with offset)")
+ARG_HISTORY_LIMIT = Arg(("--limit",), type=int, default=50, help="entries (1..1000, default 50)")
+ARG_WINDOW = Arg(("--window",), choices=("1h", "6h", "24h"), default="1h", help="how far back (default 1h)")
+ARG_STORY_ID = Arg(("message_id",), metavar="MESSAGE_ID", help="the message (the id a send returned)")
 _STORE_ONLY = (ARG_CONN_ID, ARG_TABLE, ARG_DB_SCHEMA)
 _STORE = (*_STORE_ONLY, ARG_OUTPUT)
 _SELECT = (ARG_IDS, ARG_DESTINATION, ARG_HEADER)
@@ -108,6 +116,15 @@ COMMANDS = (
                   func=lazy_load_command(_COMMANDS + "redrive"),
                   args=(*_STORE, ARG_TRANSPORT, ARG_TRANSPORT_CONN, ARG_ERROR_QUEUE, ARG_IDS, ARG_DESTINATION,
                         ARG_MAX_MESSAGES, ARG_RATE)),
+    ActionCommand(name="history", help="What became of messages (delivered, retried, dead-lettered, cancelled), "
+                  "newest first, with their lateness and attempts", func=lazy_load_command(_COMMANDS + "history"),
+                  args=(*_STORE, ARG_DESTINATION, ARG_HISTORY_ID, ARG_OUTCOME, ARG_SINCE, ARG_BEFORE,
+                        ARG_HISTORY_LIMIT, ARG_AFTER)),
+    ActionCommand(name="lateness", help="Per minute: messages delivered and their lateness p50/p99 (ms), retried, "
+                  "dead-lettered and cancelled", func=lazy_load_command(_COMMANDS + "lateness"),
+                  args=(*_STORE, ARG_DESTINATION, ARG_WINDOW)),
+    ActionCommand(name="story", help="One message: where it is now and what became of each attempt",
+                  func=lazy_load_command(_COMMANDS + "story"), args=(*_STORE, ARG_STORY_ID, ARG_NO_BODIES)),
     GroupCommand(name="db", help="The store's tables: create them, or bring them up to this release's version",
                  subcommands=(
                      ActionCommand(name="upgrade", help="Create the store's tables or upgrade them to this release's "

@@ -76,7 +76,7 @@ class Selector:
             match = check_headers(headers or {})
         except Exception as exc:
             raise InvalidInputError(f"headers (the header match): {exc}") from None
-        selector = cls(ids, dest, match, _moment("due_from", due_from), _moment("due_before", due_before),
+        selector = cls(ids, dest, match, utc_moment("due_from", due_from), utc_moment("due_before", due_before),
                        _body_search(body_contains))
         if not allow_everything:
             selector.require_something()
@@ -169,7 +169,8 @@ def _body_search(value: object) -> str | None:
     return value
 
 
-def _moment(name: str, value: object) -> datetime | None:
+def utc_moment(name: str, value: object) -> datetime | None:
+    """A time a form or a command line gave (ISO 8601 with a zone, or a datetime), in UTC; None when empty."""
     moment = parse_moment(value, name)
     return None if moment is None else moment.astimezone(UTC)
 
@@ -198,7 +199,7 @@ def new_due_time(now: datetime, deliver_at: object = None, delay_seconds: object
             delay_seconds = parse_int(delay_seconds, "delay_seconds")
         return now + timedelta(seconds=check_number("delay_seconds", delay_seconds, 0, limit,
                                                     hint=describe_seconds(limit)))
-    at = _moment("deliver_at", deliver_at)
+    at = utc_moment("deliver_at", deliver_at)
     assert at is not None
     if at < now - timedelta(seconds=1):  # a second of grace for clocks and form round trips
         raise InvalidInputError(f"deliver_at {at.isoformat()} is in the past (now {now.isoformat()}); a message "

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 from airflow_delay_provider.core.backlog import BODY_PREVIEW_BYTES, Selector
 from airflow_delay_provider.core.delays import UTC
 from airflow_delay_provider.core.errors import InvalidInputError
+from airflow_delay_provider.core.history import HistoryPage, Settled, story_report
 from airflow_delay_provider.core.message import DelayedMessage, check_destination
 
 #: How long a store remembers an accepted message id (seconds): within it, the same id is neither stored nor sent
@@ -38,6 +39,10 @@ class Claim(ABC):
     def retry(self, next_due: Mapping[str, datetime], headers: Mapping[str, dict[str, str]] | None = None) -> None:
         """Count one more failure for each message and make it due again at the given time
         (replacing its headers where `headers` has new ones)."""
+
+    def record(self, handed_at: datetime, groups: Sequence[Settled]) -> None:  # noqa: B027 - a store may keep none
+        """Add the batch's outcomes to the delivery history (core/history.py), committed with the claim or not at
+        all."""
 
 
 class DelayedMessageStore(ABC):
@@ -132,6 +137,28 @@ class DelayedMessageStore(ABC):
     def purge(self, destination: str, dry_run: bool = True) -> dict[str, Any]:
         """Remove every scheduled message of one known destination (with `dry_run`, only count them)."""
         raise NotImplementedError(f"{type(self).__name__} cannot purge a destination")
+
+    # -- the delivery history (core/history.py) ------------------------------------------------------
+    #: Days of history kept (0: none is written).
+    history_days: int = 0
+
+    def delivery_history(self, destination: str | None = None, message_id: str | None = None,
+                         outcome: str | None = None, since: datetime | None = None, before: datetime | None = None,
+                         limit: int = 50, after: str | None = None) -> HistoryPage:
+        """A page of history entries, newest first (a message's, oldest first), from the `next` cursor `after` of
+        the page before; none where no history is kept."""
+        return HistoryPage([])
+
+    def history_chart(self, destination: str | None, since: datetime, until: datetime) -> list[dict[str, Any]]:
+        """Per minute from `since` to `until`, of one destination or all (core.history.minute_series)."""
+        return []
+
+    def message_story(self, message_id: str, body_bytes: int | None = None) -> dict[str, Any]:
+        """Where a message is and what became of each attempt (core.history.story_report); its body cut to
+        `body_bytes` while still stored (None: left out, for readers who may not see bodies)."""
+        page = self.browse(Selector(message_ids=(message_id,)), limit=1, body_bytes=body_bytes)["messages"]
+        return story_report(message_id, page[0] if page else None,
+                            self.delivery_history(message_id=message_id, limit=1000).entries, self.history_days)
 
     def register_destinations(self, destinations: Collection[str]) -> None:
         """Make destinations known before anything is sent to them (provisioning does)."""

@@ -23,6 +23,7 @@ from typing import Any
 from airflow_delay_provider.core.breakers import CircuitBreaker, RateBreaker
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import CriticalError, StoreNotReadyError, UnavailableError
+from airflow_delay_provider.core.history import settled_groups
 from airflow_delay_provider.core.message import HEADER_FAILED_DESTINATION, DelayedMessage
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore, Transport
 from airflow_delay_provider.core.progress import ProgressReport
@@ -252,12 +253,14 @@ class Pump:
         sent_at = self._clock()
         removed, failed, transient = sort_outcomes(messages, failures, sent_at, stats, self.policy_for,
                                                    self.config.error_queue, self.config.retry_jitter)
+        delivered, dead_lettered = list(removed), {}
         if failed.dead:
             dead_failures = self._start_send(failed.dead, conn)()
             for d in failed.dead:
                 error = dead_failures.get(d.message_id)
                 if error is None:
                     removed.append(d.message_id)
+                    dead_lettered[d.message_id] = failed.reasons.get(d.message_id, "")
                     stats.dead_lettered += 1
                     stats.count(d.headers.get(HEADER_FAILED_DESTINATION, d.destination), "dead_lettered")
                     log.warning("message %s for %s dead-lettered to %s: %s", d.message_id,
@@ -266,10 +269,13 @@ class Pump:
                 else:
                     # Keep it stored and due again: losing it is worse than retrying the dead-letter.
                     failed.retries[d.message_id] = sent_at
+                    failed.reasons[d.message_id] = f"could not dead-letter to {d.destination}: {error}"
                     self.recovery_breaker.failure(f"could not dead-letter {d.message_id} to {d.destination}: {error}")
         claim.remove(removed)
         if failed.retries:
             claim.retry(failed.retries, failed.headers)
+        claim.record(sent_at, settled_groups(delivered, {m: failed.reasons.get(m, "") for m in failed.retries},
+                                             dead_lettered))
         stats.retried += len(failed.retries)
         return transient
 

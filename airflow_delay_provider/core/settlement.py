@@ -70,8 +70,11 @@ class FailedBatch:
     retries: dict[str, datetime] = field(default_factory=dict)
     headers: dict[str, dict[str, str]] = field(default_factory=dict)
     dead: list[DelayedMessage] = field(default_factory=list)
+    #: Why each failed, for the delivery history.
+    reasons: dict[str, str] = field(default_factory=dict)
 
-    def add(self, message_id: str, outcome: Retry | DeadLetter) -> None:
+    def add(self, message_id: str, outcome: Retry | DeadLetter, reason: str = "") -> None:
+        self.reasons[message_id] = reason
         if isinstance(outcome, DeadLetter):
             self.dead.append(outcome.message)
             return
@@ -112,5 +115,5 @@ def sort_outcomes(messages: Iterable[DelayedMessage], failures: Mapping[str, Exc
         reason = f"destination not found: {exc}" if missing else f"{type(exc).__name__}: {exc}"
         # A retry is itself a delayed message: stored, it survives restarts and holds no worker.
         failed.add(m.message_id, settle_failure(m, reason, policy_for(m.destination), error_queue, sent_at, jitter,
-                                                final=missing))
+                                                final=missing), reason)
     return delivered, failed, transient

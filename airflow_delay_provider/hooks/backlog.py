@@ -6,10 +6,15 @@ with `core.backlog`, acts on the store and returns a JSON-ready dict.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
-from airflow_delay_provider.core.backlog import BODY_PREVIEW_BYTES, Selector, new_due_time
+from airflow_delay_provider.core.backlog import BODY_PREVIEW_BYTES, Selector, new_due_time, utc_moment
+from airflow_delay_provider.core.checks import check_int
 from airflow_delay_provider.core.errors import DestinationNotFoundError, InvalidInputError
+from airflow_delay_provider.core.history import MAX_HISTORY_PAGE, check_outcome, check_window
+from airflow_delay_provider.core.message import check_destination
 from airflow_delay_provider.core.ports import Transport
 from airflow_delay_provider.core.redrive import delete_dead_letters as delete_from_error_queue
 from airflow_delay_provider.core.redrive import list_dead_letters
@@ -110,28 +115,32 @@ class BacklogActions:
         return self.checked_store(writes=not dry_run).purge(destination, dry_run=dry_run)
 
     def forget(self, destinations: Any, force: bool = False, transport: Transport | None = None,
-               error_queue: str = "error") -> dict[str, Any]:
+               error_queue: str = "error", error_queues: Sequence[tuple[Transport, str]] = ()) -> dict[str, Any]:
         """Forget destinations (a mistyped or retired name): no longer listed, known or paused, their policy, queue
         delay and throttle gone. Refused while they have scheduled messages, or (given the `transport` of
-        `error_queue`, when it can look without consuming) dead letters; `force` purges the scheduled messages
-        and leaves the dead letters where they are, listed in the report."""
+        `error_queue`, or several (transport, error queue) pairs in `error_queues`, where they can look without
+        consuming) dead letters; `force` purges the scheduled messages and leaves the dead letters where they are,
+        listed in the report."""
         names = _names(destinations)
         store = self.checked_store(writes=True)
         store.check_known(names)
         dead: dict[str, int] = {}
-        checked = transport is not None and transport.can_peek
-        if transport is not None and checked:
+        queues = [*error_queues, *([(transport, error_queue)] if transport is not None else [])]
+        looked = [(t, q) for t, q in queues if t.can_peek]
+        checked = bool(looked)
+        for each, queue in looked:
             for name in names:
                 try:
-                    found = list_dead_letters(transport, error_queue, destination=name, limit=1)["count"]
+                    found = list_dead_letters(each, queue, destination=name, limit=1)["count"]
                 except DestinationNotFoundError:  # no error queue yet: nothing was dead-lettered
                     break
                 if found:
-                    dead[name] = found
-            if dead and not force:
-                raise InvalidInputError(f"cannot forget {sorted(dead)}: the error queue {error_queue!r} still holds "
-                                        "their dead letters; redrive or delete them first (`airflow delayed-messages "
-                                        "dead-letters delete`), or forget with force")
+                    dead[name] = dead.get(name, 0) + found
+        if dead and not force:
+            where = ", ".join(repr(q) for _, q in looked)
+            raise InvalidInputError(f"cannot forget {sorted(dead)}: the error queue {where} still holds "
+                                    "their dead letters; redrive or delete them first (`airflow delayed-messages "
+                                    "dead-letters delete`), or forget with force")
         report = store.forget_destinations(names, force=force)
         report["dead_letters_left"] = sorted(dead)
         report["dead_letters_checked"] = checked
@@ -164,6 +173,40 @@ class BacklogActions:
         return redrive_dead_letters(self.checked_store(writes=True), transport, error_queue,
                                     destination=destination or None, message_ids=message_ids,
                                     max_messages=max_messages, max_per_second=max_per_second)
+
+    # -- the delivery history (core/history.py): reads, never a write ----------------------------------
+    def history(self, *, destination: Any = None, message_id: Any = None, outcome: Any = None, since: Any = None,
+                before: Any = None, limit: Any = 50, after: str | None = None) -> dict[str, Any]:
+        """What became of delivered, retried, dead-lettered and cancelled messages, newest first: `entries` (each
+        with its destination, due and hand-over times, lateness in ms, attempts, outcome and failure), `next` (the
+        cursor of the next page, for `after`; None: no more) and `history_days` (the connection's retention: 0, none
+        is kept). `since` and `before` bound the hand-over time."""
+        store = self.checked_store()
+        page = store.delivery_history(
+            destination=None if destination in (None, "") else check_destination(destination),
+            message_id=None if message_id in (None, "") else str(message_id), outcome=check_outcome(outcome),
+            since=utc_moment("since", since), before=utc_moment("before", before),
+            limit=check_int("limit", parse_count("limit", limit) or 50, 1, MAX_HISTORY_PAGE), after=after or None)
+        return {"entries": [e.as_dict() for e in page.entries], "next": page.next, "history_days": store.history_days}
+
+    def history_chart(self, *, destination: Any = None, window: Any = "1h") -> dict[str, Any]:
+        """Per minute over the last `window` (1h, 6h or 24h): delivered, lateness p50/p99 (ms, nearest rank), retried,
+        dead-lettered and cancelled, of one destination or all; minutes with nothing are left out."""
+        seconds = check_window(window or "1h")
+        store = self.checked_store()
+        until = store.clock()
+        since = until - timedelta(seconds=seconds)
+        dest = None if destination in (None, "") else check_destination(destination)
+        return {"destination": dest, "window": window or "1h", "since": since.isoformat(), "until": until.isoformat(),
+                "minutes": store.history_chart(dest, since, until), "history_days": store.history_days}
+
+    def story(self, message_id: Any, show_bodies: bool = False) -> dict[str, Any]:
+        """A message's story: `state` (scheduled, delivered, retried, dead_lettered, cancelled, or unknown: never
+        stored, or its history is past the retention), its stored row while scheduled (the body only with
+        `show_bodies`), and each attempt's entry, oldest first."""
+        if not isinstance(message_id, str) or not message_id.strip():
+            raise InvalidInputError("message_id must name a message (the id a send returned)")
+        return self.checked_store().message_story(message_id.strip(), BODY_PREVIEW_BYTES if show_bodies else None)
 
 
 def _names(value: Any) -> list[str]:

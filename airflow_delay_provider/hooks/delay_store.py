@@ -11,6 +11,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from airflow_delay_provider.core.delays import DelayLimits
 from airflow_delay_provider.core.errors import ConnectionTypeError, InvalidInputError
+from airflow_delay_provider.core.history import DEFAULT_HISTORY_DAYS, check_history_days
 from airflow_delay_provider.hooks.backlog import BacklogActions
 from airflow_delay_provider.stores.engine import ConnectionSource, check_identifier, safe_url
 from airflow_delay_provider.stores.migrations import SchemaMigrations
@@ -121,7 +122,7 @@ class DelayStoreHook(BacklogActions, BaseHook):
     `max_delay_seconds_per_destination` (an object of destination names to their own longest delay),
     `auto_migrate` (whether writers, sends and dispatchers, may create the store's tables and bring them up to
     date; default true on SQLite, false on PostgreSQL, where provisioning or `airflow delayed-messages db
-    upgrade` does it).
+    upgrade` does it), `history_days` (days of delivery history kept: default 7, at most 90; 0 keeps none).
 
     Reads never create or change the tables: a store that is not there is a StoreNotReadyError that says what
     to run. A connection of another type than `delay_store` is refused before anything is opened.
@@ -152,6 +153,7 @@ class DelayStoreHook(BacklogActions, BaseHook):
         self._db_schema = db_schema
         self._resolved: tuple[URL, str, str | None] | None = None
         self._dedup_window = DEFAULT_DEDUP_WINDOW_SECONDS
+        self._history_days = DEFAULT_HISTORY_DAYS
         self._limits = DelayLimits()
         self._auto_migrate = False
         # What `airflow delayed-messages db upgrade` needs to name the same tables, for errors that say to run it.
@@ -173,6 +175,9 @@ class DelayStoreHook(BacklogActions, BaseHook):
         except (TypeError, ValueError):
             raise InvalidInputError(f"the dedup_window_seconds extra of connection {conn.conn_id!r} must be a number "
                                     f"of seconds >= 0, got {window!r}") from None
+        days = extra.get("history_days")
+        self._history_days = DEFAULT_HISTORY_DAYS if days in (None, "") else check_history_days(
+            days, where=f"connection {conn.conn_id!r}: the ")
         self._limits = DelayLimits.parse(extra.get("max_delay_seconds"), extra.get("max_delay_seconds_per_destination"),
                                          where=f"connection {conn.conn_id!r}: ")
         url = url_from_connection(conn)
@@ -215,7 +220,8 @@ class DelayStoreHook(BacklogActions, BaseHook):
         """The store: keeps, claims and removes delayed messages. Nothing is read or created yet: see
         `checked_store` (reads) and `prepare_for_writes`."""
         url, table, schema = self._resolve()
-        store = SqlDelayedMessageStore(url, table=table, schema=schema, dedup_window_seconds=self._dedup_window)
+        store = SqlDelayedMessageStore(url, table=table, schema=schema, dedup_window_seconds=self._dedup_window,
+                                       history_days=self._history_days)
         store.source = self._source
         return store
 
@@ -276,7 +282,8 @@ class DelayStoreHook(BacklogActions, BaseHook):
         """Where the store is, as plain data for a process without Airflow (a Spark sweep); holds the password."""
         url, table, schema = self._resolve()
         return {"url": url.render_as_string(hide_password=False), "table": table, "schema": schema,
-                "auto_migrate": self._auto_migrate, "dedup_window_seconds": self._dedup_window}
+                "auto_migrate": self._auto_migrate, "dedup_window_seconds": self._dedup_window,
+                "history_days": self._history_days}
 
     def transport_spec(self) -> dict:
         """The SQL-table transport of get_transport() as plain data; holds the password."""

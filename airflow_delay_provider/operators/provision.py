@@ -100,6 +100,9 @@ class ProvisionDelayInfrastructureOperator(DelayOperatorBase):
                 if queue_delay is not None:
                     store.set_queue_delays(dict.fromkeys([e for e in endpoints if e != self.error_queue], queue_delay))
                     summary["queue_delay_seconds"] = queue_delay
+                # Where these endpoints' dead letters are: the page's dead letters find them here.
+                store.routes.record(self.transport, self.transport_conn_id, self.error_queue,
+                                    {"endpoints": [e for e in endpoints if e != self.error_queue]})
             summary["queues"] = [transport.provision(e, **(native if e != self.error_queue else {})) for e in endpoints]
         finally:
             transport.close()

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from airflow_delay_provider.core.errors import InvalidInputError
+from airflow_delay_provider.core.history import DEFAULT_HISTORY_DAYS
 from airflow_delay_provider.core.ports import DelayedMessageStore
 from airflow_delay_provider.core.pump import Pump, PumpConfig, moved_stats
 from airflow_delay_provider.core.requests import parse_moment
@@ -105,10 +106,12 @@ def load_secret(secret_file: str | None = None) -> dict:
 
 
 def store_from_spec(spec: dict) -> SqlDelayedMessageStore:
-    # The connection's window: the ids of the retries it stores are kept by it (stores/dedup.py).
+    # The connection's window: the ids of the retries it stores are kept by it (stores/dedup.py); its retention
+    # of the delivery history, which the sweep's batches write to.
     window = spec.get("dedup_window_seconds", DEFAULT_DEDUP_WINDOW_SECONDS)
     return SqlDelayedMessageStore(spec["url"], table=spec.get("table") or DEFAULT_TABLE, schema=spec.get("schema"),
-                                  dedup_window_seconds=window)
+                                  dedup_window_seconds=window,
+                                  history_days=spec.get("history_days", DEFAULT_HISTORY_DAYS))
 
 
 def split_range(low: int, high: int, parts: int) -> list[tuple[int, int]]:

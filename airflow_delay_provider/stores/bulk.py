@@ -24,7 +24,8 @@ from sqlalchemy.engine import Connection
 from airflow_delay_provider.core.backlog import BULK_BATCH, LISTED
 from airflow_delay_provider.stores.dedup import AcceptedIds
 from airflow_delay_provider.stores.engine import PASSES, Database, in_transaction
-from airflow_delay_provider.stores.tables import StoreTables
+from airflow_delay_provider.stores.history import DeliveryHistory
+from airflow_delay_provider.stores.tables import StoreTables, to_us
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,9 @@ class BatchedChange:
 
     def __init__(self, db: Database, tables: StoreTables, accepted: AcceptedIds, action: str,
                  where: Sequence[ColumnElement[bool]], due_us: int | None, values: dict[str, Any],
-                 batch: int = BULK_BATCH, tiered: bool = False) -> None:
+                 batch: int = BULK_BATCH, tiered: bool = False, history: DeliveryHistory | None = None) -> None:
         self.db, self.tables, self.accepted, self.action = db, tables, accepted, action
+        self.history = history  # where a cancel's rows are recorded
         self.where, self.due_us, self.values, self.batch = list(where), due_us, values, batch
         self.tiered = tiered
         self.listed: list[str] = []
@@ -99,22 +101,33 @@ class BatchedChange:
         chosen: ColumnElement[bool] = t.c.id.in_(list(ids))
         if self.tiered:
             chosen = and_(t.c.tier.in_(sorted(set(tiers))), chosen)
-        plain = delete(t) if self.due_us is None else update(t).values(**self.values)
-        statement = plain.where(chosen, *self.where).returning(t.c.message_id, t.c.stored_at_us)
+        cancel = self.due_us is None
+        plain = delete(t) if cancel else update(t).values(**self.values)
+        statement = plain.where(chosen, *self.where).returning(
+            t.c.message_id, t.c.stored_at_us, *((t.c.destination, t.c.due_at_us, t.c.failures) if cancel else ()))
 
         def work(conn: Connection) -> tuple[int, list[str]]:
+            now_us = to_us(self.db.clock())
             if self.db.is_postgres:
-                # The change and the ids it keeps in one statement: 10,000 rows need not go to the client and back.
-                ids = list(conn.execute(self.accepted.kept_from(statement.cte("changed"), self.due_us)).scalars())
-                if ids and self.due_us is not None:  # pumps asleep past the new time wake
+                # The change, the ids it keeps and its history in one statement: 10,000 rows need not go to the client
+                # and back.
+                changed = statement.cte("changed")
+                kept = self.accepted.kept_from(changed, self.due_us)
+                recorded = self.history.cancelled_from(conn, changed, now_us) if cancel and self.history else None
+                if recorded is not None:
+                    kept = kept.add_cte(recorded.cte("recorded"))
+                ids = list(conn.execute(kept).scalars())
+                if ids and not cancel:  # pumps asleep past the new time wake
                     conn.execute(select(func.pg_notify(self.tables.channel, str(self.due_us))))
             else:
                 rows = conn.execute(statement).all()
                 if self.due_us is None:
-                    self.accepted.cancelled(conn, rows)
+                    self.accepted.cancelled(conn, [(r[0], r[1]) for r in rows])
+                    if self.history is not None:
+                        self.history.cancelled(conn, rows, now_us)
                 else:
-                    self.accepted.moved(conn, ((m, self.due_us, accepted) for m, accepted in rows))
-                ids = [m for m, _ in rows]
+                    self.accepted.moved(conn, ((r[0], self.due_us, r[1]) for r in rows))
+                ids = [r[0] for r in rows]
             # Only once committed: a transaction tried again (in_transaction) lists nothing twice.
             return len(ids), ids[:max(0, LISTED + 1 - len(self.listed))]
 

@@ -9,7 +9,7 @@ holds nothing they could take.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
@@ -35,9 +35,11 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection, Row
 from sqlalchemy.sql import Select
 
+from airflow_delay_provider.core.history import Settled
 from airflow_delay_provider.core.ports import Claim
 from airflow_delay_provider.stores.dedup import AcceptedIds
 from airflow_delay_provider.stores.engine import Database, IndexStart
+from airflow_delay_provider.stores.history import DeliveryHistory
 from airflow_delay_provider.stores.tables import SOON, StoreTables, _message, from_us, to_us
 
 #: How far before its clock a reading of where claims start marks the due times of rows written after it.
@@ -63,6 +65,8 @@ class _SqlClaim(Claim):
         self._rows = {row.message_id: row for row in rows}
         self._unsettled = set(self._rows)
         self.messages = [_message(row) for row in rows]
+        #: Where the batch's delivery history goes (None: nowhere).
+        self.history: DeliveryHistory | None = None
 
     def remove(self, message_ids: Iterable[str]) -> int:
         before = len(self._unsettled)
@@ -76,6 +80,11 @@ class _SqlClaim(Claim):
         self._write_back(changes)
         self._accepted.moved(self.connection, ((m, c["due_at_us"], self._rows[m].stored_at_us)
                                                for m, c in changes.items()))
+
+    def record(self, handed_at: datetime, groups: Sequence[Settled]) -> None:
+        if self.history is not None:
+            self.history.write(self.connection, to_us(handed_at), groups, {
+                m: (r.destination, r.due_at_us, r.failures, r.stored_at_us) for m, r in self._rows.items()})
 
     def restore_unsettled(self) -> None:
         if self._unsettled:
@@ -114,6 +123,7 @@ class DueClaims:
         self.scope = scope
         self.tiered = tiered
         self.clear_until_us = clear_until_us
+        self.history: DeliveryHistory | None = None  # set by the store
         self.due_start = IndexStart()  # where this object's claims start reading the due index
         self._start_soon_only = False  # whether `due_start` is `_soon`'s alone (read apart from both partitions')
 
@@ -236,6 +246,7 @@ class DueClaims:
             self.db.in_index_order(conn)
             claim_rows = delete(t).where(self.taken(conn, ids, soon_only)).returning(*self.tables.row)
             claim = _SqlClaim(conn, t, conn.execute(claim_rows).all(), self.accepted, self.tier)
+            claim.history = self.history
             yield claim
             claim.restore_unsettled()
 

@@ -35,7 +35,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
-from sqlalchemy.sql.expression import Executable
+from sqlalchemy.sql.dml import ReturningInsert
 
 from airflow_delay_provider.core.ports import DEFAULT_DEDUP_WINDOW_SECONDS
 from airflow_delay_provider.stores.engine import Database
@@ -126,7 +126,7 @@ class AcceptedIds:
         acceptance again, no longer until their due time."""
         self._keep(conn, {m: self._accepted_at(accepted) for m, accepted in rows})
 
-    def kept_from(self, changed: CTE, due_us: int | None) -> Executable:
+    def kept_from(self, changed: CTE, due_us: int | None) -> ReturningInsert[Any]:
         """On PostgreSQL, the statement that does what `cancelled` (`due_us` None) or `moved` does for the rows of
         `changed` (a CTE of a DELETE or UPDATE returning message_id and stored_at_us), in the same statement: the
         rows never leave the database. It returns the ids it kept, one per changed row."""

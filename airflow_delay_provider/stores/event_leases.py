@@ -27,9 +27,11 @@ from typing import Any
 
 from sqlalchemy import and_, func, insert, or_, select, update
 
+from airflow_delay_provider.core.history import DELIVERED, Settled
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.stores.dedup import AcceptedIds
 from airflow_delay_provider.stores.engine import Database
+from airflow_delay_provider.stores.history import DeliveryHistory
 from airflow_delay_provider.stores.leases import SweepLeases
 from airflow_delay_provider.stores.tables import EVENT_PREFIX, StoreTables, _message, check_claim_id, from_us, to_us
 
@@ -55,6 +57,8 @@ class EventLeases:
         self.tables = tables
         self.sweeps = sweeps
         self.accepted = accepted
+        #: Where handed-over events are recorded (set by the store; None: nowhere).
+        self.history: DeliveryHistory | None = None
 
     # -- the claim ----------------------------------------------------------------------------------
     def open_event_claim(self, claim_id: str, destination: str, lease_seconds: float) -> None:
@@ -126,8 +130,13 @@ class EventLeases:
             return 0
         t = self.tables.messages
         with self.db.errors("acknowledge handed-over messages"), self.db.engine.begin() as conn:
-            return conn.execute(t.delete().where(t.c.message_id.in_(list(message_ids)),
-                                                 t.c.claim_id == claim_id)).rowcount
+            gone = conn.execute(t.delete().where(t.c.message_id.in_(list(message_ids)), t.c.claim_id == claim_id)
+                                .returning(t.c.message_id, t.c.destination, t.c.due_at_us, t.c.failures,
+                                           t.c.stored_at_us)).all()
+            if gone and self.history is not None:  # handed to Airflow as asset events: delivered
+                self.history.write(conn, to_us(self.db.clock()), [Settled(DELIVERED, tuple(r[0] for r in gone))],
+                                   {r[0]: (r[1], r[2], r[3], r[4]) for r in gone})
+            return len(gone)
 
     def release_events(self, claim_id: str, message_ids: Collection[str]) -> int:
         """Give messages back untouched (due as they were); returns how many."""

@@ -28,10 +28,12 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection
 
 from airflow_delay_provider.core.errors import InvalidInputError
+from airflow_delay_provider.core.history import Settled
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
 from airflow_delay_provider.stores.dedup import AcceptedIds
 from airflow_delay_provider.stores.engine import Database
+from airflow_delay_provider.stores.history import DeliveryHistory
 from airflow_delay_provider.stores.tables import (
     SWEEP_COLUMNS,
     StoreTables,
@@ -278,6 +280,12 @@ class _LeasedClaim(Claim):
         self._unsettled = set(self._rows)
         self._hand_back = hand_back
         self.messages = [_rebuild(*row[1:]) for row in rows]
+        self.history: DeliveryHistory | None = None
+
+    def record(self, handed_at: datetime, groups: Sequence[Settled]) -> None:
+        if self.history is not None:  # a sweep's rows come without their stored time
+            self.history.write(self.connection, to_us(handed_at), groups,
+                               {row[1]: (row[2], row[5], row[6], None) for row in self._rows.values()})
 
     def remove(self, message_ids: Iterable[str]) -> int:
         ids = [self._rows[m][0] for m in message_ids if m in self._unsettled]
@@ -329,12 +337,15 @@ class LeasedRows(DelayedMessageStore):
 
     def __init__(self, home: DelayedMessageStore, db: Database, table: Table, claim_id: str,
                  rows: Iterable[tuple[Any, ...]], accepted: AcceptedIds,
-                 tier: Callable[[int], int | None] = lambda _due_us: None) -> None:
+                 tier: Callable[[int], int | None] = lambda _due_us: None,
+                 history: DeliveryHistory | None = None) -> None:
         """:param home: the store the rows are in, which stores retries and keeps the throttle and the policies.
         :param db: its database: a SQL transport on the same database joins the settling transaction.
         :param table: its messages table.
         :param accepted: its accepted ids, whose guards follow a retry's due time (stores/dedup.py).
-        :param tier: the partition a row due at a time goes to now (None: the store has none)."""
+        :param tier: the partition a row due at a time goes to now (None: the store has none).
+        :param history: where the batches' delivery history goes (None: nowhere)."""
+        self.history = history
         self.accepted = accepted
         self.tier = tier
         self.home = home
@@ -393,6 +404,7 @@ class LeasedRows(DelayedMessageStore):
             kept = [r for r in rows if r[0] in held]
             self.skipped += len(rows) - len(kept)
             claim = _LeasedClaim(conn, t, kept, self._held.extend, self.accepted, self.tier)
+            claim.history = self.history
             yield claim
             claim.restore_unsettled()
 

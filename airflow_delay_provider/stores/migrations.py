@@ -7,7 +7,8 @@ up to date by `create_schema()` and the record says what was applied and when. O
 checks where the tables stand (`state`, `require`) and says what to run when they are not there. The SQL-table queues'
 tables are versioned the same way (files in `transports/queue_schema/`, record `<prefix>queue_versions`).
 The files are templates: the runner fills in the (checked, quoted) table names and the two types SQLite
-and PostgreSQL spell differently; a statement that starts with `/* postgresql */` runs on PostgreSQL only.
+and PostgreSQL spell differently; a statement that starts with `/* postgresql */` runs on PostgreSQL only, one
+that starts with `/* sqlite */` on SQLite only.
 A store made before versioning existed has tables but no record: it is adopted by looking at its columns,
 then migrated from there.
 """
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 
 _FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 _POSTGRES_ONLY = "/* postgresql */"
+_SQLITE_ONLY = "/* sqlite */"
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,9 @@ class Migration:
         """The statements with the names filled in; those marked `/* postgresql */` only on PostgreSQL."""
         lines = [line for line in self.template.splitlines() if not line.lstrip().startswith("--")]
         found = [s.strip() for s in _split("\n".join(lines).format(**names)) if s.strip()]
-        return [s.removeprefix(_POSTGRES_ONLY).strip() for s in found if postgres or not s.startswith(_POSTGRES_ONLY)]
+        skipped = _SQLITE_ONLY if postgres else _POSTGRES_ONLY
+        return [s.removeprefix(_POSTGRES_ONLY).removeprefix(_SQLITE_ONLY).strip() for s in found
+                if not s.startswith(skipped)]
 
 
 def _split(script: str) -> list[str]:

@@ -25,6 +25,7 @@ from airflow_delay_provider.core.backlog import BODY_PREVIEW_BYTES, Selector
 from airflow_delay_provider.core.checks import check_number
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import DelayProviderError
+from airflow_delay_provider.core.history import DEFAULT_HISTORY_DAYS, HistoryPage
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.ports import Claim, DelayedMessageStore
 from airflow_delay_provider.stores.backlog import BacklogControls
@@ -33,9 +34,11 @@ from airflow_delay_provider.stores.dedup import DEFAULT_DEDUP_WINDOW_SECONDS, Ac
 from airflow_delay_provider.stores.destinations import DestinationSettings
 from airflow_delay_provider.stores.engine import SqlDatabase, safe_url
 from airflow_delay_provider.stores.event_leases import EventLeases
+from airflow_delay_provider.stores.history import DeliveryHistory
 from airflow_delay_provider.stores.leases import LeasedRows, SweepLeases
 from airflow_delay_provider.stores.listener import StoreWaiting
 from airflow_delay_provider.stores.migrations import STORE_SCHEMA, SchemaMigrations, VersionedTables
+from airflow_delay_provider.stores.routes import DispatchRoutes
 from airflow_delay_provider.stores.tables import (
     DEFAULT_TABLE,
     MAX_TABLE_NAME,
@@ -72,14 +75,15 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     each work on those two: `settings` (destinations, pauses, policies, queue delays, throttles), `leases` (bulk
     sweeps), `events` (event claims), `controls` (browse, count, cancel, reschedule, purge), `accepted`
     (de-duplication), `waiting`, `maintenance` and `later_maintenance` (vacuum and analyse), `later` (the move from
-    `_later` to `_soon`), `writes` (storing, stores/writes.py), `claims` (claiming, stores/claims.py) and
-    `migrations`. The parts' public methods are the store's.
+    `_later` to `_soon`), `writes` (storing, stores/writes.py), `claims` (claiming, stores/claims.py), `history`
+    (the delivery history, stores/history.py), `routes` (where messages go, stores/routes.py) and `migrations`. The
+    parts' public methods are the store's.
     """
 
     def __init__(
         self, url: URL | str, table: str = DEFAULT_TABLE, schema: str | None = None,
         dedup_window_seconds: float = DEFAULT_DEDUP_WINDOW_SECONDS,
-        local_clock: Callable[[], datetime] = utcnow,
+        local_clock: Callable[[], datetime] = utcnow, history_days: int = DEFAULT_HISTORY_DAYS,
     ) -> None:
         self.table_name = check_store_table(table)
         super().__init__(url, schema, local_clock=local_clock)
@@ -106,6 +110,9 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         self.claims = DueClaims(self, t, self.accepted, lambda: self._scope, self.tiered,
                                 lambda: self.later.clear_until_us, self._tier)
         self.later = LaterMessages(self, t, self.claims.earliest_due, self.ringed)
+        self.routes = DispatchRoutes(self, t)
+        self.history = DeliveryHistory(self, t, history_days)  # the parts that settle or remove messages write it
+        self.claims.history = self.controls.history = self.events.history = self.history
         self._tiered: bool | None = None
         self._ringed = False
         self._tiered_checked = -math.inf
@@ -205,10 +212,11 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         return self.tables.template_names(self)
 
     def upkeep(self) -> None:
-        """Vacuum and analyse the store's tables when their counters call for it (stores/upkeep.py), and move
-        messages from `_later` to `_soon` as they come due (stores/tiers.py), in background threads; never
-        blocks, PostgreSQL only."""
+        """Vacuum and analyse the store's tables when their counters call for it (stores/upkeep.py), move
+        messages from `_later` to `_soon` as they come due (stores/tiers.py), and keep the delivery history's days
+        (stores/history.py, SQLite too), in background threads; never blocks."""
         self.maintenance.start()
+        self.history.start()
         try:
             tiered = self.tiered()
         except DelayProviderError:  # an outage: the caller meets it under its breakers, not here
@@ -363,7 +371,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
 
     def leased_rows(self, claim_id: str, rows: Iterable[tuple[Any, ...]]) -> LeasedRows:
         """The rows a part of a sweep holds, for a Pump to send batch by batch (retries are stored here)."""
-        return LeasedRows(self, self, self.tables.messages, claim_id, rows, self.accepted, self._tier)
+        return LeasedRows(self, self, self.tables.messages, claim_id, rows, self.accepted, self._tier, self.history)
 
     def _tier(self, due_us: int) -> int | None:
         """The partition a row due at `due_us` goes to when written now (None: the store is not in partitions)."""
@@ -408,6 +416,19 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
             query = query.where(t.c.destination == destination)
         with self.errors("count scheduled messages"), self.engine.connect() as conn:
             return {dest: n for dest, n in conn.execute(query).all()}
+
+    @property
+    def history_days(self) -> int:  # type: ignore[override]
+        return self.history.days
+
+    def delivery_history(self, destination: str | None = None, message_id: str | None = None,
+                         outcome: str | None = None, since: datetime | None = None, before: datetime | None = None,
+                         limit: int = 50, after: str | None = None) -> HistoryPage:
+        return HistoryPage(*self.history.entries(destination, message_id, outcome, since, before, limit,
+                                                 oldest_first=message_id is not None, after=after))
+
+    def history_chart(self, destination: str | None, since: datetime, until: datetime) -> list[dict[str, Any]]:
+        return self.history.chart(destination, since, until)
 
     def get(self, message_id: str) -> DelayedMessage | None:
         """A stored message by id (for inspection and tests)."""

@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
+    ARRAY,
     BigInteger,
     Column,
     ColumnElement,
@@ -239,6 +240,57 @@ def counts_table(metadata: MetaData, store_table_name: str, schema: str | None) 
     )
 
 
+def routes_table(metadata: MetaData, store_table_name: str, schema: str | None) -> Table:
+    """Each transport, connection and error queue the store's messages go through (stores/routes.py)."""
+    return Table(
+        f"{store_table_name}_routes",
+        metadata,
+        Column("transport", String(16), primary_key=True),
+        Column("conn_id", String(250), primary_key=True),  # "" for the transport's default connection
+        Column("error_queue", String(255), primary_key=True),
+        Column("scope", Text, nullable=False),
+        Column("seen_at_us", BigInteger, nullable=False),
+        schema=schema,
+    )
+
+
+def history_table(store_table_name: str, schema: str | None, batches: bool) -> Table:
+    """What became of each message a pump settled or a cancel removed (core/history.py): never a body.
+
+    On PostgreSQL (`batches`) one row per batch, destination, outcome and failure, with the messages in arrays (ids,
+    due times, attempts, stored times): a row per message cost the pump a fifth of its rate, an index on the ids
+    another fifth (measured: docs/benchmarks/history.md). It is partitioned by the day of `handed_at_us`
+    (stores/history.py), so a day past the retention is dropped, not deleted. On SQLite one row per message."""
+    name = f"{store_table_name}_history"
+    short = hashlib.sha1(f"{schema}.{name}".encode()).hexdigest()[:16]  # <table>_history_... may exceed 63
+    common = (Column("handed_at_us", BigInteger, nullable=False), Column("destination", String(255), nullable=False),
+              Column("outcome", String(16), nullable=False), Column("detail", Text, nullable=True))
+    if batches:
+        return Table(
+            name, MetaData(), *common,
+            Column("seq", BigInteger, nullable=False),  # insertion order, for rows of one time (a BIGSERIAL)
+            Column("n", Integer, nullable=False),
+            Column("message_ids", ARRAY(Text), nullable=False),
+            Column("due_at_us", ARRAY(BigInteger), nullable=False),
+            Column("attempts", ARRAY(Integer), nullable=False),
+            Column("stored_at_us", ARRAY(BigInteger), nullable=False),
+            Index(f"ix_hat_{short}", "handed_at_us"),
+            Index(f"ix_hdest_{short}", "destination", "handed_at_us"),
+            schema=schema,
+        )
+    return Table(
+        name, MetaData(), *common,
+        Column("message_id", String(200), nullable=False),
+        Column("due_at_us", BigInteger, nullable=False),
+        Column("attempts", Integer, nullable=False),
+        Column("stored_at_us", BigInteger, nullable=True),
+        Index(f"ix_hat_{short}", "handed_at_us"),
+        Index(f"ix_hdest_{short}", "destination", "handed_at_us"),
+        Index(f"ix_hist_{short}", "message_id"),
+        schema=schema,
+    )
+
+
 def versions_table(metadata: MetaData, name: str, schema: str | None) -> Table:
     """One row per applied migration (a store's is `<table>_schema`)."""
     return Table(
@@ -273,6 +325,12 @@ class StoreTables:
     policies: Table
     dests: Table
     counts: Table
+    #: From schema version 12, the delivery history: a row per batch on PostgreSQL (partitioned by day:
+    #: stores/history.py), a row per message on SQLite (`history_rows`).
+    history: Table
+    history_rows: Table
+    #: From schema version 13, the transports, connections and error queues the messages go through.
+    routes: Table
     versions: Table
     #: The NOTIFY channel that wakes the store's waiting pumps: LISTEN takes an identifier of at most 63 bytes,
     #: and a hash keeps any schema.table pair within it.
@@ -291,6 +349,8 @@ class StoreTables:
             sweeps=sweeps_table(md, f"{name}_sweeps", schema), throttle=throttle_table(md, name, schema),
             delays=queue_delays_table(md, name, schema), policies=policies_table(md, name, schema),
             dests=destinations_table(md, name, schema), counts=counts_table(md, name, schema),
+            history=history_table(name, schema, batches=True), history_rows=history_table(name, schema, batches=False),
+            routes=routes_table(md, name, schema),
             versions=versions_table(MetaData(), f"{name}_schema", schema),
             channel="delay_" + hashlib.sha1(qualified.encode()).hexdigest()[:24],
         )
@@ -324,6 +384,10 @@ class StoreTables:
             "ix_soon_due": preparer.quote_identifier(f"ix_soon_{short}"), "ix_soon_due_q": q(f"ix_soon_{short}"),
             "ix_soon_leased": preparer.quote_identifier(f"ix_soon_leased_{short}"),
             "ix_soon_leased_q": q(f"ix_soon_leased_{short}"),
+            # Schema version 12: the delivery history, its default partition and its indexes.
+            "history": q(f"{t}_history"), "history_default": q(f"{t}_hdefault"), "routes": q(f"{t}_routes"),
+            **{f"ix_{str(ix.name).split('_')[1]}": preparer.quote_identifier(str(ix.name))
+               for ix in self.history_rows.indexes},  # ix_hat, ix_hdest, ix_hist
             "id_type": "BIGSERIAL" if db.is_postgres else "INTEGER",  # SQLite's INTEGER key is the rowid
             "bytes_type": "BYTEA" if db.is_postgres else "BLOB",
         }

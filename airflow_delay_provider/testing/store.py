@@ -36,6 +36,17 @@ from airflow_delay_provider.core.backlog import (
 from airflow_delay_provider.core.checks import check_int
 from airflow_delay_provider.core.delays import UTC, utcnow
 from airflow_delay_provider.core.duplicates import SKIP, applied, check_on_duplicate, fold
+from airflow_delay_provider.core.history import (
+    CANCELLED,
+    DEFAULT_HISTORY_DAYS,
+    MAX_HISTORY_PAGE,
+    Delivery,
+    HistoryPage,
+    Settled,
+    check_history_days,
+    entries_of,
+    minute_series,
+)
 from airflow_delay_provider.core.message import DelayedMessage, check_destination
 from airflow_delay_provider.core.ports import DEFAULT_DEDUP_WINDOW_SECONDS, Claim, DelayedMessageStore
 
@@ -45,6 +56,7 @@ class _MemoryClaim(Claim):
         self._store = store
         self.messages = messages
         self._unsettled = {m.message_id: m for m in messages}
+        self.history: list[Delivery] = []
 
     def remove(self, message_ids: Iterable[str]) -> int:
         with self._store._lock:
@@ -60,6 +72,11 @@ class _MemoryClaim(Claim):
                                                         dict((headers or {}).get(mid, m.headers)),
                                                         m.message_id, m.failures + 1))
             self._store._settled.notify_all()
+
+    def record(self, handed_at: datetime, groups: Sequence[Settled]) -> None:
+        with self._store._lock:  # kept when the claim ends without an error, as a transaction commits
+            stored = {m.message_id: self._store._meta.get(m.message_id, (0, None))[1] for m in self.messages}
+            self.history.extend(entries_of(groups, {m.message_id: m for m in self.messages}, handed_at, stored))
 
     def restore(self) -> None:
         for m in self._unsettled.values():
@@ -79,8 +96,11 @@ class InMemoryStore(DelayedMessageStore):
     threaded_claims = True  # every claim and settlement takes the lock
 
     def __init__(self, clock: Callable[[], datetime] = utcnow,
-                 dedup_window_seconds: float = DEFAULT_DEDUP_WINDOW_SECONDS) -> None:
+                 dedup_window_seconds: float = DEFAULT_DEDUP_WINDOW_SECONDS,
+                 history_days: int = DEFAULT_HISTORY_DAYS) -> None:
         self._clock = clock
+        self.history_days = check_history_days(history_days)
+        self._history: list[Delivery] = []  # oldest first
         self._window = timedelta(seconds=dedup_window_seconds)
         lock = threading.RLock()
         self._lock = threading.Condition(lock)  # notified when a message is stored or becomes claimable
@@ -156,6 +176,7 @@ class InMemoryStore(DelayedMessageStore):
             self._claims.append(claim)
         try:
             yield claim
+            self._keep_history(claim.history)
         finally:  # an error releases the whole batch; a normal end returns what was not settled
             with self._lock:
                 claim.restore()
@@ -164,6 +185,34 @@ class InMemoryStore(DelayedMessageStore):
                     if m.message_id not in self._messages and not self._held(m.message_id):
                         self._meta.pop(m.message_id, None)
                 self._settled.notify_all()
+
+    def _keep_history(self, entries: Iterable[Delivery]) -> None:
+        if not self.history_days:
+            return
+        with self._lock:
+            self._history.extend(entries)
+            cutoff = self.clock() - timedelta(days=self.history_days)
+            while self._history and self._history[0].handed_at < cutoff:
+                self._history.pop(0)
+
+    def delivery_history(self, destination: str | None = None, message_id: str | None = None,
+                         outcome: str | None = None, since: datetime | None = None, before: datetime | None = None,
+                         limit: int = 50, after: str | None = None) -> HistoryPage:
+        with self._lock:
+            found = [e for e in self._history
+                     if (destination is None or e.destination == destination)
+                     and (message_id is None or e.message_id == message_id)
+                     and (outcome is None or e.outcome == outcome)
+                     and (since is None or e.handed_at >= since) and (before is None or e.handed_at < before)]
+        found.sort(key=lambda e: e.handed_at, reverse=message_id is None)
+        start = int(after) if after else 0  # the cursor: how many entries the pages before showed
+        end = start + min(limit, MAX_HISTORY_PAGE)
+        return HistoryPage(found[start:end], str(end) if end < len(found) else None)
+
+    def history_chart(self, destination: str | None, since: datetime, until: datetime) -> list[dict[str, Any]]:
+        with self._lock:
+            entries = [e for e in self._history if destination is None or e.destination == destination]
+        return minute_series(entries, since, until)
 
     def _held(self, message_id: str) -> bool:
         return any(message_id in c._unsettled for c in self._claims)
@@ -295,14 +344,18 @@ class InMemoryStore(DelayedMessageStore):
         with self._lock:
             while any(selector.matches(m) for c in self._claims for m in c._unsettled.values()):
                 self._settled.wait()
+            gone, stored = [], {}
             for m in self._select(selector):
                 if due_at is None:
                     del self._messages[m.message_id]
-                    self._meta.pop(m.message_id, None)
+                    gone.append(m)
+                    stored[m.message_id] = self._meta.pop(m.message_id, (0, None))[1]
                 elif m.due_at != due_at:  # one already due then stays as it is, and counts as rescheduled
                     self._put(DelayedMessage.trusted(m.destination, m.body, due_at, dict(m.headers), m.message_id,
                                                      m.failures))
                 changed.append(m.message_id)
+            self._keep_history(entries_of([Settled(CANCELLED, tuple(stored))], {m.message_id: m for m in gone},
+                                          self.clock(), stored))
         return changed
 
     def _accepted_of(self, message_ids: Sequence[str]) -> list[str]:

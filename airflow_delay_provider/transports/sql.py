@@ -213,7 +213,7 @@ class SqlTableTransport(SqlDatabase, Transport):
         ids = self.provisioned(store, store.due_ids(now, limit, due_before, exclude, soon_only))
         with store.errors("move due messages into their queues"), store.engine.begin() as conn:
             store.in_index_order(conn)
-            _, counts = self._moving(store, store.taken(conn, ids, soon_only), now)
+            _, counts = self._moving(store, conn, store.taken(conn, ids, soon_only), now)
             return [(queue, from_us(due_us), n) for queue, due_us, n in conn.execute(counts)]
 
     def move_window(self, store: SqlDelayedMessageStore, claim_id: str, low: int, high: int, limit: int,
@@ -227,7 +227,8 @@ class SqlTableTransport(SqlDatabase, Transport):
             return None
         with store.errors("move a sweep's messages into their queues"), store.engine.connect() as conn, \
                 conn.begin() as tx:
-            claimed, counts = self._moving(store, store.taken(conn, self.provisioned(store, ids)), store.clock())
+            claimed, counts = self._moving(store, conn, store.taken(conn, self.provisioned(store, ids)),
+                                           store.clock())
             total = select(func.count()).select_from(claimed).scalar_subquery()
             taken = (select(func.count()).select_from(claimed).where(claimed.c.claim_id.is_not(None))
                      .scalar_subquery())
@@ -247,14 +248,15 @@ class SqlTableTransport(SqlDatabase, Transport):
         t = store.tables.messages
         return ids.where(t.c.destination == any_(func.array(select(self.queues.c.name).scalar_subquery())))
 
-    def _moving(self, store: SqlDelayedMessageStore, taken: ColumnElement[bool], now: datetime) -> tuple[CTE, Rows]:
+    def _moving(self, store: SqlDelayedMessageStore, conn: Connection, taken: ColumnElement[bool],
+                now: datetime) -> tuple[CTE, Rows]:
         """The move of the rows `taken` finds (`store.taken` of `provisioned` ids): the CTE of the rows deleted
         from the store, and the statement inserting them into the queue table that returns (queue, due time,
         count)."""
         t, q = store.tables.messages, self.messages
         claimed = (delete(t).where(taken)
                    .returning(t.c.id, t.c.destination, t.c.message_id, t.c.body, t.c.headers, t.c.due_at_us,
-                              t.c.claim_id)
+                              t.c.claim_id, t.c.stored_at_us, t.c.failures)
                    .cte("claimed"))
         # Enqueued when inserted, on the database's clock, and never before the claim's moment (so never before
         # a moved message's due time, whatever the offset between this host's clock and the database's).
@@ -265,7 +267,9 @@ class SqlTableTransport(SqlDatabase, Transport):
         moved = insert(q).from_select(_COPY_COLUMNS, rows).returning(q.c.queue, q.c.due_at_us).cte("moved")
         # Counted per queue and due time in the database: a burst due at one instant comes back as one row.
         groups = (moved.c.queue, moved.c.due_at_us)
-        return claimed, select(*groups, func.count()).group_by(*groups)
+        counts = select(*groups, func.count()).group_by(*groups)
+        recorded = store.history.moved_from(conn, claimed, enqueued)  # the delivery history, in the same statement
+        return claimed, counts if recorded is None else counts.add_cte(recorded.cte("recorded"))
 
     def send(self, messages: Sequence[DelayedMessage], connection: Any = None) -> dict[str, Exception]:
         if not messages:

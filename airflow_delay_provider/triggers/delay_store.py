@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -19,7 +20,7 @@ from typing import Any
 from airflow.triggers.base import TriggerEvent
 
 from airflow_delay_provider import metrics
-from airflow_delay_provider.core.errors import StoreNotReadyError
+from airflow_delay_provider.core.errors import DelayProviderError, StoreNotReadyError
 from airflow_delay_provider.core.pump import (
     MAX_HELD_BACKOFF_SECONDS,
     MIN_HELD_BACKOFF_SECONDS,
@@ -33,6 +34,8 @@ from airflow_delay_provider.hooks.delay_store import DEFAULT_CONN_ID, DelayStore
 from airflow_delay_provider.hooks.transport import transport_hook, transport_options
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
 from airflow_delay_provider.triggers.base import DelayTrigger, parse_time, sleep_until_next_poll
+
+log = logging.getLogger(__name__)
 
 #: The longest stretch of pump work handed to a thread at once, so a cancelled trigger stops soon.
 STRETCH_SECONDS = 10.0
@@ -131,7 +134,18 @@ class DispatchTrigger(_StoreTrigger):
         transport = hook.get_transport(**transport_options(self.transport, self.transport_options))
         policies = {d: DeliveryPolicy.from_dict(p) for d, p in self.destination_policies.items()}
         policy = None if self.delivery_policy is None else DeliveryPolicy.from_dict(self.delivery_policy)
-        return Pump(store, transport, PumpConfig(**self.pump_config), policy=policy, policies=policies)
+        config = PumpConfig(**self.pump_config)
+        self._record_route(store, config.error_queue)
+        return Pump(store, transport, config, policy=policy, policies=policies)
+
+    def _record_route(self, store: SqlDelayedMessageStore, error_queue: str) -> None:
+        """Say where this dispatcher sends (stores/routes.py), for the page's dead letters. Never in its way: a
+        store not there yet, or older than the routes, records nothing, and a failure only logs."""
+        scope = {"destinations": self.destinations, "prefix": self.destination_prefix}
+        try:
+            store.routes.record(self.transport, self.transport_conn_id, error_queue, scope)
+        except DelayProviderError as exc:
+            log.info("could not record where this dispatcher sends (the page's dead letters need it): %s", exc)
 
     async def _in_thread(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         """Blocking store and broker calls run in a thread; the one running is remembered, so cleanup

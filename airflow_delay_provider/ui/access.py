@@ -4,6 +4,8 @@ manager asked about DAGs, the store's hook, and the audit of each action. Shared
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from airflow.api_fastapi.app import get_auth_manager
@@ -33,9 +35,37 @@ class StoreConfigurationError(DelayProviderError):
     store): the deployment's to fix, so a server error, not the 400 of the user's own input."""
 
 
-def ui_transport(kind: str, store: DelayStoreHook) -> Any:
-    """The transport of `[delay_provider] ui_transport` (`kind`), on `ui_transport_conn_id`; the caller closes it."""
-    return transport_hook(kind, option("ui_transport_conn_id"), store).get_transport(**transport_options(kind, {}))
+@dataclass(frozen=True)
+class Route:
+    """A transport, its connection (None: the transport's default) and its error queue: where dead letters are."""
+
+    transport: str
+    conn_id: str | None
+    error_queue: str
+
+    @property
+    def key(self) -> str:
+        """How the page names it: a digest, so the page shows no connection's name (as its errors show none)."""
+        return hashlib.sha1(f"{self.transport}\0{self.conn_id or ''}\0{self.error_queue}".encode()).hexdigest()[:12]
+
+    def shown(self) -> dict[str, str]:
+        """What the page shows of it."""
+        return {"key": self.key, "transport": self.transport, "error_queue": self.error_queue}
+
+    def open(self, store: DelayStoreHook) -> Any:
+        """Its transport, opened; the caller closes it."""
+        return transport_hook(self.transport, self.conn_id, store).get_transport(
+            **transport_options(self.transport, {}))
+
+
+def routes(store: DelayStoreHook) -> list[Route]:
+    """Where the dead letters are: `[delay_provider] ui_transport` (with `ui_transport_conn_id` and
+    `ui_error_queue`) when it is set, else every transport, connection and error queue that provisioning and the
+    dispatchers recorded in the store (stores/routes.py), the most recently seen first."""
+    kind = option("ui_transport")
+    if kind is not None:
+        return [Route(kind, option("ui_transport_conn_id"), option("ui_error_queue", "error") or "error")]
+    return [Route(r["transport"], r["conn_id"], r["error_queue"]) for r in store.checked_store().routes.routes()]
 
 
 def may_read(user: BaseUser) -> bool:
@@ -71,9 +101,18 @@ def hook(request: Request) -> DelayStoreHook:
     """The hook of the page's store, its connection resolved and its tables checked, never created nor changed (an
     action needs them up to date, which the connection's `auto_migrate` lets it do): whatever fails here is the
     deployment's, never the user's input."""
+    return _checked(writes=request.method != "GET")
+
+
+def reading_hook() -> DelayStoreHook:
+    """`hook` for a POST that only reads (a count before an action): the store as it is, never migrated."""
+    return _checked(writes=False)
+
+
+def _checked(writes: bool) -> DelayStoreHook:
     store_hook = DelayStoreHook(conn_id())
     try:
-        store_hook.checked_store(writes=request.method != "GET")
+        store_hook.checked_store(writes=writes)
     except ConnectionTypeError:
         raise  # said as it is (`not_usable`): it names the connection and the type the store needs
     except InvalidInputError as exc:
@@ -83,6 +122,7 @@ def hook(request: Request) -> DelayStoreHook:
 
 
 Store = Annotated[DelayStoreHook, Depends(hook)]
+ReadingStore = Annotated[DelayStoreHook, Depends(reading_hook)]
 
 
 def audited(action: str, user: BaseUser, body: BaseModel, result: dict[str, Any]) -> dict[str, Any]:

@@ -4,16 +4,18 @@ Authentication is Airflow's own: every endpoint resolves the user with the api-s
 dependency (the UI's JWT cookie, or an `Authorization: Bearer` token). Authorization asks the
 configured auth manager about DAGs (any DAG, no team):
 
-* reading (the counts, the histogram, the message list) needs ``is_authorized_dag(method="GET")``;
+* reading (the counts, the histogram, the message list, the delivery history, its charts and a message's story)
+  needs ``is_authorized_dag(method="GET")``;
 * every action (POST: count, cancel, run now, reschedule, edit, pause, resume, purge, forget) needs
   ``is_authorized_dag(method="PUT")``, the permission to edit DAGs, and so do message bodies and searching them:
   readers who may not edit see sizes only.
 
 The store is the one of the ``[delay_provider] ui_conn_id`` connection (default ``delay_store_default``).
-Dead-lettered messages live on the transport, not in the store: with ``[delay_provider] ui_transport``
-set (sql, rabbitmq or sqs; ``ui_transport_conn_id`` and ``ui_error_queue``, default ``error``, as the
-pump's), the page also counts the error queue's dead letters per original destination, and lists, redrives
-and deletes them (ui/dead_letters.py). Every action goes to Airflow's audit log (airflow_delay_provider.audit).
+Dead-lettered messages live on the transport, not in the store: the store knows each transport, connection
+and error queue its provisioning and dispatchers use (stores/routes.py; or ``[delay_provider] ui_transport``,
+``ui_transport_conn_id`` and ``ui_error_queue`` name one), and the page counts their dead letters per original
+destination, and lists, redrives and deletes them (ui/dead_letters.py). Every action goes to Airflow's audit log
+(airflow_delay_provider.audit).
 Only the api-server imports this module (see `plugin.LazyBacklogApp`).
 
 Errors: a 400 says what was wrong with the user's own input and what is allowed. A store that is not there
@@ -50,16 +52,17 @@ from airflow_delay_provider.core.errors import (
     StoreNotReadyError,
     UnavailableError,
 )
+from airflow_delay_provider.core.history import MAX_HISTORY_PAGE
 from airflow_delay_provider.hooks.delay_store import DelayStoreHook
 from airflow_delay_provider.ui.access import (
     Editor,
     Reader,
+    ReadingStore,
     Store,
     audited,
     conn_id,
     may_edit,
-    option,
-    ui_transport,
+    routes,
 )
 from airflow_delay_provider.ui.dead_letters import add_routes as add_dead_letter_routes
 
@@ -102,31 +105,44 @@ def failure_response(exc: BaseException, doing: str) -> JSONResponse:
 
 
 def dead_letter_counts(store: DelayStoreHook) -> dict[str, Any] | None:
-    """The dead letters of `[delay_provider] ui_transport`'s error queue per original destination (None when
-    no transport is set): a look at up to MAX_PAGE of them, consuming nothing (`more` when there may be
-    more). A transport that cannot look (RabbitMQ) says so in `error`; one that fails gives an error id
-    there, and `error_id`."""
-    kind = option("ui_transport")
-    if kind is None:
-        return None
-    queue = option("ui_error_queue", "error")
-    report: dict[str, Any] = {"transport": kind, "error_queue": queue}
+    """The dead letters of every error queue the page knows of (ui/access.routes) per original destination (None when
+    it knows of none): a look at up to MAX_PAGE of each, consuming nothing (`more` when there may be more). A
+    transport that cannot look (RabbitMQ) says so in `error`; one that fails gives an error id there, and
+    `error_id`."""
     try:
-        transport = ui_transport(kind, store)
+        every = routes(store)
+    except DelayProviderError as exc:  # an extra of the page: the counts of the store still show
+        return {"error": f"it failed; the server's log has the details under error id {log_failure(exc, 'routes')}"}
+    if not every:
+        return None
+    first = every[0]
+    report: dict[str, Any] = {"transport": first.transport, "error_queue": first.error_queue}
+    per_destination: Counter[str] = Counter()
+    counts = {"total": 0, "more": False}
+    counted = False
+    for route in every:
         try:
-            listing = store.dead_letters(transport, queue, limit=MAX_PAGE)
-        finally:
-            transport.close()
-    except DestinationNotFoundError:  # no error queue yet: nothing was dead-lettered
-        return {**report, "per_destination": {}, "total": 0, "more": False}
-    except NotImplementedError:  # the transport's nature, not a failure (see Transport.peek)
-        return {**report, "error": f"the {kind} transport cannot show its error queue without consuming it"}
-    except Exception as exc:  # an extra of the page: the counts of the store still show
-        error_id = log_failure(exc, f"counting the dead letters of {kind} queue {queue!r}")
-        return {**report, "error": f"it failed; the server's log has the details under error id {error_id}",
-                "error_id": error_id}
-    per_destination = Counter(d["destination"] or "(unknown)" for d in listing["dead_letters"])
-    return {**report, "per_destination": dict(per_destination), "total": listing["count"], "more": listing["more"]}
+            transport = route.open(store)
+            try:
+                listing = store.dead_letters(transport, route.error_queue, limit=MAX_PAGE)
+            finally:
+                transport.close()
+        except DestinationNotFoundError:  # no error queue yet: nothing was dead-lettered
+            counted = True
+            continue
+        except NotImplementedError:  # the transport's nature, not a failure (see Transport.peek)
+            report["error"] = f"the {route.transport} transport cannot show its error queue without consuming it"
+            continue
+        except Exception as exc:  # an extra of the page: the counts of the store still show
+            error_id = log_failure(exc, f"counting the dead letters of {route.transport} queue {route.error_queue!r}")
+            report.update(error=f"it failed; the server's log has the details under error id {error_id}",
+                          error_id=error_id)
+            continue
+        counted = True
+        per_destination.update(d["destination"] or "(unknown)" for d in listing["dead_letters"])
+        counts = {"total": counts["total"] + listing["count"], "more": counts["more"] or listing["more"]}
+    # Counts only where an error queue could be looked at: a failure alone is an error, not "none".
+    return {**report, "per_destination": dict(per_destination), **counts} if counted else report
 
 
 class Selection(BaseModel):
@@ -271,8 +287,38 @@ def create_app() -> FastAPI:
                     entry["target"]["body_contains"] = "(hidden)"
         return {"actions": found}
 
+    @app.get("/api/history")
+    def history(
+        _user: Reader,
+        store: Store,
+        destination: str | None = None,
+        message_id: str | None = None,
+        outcome: Literal["delivered", "retried", "dead_lettered", "cancelled", ""] | None = None,
+        since: str | None = None,
+        before: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_HISTORY_PAGE)] = 50,
+        after: str | None = None,
+    ) -> dict[str, Any]:
+        """What became of messages, newest first (no bodies: every reader may see it). `next` is the cursor of the
+        page after this one (`after`): a pump hands a whole batch over at one time, so `before` a page's last
+        hand-over time would skip the rest of its batch."""
+        return store.history(destination=destination or None, message_id=message_id or None, outcome=outcome or None,
+                             since=since or None, before=before or None, limit=limit, after=after or None)
+
+    @app.get("/api/history/chart")
+    def history_chart(_user: Reader, store: Store, destination: str | None = None,
+                      window: Literal["1h", "6h", "24h"] = "1h") -> dict[str, Any]:
+        """Per minute: delivered, lateness p50/p99, retried, dead-lettered, cancelled."""
+        return store.history_chart(destination=destination or None, window=window)
+
+    @app.get("/api/story")
+    def story(user: Reader, store: Store, message_id: Annotated[str, Query(min_length=1, max_length=200)]
+              ) -> dict[str, Any]:
+        """One message's story; its body (while scheduled) only for users who may edit."""
+        return store.story(message_id, show_bodies=may_edit(user))
+
     @app.post("/api/count")
-    def count(_user: Editor, store: Store, counting: Counting) -> dict[str, Any]:
+    def count(_user: Editor, store: ReadingStore, counting: Counting) -> dict[str, Any]:
         """What an action on this selection would touch (`would_<action>`, `in_flight`, `confirm`), changing
         nothing: the page shows it before the user confirms."""
         action = "reschedule" if counting.action == "run_now" else counting.action
@@ -309,18 +355,15 @@ def create_app() -> FastAPI:
 
     @app.post("/api/forget")
     def forget(user: Editor, store: Store, body: Forget) -> dict[str, Any]:
-        """Forget destinations; with `[delay_provider] ui_transport` set, refused while its error queue holds
-        their dead letters (as while they have scheduled messages), unless forced."""
-        kind = option("ui_transport")
-        if kind is None:
-            return audited("forget", user, body, store.forget(body.destinations, force=body.force))
-        transport = ui_transport(kind, store)
+        """Forget destinations; refused while an error queue the page knows of holds their dead letters (as while
+        they have scheduled messages), unless forced."""
+        opened = [(route.open(store), route.error_queue) for route in routes(store)]
         try:
-            return audited("forget", user, body, store.forget(
-                body.destinations, force=body.force, transport=transport,
-                error_queue=option("ui_error_queue", "error") or "error"))
+            return audited("forget", user, body, store.forget(body.destinations, force=body.force,
+                                                              error_queues=opened))
         finally:
-            transport.close()
+            for transport, _ in opened:
+                transport.close()
 
     return app
 

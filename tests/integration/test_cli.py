@@ -304,3 +304,38 @@ def test_a_cancel_by_a_filter_counts_first_and_asks_above_a_thousand(on_sqlite, 
     assert [(a["action"], a["counts"]) for a in recorded] == [("run_now", {"rescheduled": 2}),
                                                               ("cancel", {"cancelled": CONFIRM_ABOVE + 2})]
     assert recorded[1]["target"]["body_contains"] == "vip" and recorded[0]["target"]["due_from"] == later
+
+
+def test_history_lateness_and_story_show_what_became_of_messages_without_writing(where):
+    conn_id, store, queues = where
+    destination = f"orders_{uuid.uuid4().hex[:6]}"
+    queues.create_schema()
+    queues.provision(destination)
+    due = utcnow() - timedelta(seconds=2)
+    store.store([DelayedMessage(destination, b"secret", due, {}, f"{destination}-{i}") for i in range(3)]
+                + [DelayedMessage(destination, b"secret", utcnow() + timedelta(hours=1), {}, "later-1")])
+    assert Pump(store, queues, PumpConfig()).run(stop_when_idle=True).stats.dispatched == 3
+    base = ("--conn-id", conn_id)
+
+    listed = json.loads(_ok(_cli("history", *base, "--destination", destination)).stdout)
+    assert sorted(e["message_id"] for e in listed["entries"]) == [f"{destination}-{i}" for i in range(3)]
+    assert {e["outcome"] for e in listed["entries"]} == {"delivered"} and listed["history_days"] == 7
+    assert all(e["lateness_ms"] >= 2000 for e in listed["entries"]) and "secret" not in json.dumps(listed)
+    page = json.loads(_ok(_cli("history", *base, "--limit", "2")).stdout)
+    rest = json.loads(_ok(_cli("history", *base, "--limit", "2", "--after", page["next"])).stdout)
+    assert len(page["entries"]) == 2 and len(rest["entries"]) == 1 and rest["next"] is None
+
+    minutes = json.loads(_ok(_cli("lateness", *base, "--destination", destination, "--window", "6h")).stdout)
+    assert sum(m["delivered"] for m in minutes["minutes"]) == 3 and minutes["window"] == "6h"
+    table = _ok(_cli("lateness", *base, "-o", "table")).stdout
+    assert "p99_ms" in table.splitlines()[0], table
+
+    story = json.loads(_ok(_cli("story", *base, f"{destination}-1")).stdout)
+    assert story["state"] == "delivered" and [h["attempts"] for h in story["history"]] == [1]
+    scheduled = json.loads(_ok(_cli("story", *base, "later-1")).stdout)
+    assert scheduled["state"] == "scheduled" and scheduled["scheduled"]["body"] == "secret"
+    assert "body" not in json.loads(_ok(_cli("story", *base, "later-1", "--no-bodies")).stdout)["scheduled"]
+
+    _refused(_cli("history", *base, "--since", "yesterday"), "since must be an ISO-8601 timestamp")
+    _refused(_cli("history", *base, "--after", "nope"), "after must be the `next` cursor")
+    assert store.count_scheduled() == {destination: 1}  # reading changed nothing

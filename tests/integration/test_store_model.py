@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from collections import Counter
 from datetime import timedelta
 
 import pytest
@@ -124,12 +125,12 @@ class Stores:
 
     def new(self, window: float, version: int | None = None):
         """A store object on emptied tables (with `version`, on a new table of that schema version)."""
-        if self.kind == "memory":
-            return InMemoryStore(clock=self.clock.clock, dedup_window_seconds=window)
+        if self.kind == "memory":  # the longest retention: a run's clock may pass weeks
+            return InMemoryStore(clock=self.clock.clock, dedup_window_seconds=window, history_days=90)
         if version is not None:
             self.table = f"m_{uuid.uuid4().hex[:10]}"
         store = ClockedStore(self.url, table=self.table, schema=self.schema, dedup_window_seconds=window,
-                             local_clock=self.clock.clock)
+                             local_clock=self.clock.clock, history_days=90)
         if version is not None:
             store.migrate(up_to=version)
             return store
@@ -137,7 +138,8 @@ class Stores:
             store.create_schema()
             self.made = True
             return store
-        tables = [t for t in store.tables.of_store() if t is not store.tables.counts or store.is_postgres]
+        tables = [*(t for t in store.tables.of_store() if t is not store.tables.counts or store.is_postgres),
+                  store.history.table]
         with store.engine.begin() as conn:
             if store.is_postgres:
                 conn.execute(text("TRUNCATE " + ", ".join(store.qualified(t.name) for t in tables)))
@@ -377,10 +379,18 @@ class StoreMachine(RuleBasedStateMachine):
                 for i, m in self.model.stored.items()}
         assert {i: (*row[:4], row[5]) for i, row in have.items()} == want
         assert self.store.count_scheduled() == self.model.counts()
+        if self.keeps_history:
+            kept = Counter((e.message_id, e.outcome, e.attempts)
+                           for e in self.store.delivery_history(limit=1000).entries)
+            assert kept == self.model.history, f"history {sorted(kept - self.model.history)} not in the model, " \
+                                               f"{sorted(self.model.history - kept)} missing"
         if self.checks_partitions:
             misplaced = {i: (row[4], sorted(self._partitions(i))) for i, row in have.items()
                          if row[3] is None and row[4] not in self._partitions(i)}
             assert not misplaced, f"in the partition of another due time (found, allowed): {misplaced}"
+
+    #: Whether the store keeps the delivery history from the start (not one of schema version 7).
+    keeps_history = True
 
     @property
     def checks_partitions(self) -> bool:
@@ -415,6 +425,7 @@ class UpgradingStoreMachine(StoreMachine):
     works on it."""
 
     checks_partitions = False  # rows written before this object saw the partitions go where it wrote them
+    keeps_history = False  # none before the upgrade
 
     @initialize(window=st.sampled_from([0, 86_400]))
     def open_store(self, window: int) -> None:

@@ -1,6 +1,8 @@
 """The backlog page's dead letters, through Airflow's own api-server app and SimpleAuthManager's roles, on the SQL
 transport of the store's database: listed with filters without consuming anything, bodies for editors only,
-redriven and deleted by id, destination or all (a dry run first), each action in the audit log."""
+redriven and deleted by id, destination or all (a dry run first), each action in the audit log; and in a real
+browser against `airflow api-server` with no `[delay_provider] ui_transport`, the error queues the store recorded,
+one chosen on the page."""
 
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ from airflow_delay_provider import audit
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.transports.sql import SqlTableTransport
+from tests.browser_helpers import backlog_page, layout_problems, require_chromium
 from tests.helpers import make_store
-from tests.integration.test_ui_plugin import airflow_app, client, seed  # noqa: F401 - fixtures
+from tests.integration.test_ui_looks import TOOLBARS, WIDTHS, _frame
+from tests.integration.test_ui_plugin import _api_server, _settled, airflow_app, client, seed  # noqa: F401 - fixtures
 
 
 @pytest.fixture
@@ -101,3 +105,142 @@ def test_without_a_transport_set_the_page_says_what_to_set(client, dead, monkeyp
     assert listing["available"] is False and "ui_transport" in listing["reason"]
     refused = client("admin", "POST", "/api/dead-letters/redrive", json={"everything": True})
     assert refused.status_code == 400 and "ui_transport" in refused.json()["detail"]
+
+
+def test_without_a_setting_the_page_finds_the_error_queues_the_store_recorded(client, dead, monkeypatch):  # noqa: F811
+    store, transport = dead
+    monkeypatch.delenv("AIRFLOW__DELAY_PROVIDER__UI_TRANSPORT")
+    store.routes.record("sql", "delay_ui_test", "error", {"endpoints": ["orders", "refunds"]})  # as provisioning does
+    listing = client("viewer", "GET", "/api/dead-letters").json()
+    assert listing["available"] is True and [(r["transport"], r["error_queue"]) for r in listing["routes"]] == [
+        ("sql", "error")]
+    assert "delay_ui_test" not in json.dumps(listing)  # no connection's name on the page
+    assert _ids(client("viewer", "GET", "/api/dead-letters")) == ["dead-0", "dead-1", "dead-2", "dead-3"]
+
+    # A dispatcher with an error queue of its own, seen later: listed first, the other still there by its key.
+    transport.provision("late_errors")
+    now = utcnow()
+    transport.send([DelayedMessage("orders", b"l", now, message_id="late-0").dead_lettered("late_errors", "x", now)])
+    store.routes.record("sql", "delay_ui_test", "late_errors", {"destinations": None, "prefix": "orders"})
+    listing = client("viewer", "GET", "/api/dead-letters").json()
+    late, first = listing["routes"]
+    assert (late["error_queue"], first["error_queue"]) == ("late_errors", "error") and listing["route"] == late["key"]
+    assert [d["message_id"] for d in listing["dead_letters"]] == ["late-0"]
+    assert _ids(client("viewer", "GET", "/api/dead-letters", params={"route": first["key"]}))[:1] == ["dead-0"]
+    bad = client("viewer", "GET", "/api/dead-letters", params={"route": "nope"})
+    assert bad.status_code == 400 and f"route must be one of {late['key']} (sql late_errors)" in bad.json()["detail"]
+
+    counts = client("viewer", "GET", "/api/backlog").json()["dead_letters"]
+    assert counts["total"] == 5 and counts["per_destination"]["orders"] == 3
+    # Forgetting `refunds` is refused while a known error queue holds its dead letters.
+    refused = client("admin", "POST", "/api/forget", json={"destinations": ["refunds"]})
+    assert refused.status_code == 400 and "still holds their dead letters" in refused.json()["detail"]
+
+    redriven = client("admin", "POST", "/api/dead-letters/redrive",
+                      json={"everything": True, "route": late["key"]}).json()
+    assert redriven["redriven"] == 1 and store.get("late-0") is not None
+    assert _ids(client("viewer", "GET", "/api/dead-letters", params={"route": first["key"]})) == [
+        "dead-0", "dead-1", "dead-2", "dead-3"]  # the other queue untouched
+
+
+# -- the page in a real browser, with no transport set: the error queues the store recorded ---------------------
+#: The error queue a dispatcher of its own records in `routes_server`'s store, besides `error`: a long name, the widest
+#: choice the dead-letter search gets.
+EU = "errors.eu-west-1.customer-notifications"
+#: The error queues as the page's "Error queue" choice names them, the most recently seen first.
+QUEUES = [f"{EU} (sql)", "error (sql)"]
+#: The body of EU's dead letter that has the id of one in `error` (dead-1, whose body is "{}").
+EU_BODY = '{"eu": 1}'
+
+
+@pytest.fixture(scope="module")
+def routes_server(tmp_path_factory):
+    """`airflow api-server` as the page's browser tests have it (test_ui_plugin's api_server: a seeded store, whose
+    SQL error queue `error` holds dead-0 and dead-1 of orders), but with no `[delay_provider] ui_transport`. The
+    store records two error queues of its own database, as provisioning and a dispatcher would: `error`, then EU (so
+    the most recent), which holds eu-0 of refunds and a dead-1 of its own (another body, the same id). orders is
+    provisioned, so a redrive of its dead letters stores them again. (base URL, store, transport)."""
+    require_chromium()
+    with _api_server(tmp_path_factory.mktemp("routes_server"), ui_transport=None) as (base, store):
+        transport = SqlTableTransport(store.url)
+        for queue in (EU, "orders"):
+            transport.provision(queue)
+        now = utcnow()
+        transport.send([
+            DelayedMessage("refunds", b'{"eu": 0}', now, message_id="eu-0").dead_lettered(EU, "eu 503", now),
+            DelayedMessage("orders", EU_BODY.encode(), now, message_id="dead-1").dead_lettered(EU, "eu 410", now),
+        ])
+        store.routes.record("sql", None, "error", {"endpoints": ["orders", "refunds"]})  # as provisioning does
+        store.routes.record("sql", None, EU, {"destinations": None, "prefix": "eu"})  # a dispatcher, later
+        assert [r["error_queue"] for r in store.routes.routes()] == [EU, "error"]
+        yield base, store, transport
+        transport.close()
+
+
+def _listed(frame) -> list[str]:
+    """The ids of the dead letters the page lists, once it has loaded."""
+    _settled(frame)
+    return frame.locator("#dead-letters tbody tr[data-message-id]").evaluate_all(
+        "rows => rows.map(r => r.dataset.messageId)")
+
+
+def _queue_ids(transport: SqlTableTransport, queue: str) -> list[str]:
+    return sorted(m.message_id for m in transport.peek(queue, 10))
+
+
+def test_with_no_transport_set_the_page_offers_each_error_queue_the_store_recorded_and_acts_on_the_chosen_one(
+        routes_server):
+    """The most recent error queue listed first, an "Error queue" choice of both, the other listed once chosen; a
+    viewer sees the choice and no action, an editor's redrive of a dead letter takes it from the chosen queue only
+    (the other queue holds one of the same id: it stays). The dead-letter search, with the choice of a long queue
+    name, stays on one line from 1024 to 1920 px (test_ui_looks' layout check)."""
+    from playwright.sync_api import expect
+
+    base, store, transport = routes_server
+    with backlog_page(base, "viewer") as (_page, frame):
+        choice = frame.locator("#dead-search").get_by_label("Error queue")
+        expect(choice).to_be_visible()
+        expect(choice.locator("option")).to_have_text(QUEUES)
+        expect(frame.locator("#dead-note")).to_contain_text(f"2 dead letters in sql queue {EU},")
+        assert sorted(_listed(frame)) == ["dead-1", "eu-0"]
+        # The counts take every error queue: orders' two in `error` and one in EU.
+        expect(frame.get_by_role("columnheader", name="Dead-lettered")).to_be_visible()
+        expect(frame.locator("#destinations tr[data-destination='orders'] td").nth(4)).to_have_text("3")
+        expect(frame.locator("#destinations tr[data-destination='refunds'] td").nth(4)).to_have_text("1")
+        # Neither bodies nor actions, on either queue.
+        expect(frame.locator("#dead-letters")).not_to_contain_text(EU_BODY)
+        choice.select_option(label="error (sql)")
+        expect(frame.locator("#dead-note")).to_contain_text("2 dead letters in sql queue error,")
+        assert sorted(_listed(frame)) == ["dead-0", "dead-1"]
+        expect(frame.locator("#dead-letters input[type=checkbox]")).to_have_count(0)
+        for name in ("Redrive selected", "Delete selected"):
+            expect(frame.get_by_role("button", name=name)).to_have_count(0)
+
+    with backlog_page(base, "user") as (page, frame):
+        choice = frame.locator("#dead-search").get_by_label("Error queue")
+        expect(choice.locator("option")).to_have_text(QUEUES)
+        assert sorted(_listed(frame)) == ["dead-1", "eu-0"]
+        expect(frame.locator("#dead-letters tr[data-message-id='dead-1']")).to_contain_text(EU_BODY)
+        assert "#dead-search" in TOOLBARS
+        for width in WIDTHS:
+            page.set_viewport_size({"width": width, "height": 900})
+            _frame(page).evaluate("new Promise((done) => requestAnimationFrame(() => requestAnimationFrame(done)))")
+            problems = layout_problems(_frame(page), TOOLBARS)
+            assert problems == [], (width, problems)
+        choice.select_option(label="error (sql)")
+        expect(frame.locator("#dead-note")).to_contain_text("in sql queue error,")
+        assert sorted(_listed(frame)) == ["dead-0", "dead-1"]
+        row = frame.locator("#dead-letters tr[data-message-id='dead-1']")
+        expect(row).not_to_contain_text(EU_BODY)  # the `error` queue's dead-1
+        row.get_by_role("checkbox").check()
+        frame.get_by_role("button", name="Redrive selected").click()
+        dialog = frame.get_by_role("alertdialog")
+        expect(dialog).to_contain_text("Store 1 dead letter again")
+        dialog.get_by_role("button", name="Redrive").click()
+        expect(frame.locator("#status")).to_have_text("Redriven 1 dead letter.")
+        # The page stays on the chosen queue, without the redriven letter.
+        assert _listed(frame) == ["dead-0"]
+        expect(choice.locator("option:checked")).to_have_text("error (sql)")
+    assert store.get("dead-1").body == b"{}"  # the `error` queue's, stored again for orders
+    assert _queue_ids(transport, "error") == ["dead-0"]
+    assert _queue_ids(transport, EU) == ["dead-1", "eu-0"]  # the other queue's, its dead-1 too, stay

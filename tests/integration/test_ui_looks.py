@@ -1,7 +1,8 @@
 """The Delayed messages page as part of Airflow's UI, in a real browser (Debian's chromium) against `airflow
 api-server` with a user of each role: it follows the UI's colour mode and time zone (as the UI stores them), has
-no layout break from 1024 to 1920 px wide in either mode, says what a run now does for a paused destination and
-which connection a 503 is about, and opens filtered from a task's extra link.
+no layout break from 1024 to 1920 px wide in either mode (the delivery history and a message's story open), says
+what a run now does for a paused destination and which connection a 503 is about, and opens filtered from a task's
+extra link.
 
 The api-server is the one test_ui_plugin's page tests ran on just before (tests/shared.py): its store as they left
 it, which these tests add their own rows to.
@@ -17,19 +18,30 @@ import pytest
 
 from airflow_delay_provider.core.backlog import Selector
 from airflow_delay_provider.core.message import DelayedMessage
+from airflow_delay_provider.transports.sql import SqlTableTransport
 from airflow_delay_provider.ui.paths import URL_PREFIX, URL_ROUTE, page_url
 from tests.browser_helpers import backlog_page, launch_chromium, layout_problems, log_in, screenshot_path
-from tests.integration.test_ui_plugin import api_server  # noqa: F401 - the fixture, for this module
+from tests.integration.test_ui_plugin import (
+    api_server,  # noqa: F401 - the fixture, for this module
+    deliver_due,
+    only_these,
+)
 
 WIDTHS = (1024, 1400, 1920)
 #: Rows of buttons (and the search form) that must each stay on one line.
+#: "#dead-search": with one error queue (this api-server's ui_transport) its fields; with several (test_ui_dead_letters'
+#: server, whose store recorded two) the "Error queue" choice too.
 TOOLBARS = ["#destinations .actions", "#messages .actions", "#search-main", "#search-more", ".pager", ".meta",
-            "#bulk", "#matching"]
+            "#bulk", "#matching", "#history-bar", "#history-filter", "#story-form", "#history-legend", "#dead-search"]
 #: A destination with a long name, paused, with nothing scheduled: its row has the most buttons (Resume,
 #: Purge…, Forget…) and the widest name.
 LONG_NAME = "archive.eu-west-1.customer-notifications"
 #: A message far ahead, whose due time the page shows in the user's zone.
 FAR = datetime(2031, 3, 4, 5, 6, 7, tzinfo=timezone.utc)
+#: The widest entries of the delivery history: a long id for a long-named destination, whose first send fails (its
+#: failure names the destination) and whose second is delivered; its story is open while the layout is measured.
+LONG_ID = "invoice-reminder.2031-03-04T05:06:07Z.customer-000012345678901234567890"
+LONG_DEST = "eu-west-1.customer-notifications.invoice-reminders-of-the-month"
 #: The modes and zones tried: a light UI in the browser's own zone (none chosen in Airflow), and a dark one in
 #: a zone chosen in Airflow's user menu (kept as JSON in localStorage "timezone").
 SETTINGS = {
@@ -63,6 +75,12 @@ def _stress_rows(store) -> None:
         store.set_paused([LONG_NAME], True)
     if store.get("far-1") is None:
         store.store([DelayedMessage("orders", b'{"far": true}', FAR, {"order-id": "far"}, message_id="far-1")])
+    if not store.delivery_history(message_id=LONG_ID).entries:
+        store.store([DelayedMessage(LONG_DEST, b"{}", datetime.now(timezone.utc), {}, message_id=LONG_ID)])
+        transport = SqlTableTransport(store.url)
+        transport.provision(LONG_DEST)
+        with only_these(store, {LONG_DEST}):
+            deliver_due(store, transport, {LONG_DEST: 1})
 
 
 @pytest.mark.parametrize("role", ["viewer", "user", "op"])
@@ -96,6 +114,15 @@ def test_the_page_follows_airflows_mode_and_time_zone_with_no_layout_break_from_
                 frame.locator("#search").get_by_label("Due before").fill("2099-12-31T23:59:59")
                 frame.locator("#search").get_by_role("button", name="Search").click()
                 expect(frame.locator("#matching-count")).to_contain_text("match this filter")
+            # The delivery history's widest entry and its story, open; the chart drawn.
+            expect(frame.locator("body")).not_to_have_attribute("aria-busy", "true")
+            expect(frame.locator(f"#history tr[data-entry-of='{LONG_ID}'][data-outcome='retried']")).to_contain_text(
+                f"ConnectionError: {LONG_DEST} refused")
+            expect(frame.locator("#history-chart svg rect.bar.retried").first).to_be_attached()
+            frame.locator("#story-id").fill(LONG_ID)
+            frame.get_by_role("button", name="Show story").click()
+            expect(frame.locator("body")).not_to_have_attribute("aria-busy", "true")
+            expect(frame.locator("#story li[data-outcome='delivered']")).to_contain_text(LONG_DEST)
             for width in WIDTHS:
                 page.set_viewport_size({"width": width, "height": 900})
                 frame_width = _frame(page).evaluate(
@@ -106,6 +133,8 @@ def test_the_page_follows_airflows_mode_and_time_zone_with_no_layout_break_from_
                 all_link = _frame(page).evaluate("(() => { const r = document.querySelector('.link.all')"
                                                  ".getBoundingClientRect(); return [r.width, r.height]; })()")
                 measured.append((mode, width, frame_width, all_link))
+                # The pictures show the delivery history from its title: its chart and the recent entries.
+                _frame(page).evaluate("document.getElementById('history-title').scrollIntoView({block: 'start'})")
                 page.screenshot(path=str(shots / f"backlog_{role}_{mode}_{width}.png"))
                 if (role, mode, width) in FOR_DOCS:
                     page.screenshot(path=str(screenshot_path(FOR_DOCS[role, mode, width], tmp_path)))

@@ -22,6 +22,8 @@ from sqlalchemy.engine import make_url
 from airflow_delay_provider.core.backlog import Selector
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.message import HEADER_FAILED_DESTINATION, HEADER_GAVE_UP, DelayedMessage
+from airflow_delay_provider.core.pump import Pump, PumpConfig
+from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
 from airflow_delay_provider.transports.sql import SqlTableTransport
 from airflow_delay_provider.ui.plugin import URL_PREFIX, URL_ROUTE, DelayBacklogPlugin
@@ -38,7 +40,8 @@ from tests.browser_helpers import (
     screenshot_path,
 )
 from tests.conftest import PG_URL, copy_migrated_sqlite
-from tests.helpers import make_store
+from tests.helpers import make_store, make_transport
+from tests.integration.test_pump import FlakyTransport
 from tests.services import free_port
 from tests.shared import Shared
 
@@ -320,6 +323,158 @@ def test_bad_input_is_a_400_that_says_why(client, store):
     assert store.count_scheduled() == {"orders": 6, "refunds": 2}
 
 
+# -- the delivery history: made by a real pump, read by each role -------------------------------------------------
+#: Two retries at once, then the error queue: a failed send is due again straight away.
+RETRY_AT_ONCE = DeliveryPolicy(1, 1, 2, num_no_delay_retries=2)
+
+
+def deliver_due(store, transport: SqlTableTransport, fail: dict[str, int]) -> None:
+    """A pump of the test's own hands over everything due to `transport`'s queues, batch after batch until nothing is
+    (a retry is due again at once), sends to `fail`'s destinations failing that many times first; a destination
+    without a queue is dead-lettered to `error`."""
+    pump = Pump(store, FlakyTransport(transport, fail), PumpConfig(retry_jitter=0), policy=RETRY_AT_ONCE,
+                sleep=lambda _s: None)
+    while (stats := pump.dispatch_batch()) is not None and stats.batches:
+        pass
+    assert stats is not None, "the store failed during the dispatch"
+
+
+@pytest.fixture
+def delivered(store, db):
+    """The seeded store after a pump's work: orders-0 and orders-1 delivered, ship-1 retried once then delivered,
+    ship-2 delivered, lost-1 dead-lettered (its destination has no queue), and orders-2 cancelled through the page."""
+    url, schema, table = db
+    now = utcnow()
+    store.store([DelayedMessage("shipments", b'{"parcel": 1}', now - timedelta(seconds=3), {}, "ship-1"),
+                 DelayedMessage("shipments", b'{"parcel": 2}', now - timedelta(seconds=2), {}, "ship-2"),
+                 DelayedMessage("nowhere", b'{"lost": true}', now - timedelta(seconds=1), {}, "lost-1")])
+    deliver_due(store, make_transport(url, schema, table, "orders", "shipments", "error"), {"shipments": 1})
+    assert store.get("ship-1") is None and store.get("lost-1") is None
+    return store
+
+
+def history_of(client, role, **params) -> dict:
+    response = client(role, "GET", "/api/history", params=params)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_every_reader_reads_the_history_newest_first_by_outcome_and_destination_with_no_bodies(client, delivered):
+    cancelled = client("admin", "POST", "/api/cancel", json={"message_ids": ["orders-2"]}).json()
+    assert cancelled["cancelled"] == ["orders-2"]
+    found = history_of(client, "viewer")
+    assert found["history_days"] == 7 and found["next"] is None
+    entries = found["entries"]
+    assert sorted((e["message_id"], e["outcome"], e["attempts"]) for e in entries) == [
+        ("lost-1", "dead_lettered", 1), ("orders-0", "delivered", 1), ("orders-1", "delivered", 1),
+        ("orders-2", "cancelled", 0), ("ship-1", "delivered", 2), ("ship-1", "retried", 1), ("ship-2", "delivered", 1)]
+    assert [e["handed_at"] for e in entries] == sorted((e["handed_at"] for e in entries), reverse=True)
+    assert entries[0]["message_id"] == "orders-2"  # the cancel came last
+    assert all("body" not in e and "headers" not in e for e in entries)
+    [lost] = [e for e in entries if e["message_id"] == "lost-1"]
+    assert lost["destination"] == "nowhere" and "not found" in lost["detail"] and lost["stored_at"]
+    [retried] = [e for e in entries if e["outcome"] == "retried"]
+    assert retried["detail"] == "ConnectionError: shipments refused" and retried["lateness_ms"] >= 0
+    assert history_of(client, "admin") == found  # an editor reads the same
+
+    def ids(**params):
+        return [(e["message_id"], e["outcome"]) for e in history_of(client, "viewer", **params)["entries"]]
+
+    assert ids(outcome="dead_lettered") == [("lost-1", "dead_lettered")]
+    assert ids(outcome="retried") == [("ship-1", "retried")]
+    assert sorted(ids(destination="shipments")) == [("ship-1", "delivered"), ("ship-1", "retried"),
+                                                   ("ship-2", "delivered")]
+    assert ids(message_id="ship-1") == [("ship-1", "retried"), ("ship-1", "delivered")]  # a story's order
+    newest = entries[0]["handed_at"]
+    assert ("orders-2", "cancelled") not in ids(before=newest)
+    assert ids(since=newest) == [("orders-2", "cancelled")]
+
+
+def test_pages_of_the_history_follow_the_cursor_through_a_batch_handed_over_at_one_time(client, delivered):
+    """The pump hands a batch over at one time: paging by `after` (the `next` of the page before) shows each entry
+    once, where the page's last time alone (`before`) would skip the rest of its batch."""
+    everything = [(e["message_id"], e["outcome"]) for e in history_of(client, "viewer")["entries"]]
+    seen, after, pages = [], None, 0
+    while pages < 5:  # 6 entries, 2 a page: 3 pages (a cursor that went unheard would never end)
+        page = history_of(client, "viewer", limit=2, **({"after": after} if after else {}))
+        seen += [(e["message_id"], e["outcome"]) for e in page["entries"]]
+        pages += 1
+        if not (after := page["next"]):
+            break
+    assert seen == everything and pages == 3
+    assert client("viewer", "GET", "/api/history", params={"after": "garbage"}).status_code == 400
+
+
+def test_the_history_chart_counts_each_minute_for_every_reader(client, delivered):
+    chart = client("viewer", "GET", "/api/history/chart").json()
+    assert chart["window"] == "1h" and chart["destination"] is None and chart["history_days"] == 7
+    assert chart["since"] < chart["until"]
+    minutes = chart["minutes"]
+    assert sum(m["delivered"] for m in minutes) == 4
+    assert (sum(m["retried"] for m in minutes), sum(m["dead_lettered"] for m in minutes)) == (1, 1)
+    assert all(m["p50_ms"] is not None and 0 <= m["p50_ms"] <= m["p99_ms"] for m in minutes if m["delivered"])
+    assert all(chart["since"][:16] <= m["minute"][:16] and m["minute"] < chart["until"] for m in minutes)
+    for window in ("6h", "24h"):
+        wider = client("admin", "GET", "/api/history/chart", params={"window": window}).json()
+        assert wider["window"] == window and sum(m["delivered"] for m in wider["minutes"]) == 4
+    ships = client("viewer", "GET", "/api/history/chart", params={"destination": "shipments"}).json()
+    assert ships["destination"] == "shipments"
+    assert [(m["delivered"], m["retried"], m["dead_lettered"]) for m in ships["minutes"]] in (
+        [(2, 1, 0)], [(1, 1, 0), (1, 0, 0)])  # a retry may be handed over in the next minute
+    assert client("viewer", "GET", "/api/history/chart", params={"destination": "refunds"}).json()["minutes"] == []
+
+
+def test_a_story_shows_each_attempt_and_a_scheduled_messages_body_only_to_editors(client, delivered):
+    def story(role, message_id):
+        response = client(role, "GET", "/api/story", params={"message_id": message_id})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    flaky = story("viewer", "ship-1")
+    assert flaky["state"] == "delivered" and flaky["scheduled"] is None and flaky["stored_at"]
+    assert [(s["outcome"], s["attempts"]) for s in flaky["history"]] == [("retried", 1), ("delivered", 2)]
+    assert "shipments refused" in flaky["history"][0]["detail"]
+    assert story("viewer", "lost-1")["state"] == "dead_lettered"
+    assert story("viewer", "never-sent") == {"message_id": "never-sent", "state": "unknown", "scheduled": None,
+                                             "stored_at": None, "history": [], "history_days": 7}
+
+    seen = story("viewer", "orders-4")
+    assert seen["state"] == "scheduled" and seen["history"] == []
+    assert seen["scheduled"]["headers"] == {"order-id": "4", "tenant": "acme"}
+    assert seen["scheduled"]["body_bytes"] == 300 and "body" not in seen["scheduled"]
+    assert "order 4" not in json.dumps(seen)
+    for editor in ("user", "admin"):
+        assert story(editor, "orders-4")["scheduled"]["body"].startswith("<b>order 4</b>")
+
+
+def test_the_history_refuses_a_reader_without_a_role_and_says_which_window_and_outcome_are_allowed(client, store):
+    for path, params in (("/api/history", {}), ("/api/history/chart", {}), ("/api/story", {"message_id": "x"})):
+        assert client("nobody", "GET", path, params=params).status_code == 403
+        assert client(None, "GET", path, params=params).status_code == 401
+    window = client("viewer", "GET", "/api/history/chart", params={"window": "2h"})
+    assert window.status_code == 422 and all(w in window.text for w in ("'1h'", "'6h'", "'24h'")), window.text
+    outcome = client("viewer", "GET", "/api/history", params={"outcome": "lost"})
+    assert outcome.status_code == 422, outcome.text
+    assert all(o in outcome.text for o in ("delivered", "retried", "dead_lettered", "cancelled")), outcome.text
+    assert client("viewer", "GET", "/api/story", params={"message_id": ""}).status_code == 422
+    assert client("viewer", "GET", "/api/history", params={"limit": 0}).status_code == 422
+    assert client("viewer", "GET", "/api/history", params={"since": "yesterday"}).status_code == 400
+
+
+def test_with_history_days_0_the_page_is_told_that_no_history_is_kept(client, db, monkeypatch):
+    url, schema, table = db
+    store = SqlDelayedMessageStore(url, table=table, schema=schema, history_days=0)
+    store.create_schema()
+    store.store([DelayedMessage("orders", b"x", utcnow(), {}, "off-1")])
+    deliver_due(store, make_transport(url, schema, table, "orders"), {})
+    extra = {"url": url, "table": table, "history_days": 0, **({"db_schema": schema} if schema else {})}
+    monkeypatch.setenv("AIRFLOW__DELAY_PROVIDER__UI_CONN_ID", _conn(monkeypatch, "delay_ui_off", extra))
+    assert history_of(client, "viewer") == {"entries": [], "next": None, "history_days": 0}
+    chart = client("viewer", "GET", "/api/history/chart").json()
+    assert (chart["minutes"], chart["history_days"]) == ([], 0)
+    assert client("viewer", "GET", "/api/story", params={"message_id": "off-1"}).json()["state"] == "unknown"
+
+
 def test_with_a_transport_set_the_page_counts_its_dead_letters_per_destination(client, monkeypatch, tmp_path):
     url = f"sqlite:///{tmp_path / 'store.db'}"
     seed(make_store(url, None, "delayed_messages"))
@@ -543,7 +698,9 @@ def api_server(tmp_path_factory):
 
 
 @contextmanager
-def _api_server(home: Path) -> Iterator[tuple[str, SqlDelayedMessageStore]]:
+def _api_server(home: Path, ui_transport: str | None = "sql") -> Iterator[tuple[str, SqlDelayedMessageStore]]:
+    """The api-server of `api_server`; `ui_transport` None: with no `[delay_provider] ui_transport`, so that the page
+    finds the error queues the store recorded (stores/routes.py), none until a test records one."""
     (home / "passwords.json").write_text(json.dumps(PASSWORDS))
     port = free_port()
     env = airflow_env(
@@ -553,9 +710,14 @@ def _api_server(home: Path) -> Iterator[tuple[str, SqlDelayedMessageStore]]:
         AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE=str(home / "passwords.json"),
         AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS="False",
         AIRFLOW__API__WORKERS="1",
-        AIRFLOW__DELAY_PROVIDER__UI_TRANSPORT="sql",  # count the dead letters of the store database's queues
     )
-    env.pop("AIRFLOW__DELAY_PROVIDER__UI_CONN_ID", None)
+    # "sql": count the dead letters of the store database's queues. Whatever the tests' own environment says, the
+    # server has exactly this (or no) transport set, and the store of delay_store_default.
+    for name in ("AIRFLOW__DELAY_PROVIDER__UI_TRANSPORT", "AIRFLOW__DELAY_PROVIDER__UI_TRANSPORT_CONN_ID",
+                 "AIRFLOW__DELAY_PROVIDER__UI_ERROR_QUEUE", "AIRFLOW__DELAY_PROVIDER__UI_CONN_ID"):
+        env.pop(name, None)
+    if ui_transport is not None:
+        env["AIRFLOW__DELAY_PROVIDER__UI_TRANSPORT"] = ui_transport
     copy_migrated_sqlite(home / "airflow.db")  # where airflow_env's Airflow has its metadata
     store = SqlDelayedMessageStore(f"sqlite:///{home / 'delay_store.db'}")
     store.create_schema()
@@ -703,7 +865,8 @@ def test_the_roles_that_may_edit_dags_see_bodies_and_actions_and_run_a_message_n
 
         # Edit another message's body and headers: the dialog keeps the due time and says so.
         expect(frame.locator("body")).not_to_have_attribute("aria-busy", "true")  # the page has reloaded
-        frame.locator(f"tr[data-message-id='{edited}']").get_by_role("button", name="Edit").click()
+        # Exactly "Edit": the message's id ("edit-user") is a button too, which opens its story.
+        frame.locator(f"tr[data-message-id='{edited}']").get_by_role("button", name="Edit", exact=True).click()
         dialog = frame.get_by_role("dialog", name="Edit message")
         expect(dialog).to_contain_text("The due time stays")
         expect(dialog.locator("#edit-body")).to_have_value("typo")
@@ -850,3 +1013,188 @@ def test_dead_letters_are_listed_for_each_role_and_an_admin_redrives_and_deletes
         expect(latest).to_contain_text("admin")
         expect(latest).to_contain_text("deleted 2")
     assert {m.message_id for m in transport.peek("error", 10)} & set(ids) == set()
+
+
+# -- the delivery history on the page ---------------------------------------------------------------------------
+#: The messages of the page's history (page_history): delivered, retried then delivered, dead-lettered, scheduled.
+FLAKY, DELIVERED, LOST, LATER, QUIET = "ship-flaky", "ship-ok", "pallet-lost", "ship-later", "quiet-1"
+BATCH = [f"ship-batch-{i}" for i in range(10)]
+LATER_BODY = '{"parcel": "secret-4"}'
+
+
+@contextmanager
+def only_these(store: SqlDelayedMessageStore, destinations: set[str]) -> Iterator[None]:
+    """Every other destination paused meanwhile, and resumed after (those paused before stay so): a pump of a test's
+    own hands over only `destinations`' due messages, and the other tests' stay as they expect them."""
+    others = [d for d, s in store.destinations().items() if not s["paused"] and d not in destinations]
+    if others:
+        store.set_paused(others, True)
+    try:
+        yield
+    finally:
+        if others:
+            store.set_paused(others, False)
+
+
+@pytest.fixture(scope="module")
+def page_history(api_server):
+    """History in the page's store, made by a pump of the test's own on the SQL-table queues of its database:
+    `shipments` (provisioned) takes FLAKY at the second attempt, DELIVERED and a batch of ten at the first; `warehouse`
+    has no queue, so LOST goes to the error queue. LATER stays scheduled (with a body only editors see), and
+    QUIET is the one message of `quiet`, due in a year: a destination with no history."""
+    base, store = api_server
+    now = utcnow()
+    store.store([DelayedMessage("shipments", b'{"parcel": 1}', now - timedelta(seconds=5), {"carrier": "dhl"}, FLAKY),
+                 DelayedMessage("shipments", b'{"parcel": 2}', now - timedelta(seconds=4), {"carrier": "dhl"},
+                                DELIVERED),
+                 *[DelayedMessage("shipments", b"{}", now - timedelta(seconds=3), {}, m) for m in BATCH],
+                 DelayedMessage("warehouse", b'{"pallet": 3}', now - timedelta(seconds=2), {}, LOST),
+                 DelayedMessage("shipments", LATER_BODY.encode(), now + timedelta(hours=2), {"carrier": "ups"}, LATER),
+                 DelayedMessage("quiet", b"{}", now + timedelta(days=365), {}, QUIET)])
+    transport = SqlTableTransport(store.url)
+    transport.provision("shipments")
+    with only_these(store, {"shipments", "warehouse"}):
+        deliver_due(store, transport, {"shipments": 1})
+    assert [store.get(m) for m in (FLAKY, DELIVERED, LOST, *BATCH)] == [None] * 13
+    return base, store
+
+
+def _settled(frame) -> None:
+    """Wait until the page has loaded what the last step asked for (it is aria-busy until then)."""
+    from playwright.sync_api import expect
+
+    expect(frame.locator("body")).not_to_have_attribute("aria-busy", "true")
+
+
+def _bar_counts(frame, kind: str) -> int:
+    return sum(int(n) for n in frame.locator(f"#history-chart rect.bar.{kind}").evaluate_all(
+        "bars => bars.map(b => b.dataset.count)"))
+
+
+@pytest.mark.parametrize("role", ["viewer", "op"])
+def test_the_delivery_history_shows_its_chart_its_entries_by_outcome_and_each_messages_story(page_history, tmp_path,
+                                                                                              role):
+    """The chart of the last hour (the deliveries as bars, p50 and p99 lateness as lines), another window and a
+    destination of the page's; the recent entries, by outcome and page after page; a message's story opened from
+    either list or by its id: the attempts of a retried and of a dead-lettered message, and a scheduled one's row,
+    whose body only the roles that may edit see."""
+    from playwright.sync_api import expect
+
+    base, store = page_history
+    screenshot = tmp_path / f"history_{role}.png"
+    with backlog_page(base, role) as (page, frame):
+        _settled(frame)
+        # The chart: 12 delivered (the batch, FLAKY and DELIVERED), FLAKY's retry and LOST's dead letter stacked on
+        # them; both lateness lines; its name says it all for a screen reader.
+        chart = frame.locator("#history-chart svg")
+        expect(chart).to_have_attribute("aria-label", re.compile(r"^Deliveries per minute to all destinations in "
+                                                                 r"the last hour: \d+ delivered"))
+        assert _bar_counts(frame, "delivered") >= 12
+        assert _bar_counts(frame, "retried") >= 1 and _bar_counts(frame, "dead_lettered") >= 1
+        for line in ("p50", "p99"):
+            assert int(frame.locator(f"#history-chart path.line.{line}").get_attribute("data-points")) >= 1
+        expect(frame.locator("#history-legend")).to_be_visible()
+        expect(frame.locator("#history-kept")).to_have_text("Kept 7 days (the connection's history_days).")
+
+        # Another window, and a destination of the page's: its own numbers, or the empty state.
+        frame.locator("#history-window").select_option("6h")
+        _settled(frame)
+        expect(frame.locator("#history-chart-title")).to_contain_text("in the last 6 hours")
+        frame.locator("#history-destination").select_option("shipments")
+        _settled(frame)
+        expect(chart).to_have_attribute("aria-label", re.compile(
+            r"^Deliveries per minute to “shipments” in the last 6 hours: 12 delivered, 1 retried, 0 dead-lettered"))
+        assert _bar_counts(frame, "delivered") == 12 and _bar_counts(frame, "dead_lettered") == 0
+        expect(frame.locator("#search input[name=destination]")).to_have_value("shipments")  # the page's choice
+        expect(frame.locator("#history tbody tr")).to_have_count(13)  # the recent entries follow it
+        frame.locator("#destinations tr[data-destination='quiet']").get_by_role("button", name="quiet").click()
+        _settled(frame)
+        expect(frame.locator("#history-destination")).to_have_value("quiet")
+        expect(frame.locator("#history-chart")).to_have_text("No deliveries to “quiet” in the last 6 hours.")
+        expect(frame.locator("#history-legend")).to_be_hidden()
+        expect(frame.locator("#history tbody")).to_have_text("No messages of “quiet” in the history.")
+        frame.locator("#history-destination").select_option("")
+        _settled(frame)
+        expect(frame.locator("#history-chart-title")).to_contain_text("to all destinations")
+
+        # The recent entries: delivered and dead-lettered ones, with the failure; then only the dead-lettered.
+        recent = frame.locator("#history")
+        ok = recent.locator(f"tr[data-entry-of='{DELIVERED}']")
+        expect(ok).to_have_attribute("data-outcome", "delivered")
+        expect(ok).to_contain_text("shipments")
+        lost = recent.locator(f"tr[data-entry-of='{LOST}']")
+        expect(lost).to_have_attribute("data-outcome", "dead_lettered")
+        expect(lost.locator("td.detail")).to_contain_text("not found")
+        expect(lost).to_contain_text("dead-lettered")
+        frame.locator("#history-outcome").select_option("dead_lettered")
+        _settled(frame)
+        expect(lost).to_be_visible()
+        expect(ok).to_have_count(0)
+        assert set(recent.locator("tbody tr").evaluate_all("rows => rows.map(r => r.dataset.outcome)")) == {
+            "dead_lettered"}
+        frame.locator("#history-outcome").select_option("")
+        _settled(frame)
+
+        # Page after page (10 a page): each entry once, the batch of one hand-over time across two pages.
+        frame.locator("#history-limit").select_option("10")
+        _settled(frame)
+        seen = []
+        for number in range(1, 20):
+            expect(frame.locator("#history-info")).to_contain_text(f"Page {number} · ")
+            seen += recent.locator("tbody tr").evaluate_all(
+                "rows => rows.map(r => [r.dataset.entryOf, r.dataset.outcome, r.cells[4].textContent])")
+            if frame.locator("#history-older").is_disabled():
+                break
+            frame.locator("#history-older").click()
+            _settled(frame)
+        assert number >= 2 and len(seen) == len({tuple(s) for s in seen})
+        mine = sorted((m, o) for m, o, _ in seen if m in {FLAKY, DELIVERED, LOST, *BATCH})
+        assert mine == sorted([(FLAKY, "retried"), (FLAKY, "delivered"), (DELIVERED, "delivered"),
+                               (LOST, "dead_lettered"), *[(m, "delivered") for m in BATCH]])
+        frame.locator("#history-newest").click()
+        _settled(frame)
+        expect(frame.locator("#history-info")).to_contain_text("Page 1 · 10 entries")
+        frame.locator("#history-limit").select_option("50")
+        _settled(frame)
+
+        # A story from the recent list: the retry, then the delivery.
+        recent.locator(f"tr[data-entry-of='{FLAKY}'][data-outcome='delivered']").get_by_role("button").click()
+        _settled(frame)
+        story = frame.locator("#story")
+        expect(story.locator(".story-head .badge")).to_have_text("delivered")
+        steps = story.locator("ol.timeline li")
+        expect(steps).to_have_count(3)
+        expect(steps.nth(0)).to_contain_text("Stored")
+        expect(steps.nth(1)).to_contain_text("Attempt 1: retried")
+        expect(steps.nth(1)).to_contain_text("ConnectionError: shipments refused")
+        expect(steps.nth(2)).to_contain_text("Attempt 2: delivered")
+        expect(frame.locator("#story-id")).to_have_value(FLAKY)
+
+        # A story by its id: the dead letter's one attempt and why.
+        frame.locator("#story-id").fill(LOST)
+        frame.get_by_role("button", name="Show story").click()
+        _settled(frame)
+        expect(story.locator(".story-head .badge")).to_have_text("dead-lettered")
+        expect(story.locator("li[data-outcome='dead_lettered']")).to_contain_text("Attempt 1: dead-lettered")
+        expect(story.locator("li[data-outcome='dead_lettered']")).to_contain_text("not found")
+
+        # A scheduled message's story from the scheduled list: its row and headers; its body for editors only.
+        frame.locator(f"#messages tr[data-message-id='{LATER}']").get_by_role("button", name=LATER).click()
+        _settled(frame)
+        expect(story.locator(".story-head .badge")).to_have_text("scheduled")
+        expect(story.locator("li.scheduled")).to_contain_text("due in 2 h")
+        expect(story.locator(".headers")).to_have_text("carrier=ups")
+        if role == "viewer":
+            expect(story.locator("pre.body")).to_have_count(0)
+            expect(story).to_contain_text("Body: 22 bytes, shown to the roles that may act.")
+            expect(story).not_to_contain_text("secret-4")
+        else:
+            expect(story.locator("pre.body")).to_have_text(LATER_BODY)
+        page.screenshot(path=str(screenshot))  # the story in view (opening it scrolled there)
+        frame.locator("#story-id").fill("never-sent")
+        frame.get_by_role("button", name="Show story").click()
+        _settled(frame)
+        expect(story.locator(".story-head .badge")).to_have_text("unknown")
+        expect(story).to_contain_text("never stored under this id")
+    assert store.get(LATER) is not None  # reading changed nothing
+    assert screenshot.stat().st_size > 10_000

@@ -1,7 +1,8 @@
-// The backlog page: counts, the due-time histogram (chart.js) and the message list, from this app's JSON
-// endpoints, with times in the user's zone and colours in Airflow's mode (prefs.js). Filters can come in the
-// page's URL (a task's extra link). Everything shown goes into the page as text nodes (never as HTML), so message ids, headers
-// and bodies cannot inject markup. Actions are offered only to users who may edit; the server checks again.
+// The backlog page: counts, the due-time histogram (chart.js), the message list and the delivery history (its chart
+// per minute, the recent entries, a message's story), from this app's JSON endpoints, with times in the user's zone
+// and colours in Airflow's mode (prefs.js). Filters can come in the page's URL (a task's extra link). Everything shown
+// goes into the page as text nodes (never as HTML), so message ids, headers and bodies cannot inject markup. Actions
+// are offered only to users who may edit; the server checks again. The body is aria-busy while the page loads.
 "use strict";
 
 (() => {
@@ -11,6 +12,25 @@
     page: [], selected: new Set(), busy: false, ids: [],
   };
   const $ = (id) => document.getElementById(id);
+  /** Loads under way: the page is aria-busy while any is, or while an action runs (`state.busy`). */
+  let pending = 0;
+
+  function showBusy() {
+    if (state.busy || pending) document.body.setAttribute("aria-busy", "true");
+    else document.body.removeAttribute("aria-busy");
+  }
+
+  /** Run `work` (it returns a promise) with the page marked busy until it settles. */
+  async function loading(work) {
+    pending += 1;
+    showBusy();
+    try {
+      return await work();
+    } finally {
+      pending -= 1;
+      showBusy();
+    }
+  }
 
   /** An element with attributes, listeners (on*) and children (strings become text nodes). */
   function el(tag, attrs, ...children) {
@@ -108,16 +128,17 @@
   async function act(work) {
     if (state.busy) return;
     state.busy = true;
-    document.body.setAttribute("aria-busy", "true");
+    showBusy();
     try {
       const message = await work();
       if (message) say(message, "ok");
-      await Promise.all([loadBacklog(), loadMessages(state.after), loadActions(), loadMatching()]);
+      await Promise.all([loadBacklog(), loadMessages(state.after), loadActions(), loadMatching(),
+        loadHistoryAll(history.after)]);
     } catch (error) {
       failed(error);
     } finally {
       state.busy = false;
-      document.body.removeAttribute("aria-busy");
+      showBusy();
     }
   }
 
@@ -385,6 +406,7 @@
       el("td", {}, paused ? `${paused} paused` : ""),
       state.canEdit && el("td", {})));
     $("known-destinations").replaceChildren(...names.map((n) => el("option", { value: n })));
+    renderHistoryDestinations();
   }
 
   function renderChart() {
@@ -407,6 +429,7 @@
     renderDestinations();
     renderChart();
     search();
+    return loading(() => loadHistoryAll(null)).catch(failed);
   }
 
   // -- the message list ----------------------------------------------------------------------------------
@@ -486,7 +509,7 @@
         edit && el("td", { class: "pick" }, el("input", { type: "checkbox", "aria-label": `Select ${m.message_id}`,
           checked: state.selected.has(m.message_id), disabled: m.in_flight,
           onchange: (event) => select(m.message_id, event.target.checked) })),
-        el("td", { class: "id" }, m.message_id),
+        el("td", { class: "id" }, storyLink(m.message_id)),
         el("td", { class: "dest" }, m.destination),
         el("td", { class: "due" }, el("span", { class: "day" }, at.slice(0, 10)), " ",
           el("span", { class: "clock" }, at.slice(11)), el("span", { class: "rel" }, relative)),
@@ -542,23 +565,253 @@
     return loadMessages(null).catch(failed);
   }
 
-  // -- dead letters: the error queue of [delay_provider] ui_transport ----------------------------------------
-  const dead = { letters: [], selected: new Set(), open: new Set(), canEdit: false };
+  // -- the delivery history: per minute over a window, the recent entries, one message's story ----------------
+  const WINDOWS = { "1h": "the last hour", "6h": "the last 6 hours", "24h": "the last 24 hours" };
+  const OUTCOMES = { delivered: "delivered", retried: "retried", dead_lettered: "dead-lettered", cancelled: "cancelled",
+    scheduled: "scheduled", unknown: "unknown" };
+  const history = {
+    window: "1h", outcome: "", limit: 50, chart: null, entries: [], days: null, after: null, next: null, cursors: [],
+    story: null, tickets: { chart: 0, entries: 0, story: 0 },
+  };
+
+  const entries = (n) => `${n} ${n === 1 ? "entry" : "entries"}`;
+  const clockOf = (iso) => window.airflowPrefs.formatTime(iso).slice(11, 16);  // "HH:mm" in the user's zone
+  const lateness = (ms) => (ms < 0 ? window.backlogChart.duration(ms) : `${window.backlogChart.duration(ms)} late`);
+
+  /** A message id that opens its story. */
+  const storyLink = (id) => el("button", { type: "button", class: "link name", title: "Show its story",
+    onclick: () => openStory(id) }, breakable(id));
+
+  /** A time cell as the message list shows due times, in the user's zone: the date, the time of day and the zone each
+   * whole (at 1024 px they may go on lines of their own). */
+  function timeCell(iso) {
+    const at = window.airflowPrefs.formatTime(iso);
+    return el("td", { class: "when" }, el("span", { class: "day" }, at.slice(0, 10)), " ",
+      el("span", { class: "clock" }, at.slice(11, 19)), " ", el("span", { class: "zone" }, at.slice(20)));
+  }
+
+  /** A new ticket of `kind`: an answer that comes back after a newer request's ticket is dropped. */
+  const ticket = (kind) => ++history.tickets[kind];
+
+  function loadHistoryAll(after) {
+    return Promise.all([loadHistoryChart(), loadHistory(after)]);
+  }
+
+  async function loadHistoryChart() {
+    const query = new URLSearchParams({ window: history.window });
+    if (state.chartDestination) query.set("destination", state.chartDestination);
+    const mine = ticket("chart");
+    const report = await api(`api/history/chart?${query}`);
+    if (mine !== history.tickets.chart) return;
+    history.chart = report;
+    history.days = report.history_days;
+    renderHistoryChart();
+  }
+
+  function renderHistoryDestinations() {
+    const names = Object.keys((state.backlog && state.backlog.destinations) || {});
+    const chosen = state.chartDestination, select = $("history-destination");
+    if (chosen && !names.includes(chosen)) names.push(chosen);  // from a link: not (or no longer) a known one
+    const key = JSON.stringify(names);
+    if (select.dataset.names !== key) {  // the same names: left as they are (a refresh does not close it while open)
+      select.replaceChildren(el("option", { value: "" }, "All destinations"), ...names.map((n) => el("option", { value: n }, n)));
+      select.dataset.names = key;
+    }
+    select.value = chosen || "";
+  }
+
+  function renderKept(days) {
+    $("history-kept").textContent = days === 0 ? "No history kept (history_days is 0)."
+      : days ? `Kept ${plural(days, "day")} (the connection's history_days).` : "";
+  }
+
+  function renderHistoryChart() {
+    const report = history.chart;
+    if (!report) return;
+    const of = report.destination ? `“${report.destination}”` : "all destinations";
+    const span = WINDOWS[report.window] || report.window;
+    $("history-chart-title").textContent = `Delivered per minute to ${of} in ${span}, and their lateness`;
+    renderKept(report.history_days);
+    const box = $("history-chart"), legend = $("history-legend");
+    const empty = (text) => {
+      legend.hidden = true;
+      box.replaceChildren(el("p", { class: "empty", role: "status" }, text));
+    };
+    if (report.history_days === 0) {
+      return empty("No delivery history is kept: the store's connection turns it off (its history_days extra is 0; "
+        + "set it to the days to keep, 1 to 90, default 7).");
+    }
+    if (!report.minutes.length) {
+      return empty(`No deliveries${report.destination ? ` to “${report.destination}”` : ""} in ${span}.`);
+    }
+    const sum = (key) => report.minutes.reduce((n, m) => n + m[key], 0);
+    const busiest = report.minutes.reduce((a, b) => (b.delivered > a.delivered ? b : a));
+    const timed = report.minutes.filter((m) => m.p99_ms !== null);
+    const worst = (key) => Math.max(...timed.map((m) => m[key]));
+    const summary = `Deliveries per minute to ${of} in ${span}: ${number(sum("delivered"))} delivered, `
+      + `${number(sum("retried"))} retried, ${number(sum("dead_lettered"))} dead-lettered, `
+      + `${number(sum("cancelled"))} cancelled`
+      + (busiest.delivered ? `; the busiest minute ${clockOf(busiest.minute)} with ${number(busiest.delivered)}` : "")
+      + (timed.length ? `; lateness p50 up to ${window.backlogChart.duration(worst("p50_ms"))}, `
+        + `p99 up to ${window.backlogChart.duration(worst("p99_ms"))}` : "")
+      + ".";
+    legend.hidden = false;
+    box.replaceChildren(window.backlogChart.drawHistory(report, clockOf, summary));
+  }
+
+  async function loadHistory(after) {
+    const query = new URLSearchParams({ limit: String(history.limit) });
+    if (state.chartDestination) query.set("destination", state.chartDestination);
+    if (history.outcome) query.set("outcome", history.outcome);
+    // The cursor of the page before (`next`): a batch shares one hand-over time, so a time alone would skip some.
+    if (after) query.set("after", after);
+    const mine = ticket("entries");
+    const result = await api(`api/history?${query}`);
+    if (mine !== history.tickets.entries) return;
+    history.after = after || null;
+    history.next = result.next;
+    history.entries = result.entries;
+    history.days = result.history_days;
+    renderHistory();
+  }
+
+  function renderHistory() {
+    const rows = history.entries.map((e) => el("tr", { "data-entry-of": e.message_id, "data-outcome": e.outcome },
+      el("td", { class: "id" }, storyLink(e.message_id)),
+      el("td", { class: "dest" }, breakable(e.destination)),
+      el("td", {}, el("span", { class: `badge ${e.outcome}` }, OUTCOMES[e.outcome] || e.outcome)),
+      timeCell(e.due_at), timeCell(e.handed_at),
+      el("td", { class: `num${e.lateness_ms < 0 ? " early" : ""}` }, window.backlogChart.duration(e.lateness_ms)),
+      el("td", { class: "num" }, e.attempts),
+      el("td", { class: "detail" }, e.detail || "")));
+    if (!rows.length) {
+      const which = history.outcome ? `${OUTCOMES[history.outcome]} ` : "";
+      const of = state.chartDestination ? ` of “${state.chartDestination}”` : "";
+      rows.push(el("tr", {}, el("td", { colspan: 8, class: "empty" }, history.days === 0
+        ? "No history is kept: the connection's history_days extra is 0."
+        : history.after ? "No older entries." : `No ${which}messages${of} in the history.`)));
+    }
+    $("history").tBodies[0].replaceChildren(...rows);
+    const page = history.cursors.length + 1;
+    $("history-info").textContent = `Page ${page} · ${entries(history.entries.length)}, newest first`;
+    $("history-newest").disabled = $("history-newer").disabled = page === 1;
+    $("history-older").disabled = !history.next;
+  }
+
+  function historyPage(direction) {
+    let after = null;
+    if (direction === "older" && history.next) {
+      history.cursors.push(history.after);
+      after = history.next;
+    } else if (direction === "newer" && history.cursors.length) {
+      after = history.cursors.pop();
+    } else {
+      history.cursors = [];
+    }
+    return loading(() => loadHistory(after)).catch(failed);
+  }
+
+  /** The recent entries again from their newest (a filter changed). */
+  function historyFromNewest() {
+    history.cursors = [];
+    return loading(() => loadHistory(null)).catch(failed);
+  }
+
+  async function loadStory(id) {
+    const mine = ticket("story");
+    const story = await api(`api/story?${new URLSearchParams({ message_id: id })}`);
+    if (mine !== history.tickets.story) return;
+    history.story = story;
+    renderStory();
+  }
+
+  /** Show the story of `id` (a message id clicked in a list, or typed), and bring it into view. */
+  function openStory(id) {
+    $("story-id").value = id;
+    return loading(async () => {
+      await loadStory(id);
+      $("story-title").scrollIntoView({ block: "start" });
+    }).catch(failed);
+  }
+
+  function renderStory() {
+    const s = history.story, box = $("story");
+    box.hidden = !s;
+    if (!s) return;
+    const time = (iso) => window.airflowPrefs.formatTime(iso);
+    const row = s.scheduled;
+    const destination = row ? row.destination : s.history.length ? s.history[s.history.length - 1].destination : null;
+    const head = el("p", { class: "story-head" }, el("strong", {}, breakable(s.message_id)),
+      el("span", { class: `badge ${s.state}`, "data-state": s.state }, OUTCOMES[s.state] || s.state),
+      destination && el("span", {}, "to ", breakable(destination)));
+    const steps = [];
+    if (s.stored_at) steps.push(el("li", { class: "stored" }, el("span", { class: "when" }, time(s.stored_at)), "Stored"));
+    for (const e of s.history) {
+      const what = e.outcome === "cancelled" ? "Cancelled" : `Attempt ${e.attempts}: ${OUTCOMES[e.outcome] || e.outcome}`;
+      steps.push(el("li", { class: e.outcome, "data-outcome": e.outcome, "data-attempt": e.attempts },
+        el("span", { class: "when" }, time(e.handed_at)), el("strong", {}, what),
+        ` to ${e.destination}, ${lateness(e.lateness_ms)} (due ${time(e.due_at)})`,
+        e.detail && el("span", { class: "detail" }, e.detail)));
+    }
+    if (row) {
+      const [at, relative] = when(row.due_at);
+      const where = row.in_flight ? "taken for delivery (in flight)" : row.paused ? "held: its destination is paused"
+        : "waiting for its due time";
+      steps.push(el("li", { class: "scheduled" }, el("span", { class: "when" }, at),
+        el("strong", {}, s.history.length ? "Scheduled again" : "Scheduled"), `: due ${relative.replace(/^due /, "")}, ${where}`));
+    }
+    const parts = [head];
+    if (steps.length) parts.push(el("ol", { class: "timeline" }, steps));
+    if (s.state === "unknown") {
+      parts.push(el("p", { class: "note" }, s.history_days === 0
+        ? "Not in the store, and no history is kept (the connection's history_days extra is 0)."
+        : `Not in the store, and not in the history: never stored under this id, or handled more than `
+          + `${plural(s.history_days, "day")} ago (the history's retention).`));
+    }
+    if (row) {
+      const headers = Object.entries(row.headers || {});
+      parts.push(el("h4", {}, "The scheduled message"),
+        el("dl", { class: "facts" }, [["Due", time(row.due_at)], ["Stored", row.stored_at ? time(row.stored_at) : ""],
+          ["Failures so far", row.failures], ["Size", plural(row.body_bytes, "byte")]]
+          .map(([k, v]) => [el("dt", {}, k), el("dd", {}, v)])),
+        el("h4", {}, "Headers"),
+        headers.length ? el("ul", { class: "headers" }, headers.map(([k, v]) => el("li", {}, `${k}=${v}`)))
+          : el("p", { class: "note" }, "No headers."),
+        row.body !== undefined
+          ? [el("h4", {}, "Body"), el("pre", { class: "body" }, row.body + (row.body_truncated ? "…" : ""))]
+          : el("p", { class: "note" }, `Body: ${plural(row.body_bytes, "byte")}, shown to the roles that may act.`));
+    }
+    box.replaceChildren(...parts.flat());
+  }
+
+  // -- dead letters: each error queue the store knows of (provisioning and the dispatchers record them) -------
+  const dead = { letters: [], selected: new Set(), open: new Set(), canEdit: false, route: null };
 
   async function loadDeadLetters() {
     const query = new URLSearchParams({ limit: "100" });
     const destination = $("dead-destination").value.trim(), failure = $("dead-failure").value.trim();
     if (destination) query.set("destination", destination);
     if (failure) query.set("failure", failure);
+    if (dead.route) query.set("route", dead.route);
     const result = await api(`api/dead-letters?${query}`);
     dead.canEdit = result.can_edit;
     dead.letters = result.dead_letters;
+    renderRoutes(result.routes || [], result.route || null);
     for (const id of [...dead.selected]) if (!dead.letters.some((d) => d.message_id === id)) dead.selected.delete(id);
     $("dead-note").textContent = result.available
       ? `${plural(dead.letters.length, "dead letter")}${result.more ? " (more in the queue)" : ""} in ${result.transport} queue ${result.error_queue}, oldest first; looking consumes nothing.`
       : `No dead letters to show: ${result.reason}.`;
     $("dead-search").hidden = !result.available;
     renderDeadLetters();
+  }
+
+  // Several error queues (transports or dispatchers of their own): a choice of which to look at.
+  function renderRoutes(routes, chosen) {
+    dead.route = chosen;
+    const select = $("dead-route");
+    select.replaceChildren(...routes.map((r) => el("option", { value: r.key, selected: r.key === chosen },
+      `${r.error_queue} (${r.transport})`)));
+    $("dead-route-label").hidden = routes.length < 2;
   }
 
   function renderDeadLetters() {
@@ -614,8 +867,8 @@
         ? `Store ${plural(ids.length, "dead letter")} again for their destination, due now?\n\n${idList(ids)}`
         : `Delete ${plural(ids.length, "dead letter")} for good?\n\n${idList(ids)}`;
       if (!await confirmAction(text, kind === "redrive" ? "Redrive" : "Delete")) return null;
-      const report = await api(`api/dead-letters/${kind}`, kind === "redrive" ? { message_ids: ids }
-        : { message_ids: ids, dry_run: false });
+      const report = await api(`api/dead-letters/${kind}`, kind === "redrive" ? { message_ids: ids, route: dead.route }
+        : { message_ids: ids, dry_run: false, route: dead.route });
       dead.selected.clear();
       await loadDeadLetters();
       if (kind === "delete") return `Deleted ${plural(report.deleted, "dead letter")}.`;
@@ -650,7 +903,8 @@
   }
 
   function refresh() {
-    return Promise.all([loadBacklog(), loadMessages(state.after), loadActions(), loadDeadLetters()]).catch(failed);
+    return loading(() => Promise.all([loadBacklog(), loadMessages(state.after), loadActions(), loadDeadLetters(),
+      loadHistoryAll(history.after), history.story ? loadStory(history.story.message_id) : null])).catch(failed);
   }
 
   /** A failed load: said in the status line; a 503 (the store cannot be used) also names the connection. */
@@ -681,7 +935,9 @@
       state.chartDestination = null;
       state.ids = [];
       renderChart();
+      renderHistoryDestinations();
       search();
+      loading(() => loadHistoryAll(null)).catch(failed);
     });
     $("id-filter-clear").addEventListener("click", () => { state.ids = []; search(); });
     $("refresh").addEventListener("click", refresh);
@@ -698,16 +954,42 @@
       showZone();
       if (state.backlog) $("updated").textContent = `updated ${when(state.backlog.at)[0]}`;
       renderMessages();
+      renderHistoryChart();
+      renderHistory();
+      renderStory();
     });
-    loadBacklog().catch(failed);
-    loadActions().catch(failed);
-    loadDeadLetters().catch(failed);
-    $("dead-search").addEventListener("submit", (event) => { event.preventDefault(); loadDeadLetters().catch(failed); });
+    $("dead-search").addEventListener("submit", (event) => { event.preventDefault(); loading(loadDeadLetters).catch(failed); });
+    $("dead-route").addEventListener("change", (event) => {
+      dead.route = event.target.value;
+      dead.selected.clear();
+      loading(loadDeadLetters).catch(failed);
+    });
     $("dead-redrive").addEventListener("click", () => deadAction("redrive"));
     $("dead-delete").addEventListener("click", () => deadAction("delete"));
-    searchFromUrl();
+    $("history-bar").addEventListener("submit", (event) => event.preventDefault());
+    $("history-window").addEventListener("change", (event) => {
+      history.window = event.target.value;
+      loading(loadHistoryChart).catch(failed);
+    });
+    $("history-destination").addEventListener("change", (event) => showDestination(event.target.value || null));
+    $("history-filter").addEventListener("submit", (event) => event.preventDefault());
+    $("history-outcome").addEventListener("change", (event) => { history.outcome = event.target.value; historyFromNewest(); });
+    $("history-limit").addEventListener("change", (event) => { history.limit = Number(event.target.value); historyFromNewest(); });
+    $("history-newest").addEventListener("click", () => historyPage("newest"));
+    $("history-newer").addEventListener("click", () => historyPage("newer"));
+    $("history-older").addEventListener("click", () => historyPage("older"));
+    $("story-form").addEventListener("submit", (event) => {
+      event.preventDefault();
+      const id = $("story-id").value.trim();
+      if (id) openStory(id);
+    });
+    // The first loads, the page busy until all are in (searchFromUrl first: a link's destination is the history's).
+    loading(() => Promise.all([searchFromUrl(), loadBacklog().catch(failed), loadActions().catch(failed),
+      loadDeadLetters().catch(failed), loadHistoryAll(null).catch(failed)]));
     setInterval(() => {
-      if (!document.hidden && !state.busy && $("confirm").hidden && $("rescheduler").hidden) loadBacklog().catch(failed);
+      if (document.hidden || state.busy || !$("confirm").hidden || !$("rescheduler").hidden) return;
+      loadBacklog().catch(failed);
+      loadHistoryChart().catch(failed);
     }, REFRESH_MS);
   });
 })();

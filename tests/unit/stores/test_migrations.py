@@ -75,3 +75,10 @@ def test_postgresql_only_statements_are_left_out_on_sqlite():
     assert migration.statements({"messages": '"t"'}, False) == ['CREATE TABLE "t" (x INTEGER)']
     assert migration.statements({"messages": '"t"'}, True) == ['CREATE TABLE "t" (x INTEGER)',
                                                                'ALTER TABLE "t" SET (fillfactor = 90)']
+
+
+def test_sqlite_only_statements_are_left_out_on_postgresql():
+    migration = Migration(9, "mixed", '/* sqlite */ CREATE TABLE {messages} (x INTEGER);\n/* postgresql */ CREATE '
+                                      "TABLE {messages} (x INTEGER) PARTITION BY RANGE (x);")
+    assert migration.statements({"messages": '"t"'}, False) == ['CREATE TABLE "t" (x INTEGER)']
+    assert migration.statements({"messages": '"t"'}, True) == ['CREATE TABLE "t" (x INTEGER) PARTITION BY RANGE (x)']

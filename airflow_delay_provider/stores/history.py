@@ -1,0 +1,369 @@
+"""The store's delivery history (core/history.py): written in the settling transaction, read for the page and the
+CLI, and kept for `history_days` days.
+
+On PostgreSQL a row holds a batch's messages of one destination and outcome in arrays: a row per message cost the
+pump a fifth of its rate (tables.history_table). The table is partitioned by day: upkeep attaches the partitions of
+the next two days ahead of time (`<table>_hYYMMDD`), never today's, and drops those whose day ended before the
+retention's start, so old history goes with no DELETE and no vacuum. A partition is only attached for a day nobody
+writes to yet: an insert PostgreSQL routed to the default partition before an ATTACH of the range it falls in fails
+once the ATTACH commits ("violates partition constraint"), which would release a pump's whole batch. The default
+partition takes the rows of a day with no partition (the day the history was made, or days when upkeep did not run);
+should it hold rows of a day to come (a host whose clock is ahead), that day's partition starts after its last row.
+Upkeep deletes the default's rows past the retention. A message's story is a scan of the arrays, newest first: an
+index of every id would cost the pump another fifth. On SQLite one row per message, indexed by id; upkeep deletes the
+old rows.
+
+A store whose tables predate the history (schema version 11 or older) writes none: the table is looked for once
+a minute until it is there.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    Insert,
+    Integer,
+    String,
+    delete,
+    func,
+    insert,
+    inspect,
+    literal,
+    select,
+    text,
+)
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.sql.expression import CTE
+
+from airflow_delay_provider.core.errors import InvalidInputError
+from airflow_delay_provider.core.history import (
+    CANCELLED,
+    DELIVERED,
+    MAX_HISTORY_PAGE,
+    MINUTE_US,
+    Delivery,
+    Settled,
+    check_history_days,
+    series_point,
+)
+from airflow_delay_provider.stores.background import BackgroundWork
+from airflow_delay_provider.stores.engine import LOCK_NOT_AVAILABLE, Database
+from airflow_delay_provider.stores.tables import StoreTables, from_us, to_us
+
+log = logging.getLogger(__name__)
+
+DAY_US = 86_400_000_000
+#: How many days ahead upkeep has each day's partition ready (the next two: never today's, which takes inserts).
+_DAYS_AHEAD = 2
+#: Upkeep looks at the partitions this often (seconds): a day's partition is made two days before it starts.
+_UPKEEP_SECONDS = 600.0
+_PRESENT_CHECK_SECONDS = 60.0
+_DAY_NAME = re.compile(r"_h(\d{6})$")
+
+
+#: What a write needs of each message, by id: (destination, due_at_us, failures before this attempt, stored_at_us).
+Facts = Mapping[str, tuple[str, int, int, int | None]]
+
+
+class DeliveryHistory(BackgroundWork):
+    """One store's history: `write` (a claim's settlement), `moved_from` (the move's statement), `cancelled_from`
+    (a cancel's), the reads, and its upkeep (`start`, in a thread)."""
+
+    thread_name = "delay-store-history"
+
+    def __init__(self, db: Database, tables: StoreTables, days: int) -> None:
+        super().__init__()
+        self.db = db
+        self.tables = tables
+        self.batches = db.is_postgres
+        self.table = tables.history if self.batches else tables.history_rows
+        self.days = check_history_days(days)
+        self._present = False
+        self._present_checked = -float("inf")
+
+    def interval(self) -> float:
+        return _UPKEEP_SECONDS
+
+    # -- whether to write ------------------------------------------------------------------------------
+    def on(self, conn: Connection) -> bool:
+        """Whether entries are written: a retention above 0 and the table there, looked for on the caller's
+        connection (on SQLite a second one would wait for the write lock the caller holds)."""
+        if not self.days:
+            return False
+        if not self._present and time.monotonic() - self._present_checked > _PRESENT_CHECK_SECONDS:
+            self._present_checked = time.monotonic()
+            self._present = inspect(conn).has_table(self.table.name, schema=self.db.schema)
+        return self._present
+
+    # -- writes -----------------------------------------------------------------------------------------
+    def write(self, conn: Connection, handed_at_us: int, groups: Sequence[Settled], facts: Facts) -> None:
+        """Insert a batch's outcomes in the caller's transaction: on PostgreSQL a row per destination and group."""
+        if not groups or not self.on(conn):
+            return
+        rows = []
+        for group in groups:
+            extra = 0 if group.outcome == CANCELLED else 1  # this attempt, but for a cancel
+            by_destination: dict[str, list[str]] = {}
+            for message_id in group.message_ids:
+                by_destination.setdefault(facts[message_id][0], []).append(message_id)
+            for destination, ids in by_destination.items():
+                base = {"handed_at_us": handed_at_us, "destination": destination, "outcome": group.outcome,
+                        "detail": group.detail}
+                if self.batches:
+                    rows.append({**base, "n": len(ids), "message_ids": ids,
+                                 "due_at_us": [facts[m][1] for m in ids],
+                                 "attempts": [facts[m][2] + extra for m in ids],
+                                 "stored_at_us": [facts[m][3] for m in ids]})
+                else:
+                    rows += [{**base, "message_id": m, "due_at_us": facts[m][1], "attempts": facts[m][2] + extra,
+                              "stored_at_us": facts[m][3]} for m in ids]
+        conn.execute(insert(self.table), rows)
+
+    def cancelled(self, conn: Connection, rows: Sequence[Any], at_us: int) -> None:
+        """Record the rows a cancel deleted (each with message_id, destination, due_at_us, failures and
+        stored_at_us), in its transaction."""
+        if rows:
+            self.write(conn, at_us, [Settled(CANCELLED, tuple(r.message_id for r in rows))],
+                       {r.message_id: (r.destination, r.due_at_us, r.failures, r.stored_at_us) for r in rows})
+
+    def _from(self, changed: CTE, handed_us: ColumnElement[int], outcome: str,
+              attempts: ColumnElement[int]) -> Insert:
+        """On PostgreSQL: the insert of a row per destination of `changed` (a CTE of a DELETE returning message_id,
+        destination, due_at_us, failures and stored_at_us), for the changing statement itself."""
+        c = changed.c
+        rows = select(handed_us, c.destination, literal(outcome, String), literal(None, String), func.count(),
+                      func.array_agg(c.message_id), func.array_agg(c.due_at_us), func.array_agg(attempts),
+                      func.array_agg(c.stored_at_us)).group_by(c.destination)
+        return insert(self.table).from_select(["handed_at_us", "destination", "outcome", "detail", "n", "message_ids",
+                                               "due_at_us", "attempts", "stored_at_us"], rows)
+
+    def moved_from(self, conn: Connection, claimed: CTE, handed_us: ColumnElement[int]) -> Insert | None:
+        """The insert of the entries of the rows a move delivered (`claimed`, as `_from` takes it), for the move's own
+        statement; None when no history is kept."""
+        if not self.on(conn):
+            return None
+        return self._from(claimed, handed_us, DELIVERED, claimed.c.failures + literal(1, Integer))
+
+    def cancelled_from(self, conn: Connection, changed: CTE, now_us: int) -> Insert | None:
+        """The insert of the entries of the rows a cancel deleted (a CTE as `_from` takes it), or None."""
+        if not self.on(conn):
+            return None
+        return self._from(changed, literal(now_us, BigInteger), CANCELLED, changed.c.failures)
+
+    # -- reads ------------------------------------------------------------------------------------------
+    def entries(self, destination: str | None = None, message_id: str | None = None, outcome: str | None = None,
+                since: datetime | None = None, before: datetime | None = None, limit: int = 50,
+                oldest_first: bool = False, after: str | None = None) -> tuple[list[Delivery], str | None]:
+        """Entries newest first (oldest first for a message's story), and the cursor of the next page (None: no
+        more). `after` is the cursor a previous page gave: the entries of one batch share their time, so it says how
+        many of those at the page's last time were shown."""
+        limit = min(limit, MAX_HISTORY_PAGE)
+        at_us, shown = _cursor(after)
+        where: list[str] = []
+        params: dict[str, Any] = {"limit": limit + 1 + shown}
+        for column, value, op in (("destination", destination, "="), ("outcome", outcome, "="),
+                                  ("handed_at_us", None if since is None else to_us(since), ">="),
+                                  ("handed_at_us", None if before is None else to_us(before), "<"),
+                                  ("handed_at_us", at_us, ">=" if oldest_first else "<=")):
+            if value is not None:
+                key = f"p{len(params)}"
+                where.append(f"h.{column} {op} :{key}")
+                params[key] = value
+        if message_id is not None:
+            params["mid"] = message_id
+            where.append("u.message_id = :mid")
+            if self.batches:  # the arrays that hold it, before they are unnested
+                where.append("h.message_ids @> ARRAY[CAST(:mid AS TEXT)]")
+        name = self.db.qualified(self.table.name)
+        direction = "" if oldest_first else " DESC"
+        if self.batches:
+            source = (f"{name} h CROSS JOIN LATERAL unnest(h.message_ids, h.due_at_us, h.attempts, h.stored_at_us) "
+                      "WITH ORDINALITY AS u(message_id, due_at_us, attempts, stored_at_us, i)")
+            order = f"h.handed_at_us{direction}, h.seq{direction}, u.i{direction}"
+        else:
+            source = f"{name} h"  # a row per message: the `u.` columns are the row's own
+            where = [w.replace("u.message_id", "h.message_id") for w in where]
+            order = f"h.handed_at_us{direction}, h.rowid{direction}"
+        columns = ("h.handed_at_us, h.destination, h.outcome, h.detail, u.message_id, u.due_at_us, u.attempts, "
+                   "u.stored_at_us")
+        if not self.batches:
+            columns = columns.replace("u.", "h.")
+        query = text(f"SELECT {columns} FROM {source} {'WHERE ' + ' AND '.join(where) if where else ''} "
+                     f"ORDER BY {order} LIMIT :limit")
+        with self.db.errors("read the delivery history"), self.db.engine.connect() as conn:
+            if not self._readable(conn):
+                return [], None
+            rows = conn.execute(query, params).all()[shown:]
+        page = [Delivery(r.message_id, r.destination, from_us(r.due_at_us), from_us(r.handed_at_us), r.attempts,
+                         r.outcome, r.detail, None if r.stored_at_us is None else from_us(r.stored_at_us))
+                for r in rows[:limit]]
+        if len(rows) <= limit:
+            return page, None
+        last = rows[limit - 1].handed_at_us
+        same = sum(1 for r in rows[:limit] if r.handed_at_us == last) + (shown if last == at_us else 0)
+        return page, f"{last}:{same}"
+
+    def chart(self, destination: str | None, since: datetime, until: datetime) -> list[dict[str, Any]]:
+        """Per minute: the delivered count and lateness p50/p99 (nearest rank), and the other outcomes' counts."""
+        name = self.db.qualified(self.table.name)
+        params: dict[str, Any] = {"since": to_us(since), "until": to_us(until), "minute": MINUTE_US,
+                                  "delivered": DELIVERED}
+        where = "h.handed_at_us >= :since AND h.handed_at_us < :until"
+        if destination is not None:
+            where += " AND h.destination = :destination"
+            params["destination"] = destination
+        count = "sum(h.n)" if self.batches else "count(*)"
+        others = text(f"SELECT h.handed_at_us / :minute AS minute, h.outcome, {count} FROM {name} h "
+                      f"WHERE {where} AND h.outcome <> :delivered GROUP BY 1, 2")
+        with self.db.errors("read the delivery history"), self.db.engine.connect() as conn:
+            if not self._readable(conn):
+                return []
+            counts: dict[int, dict[str, int]] = {}
+            for m, outcome, n in conn.execute(others, params):
+                counts.setdefault(int(m), {})[outcome] = int(n)
+            if self.batches:
+                late = "h.handed_at_us - d"
+                stats = {int(m): (int(n), p50, p99) for m, n, p50, p99 in conn.execute(text(
+                    f"SELECT h.handed_at_us / :minute AS minute, count(*), "
+                    f"percentile_disc(0.5) WITHIN GROUP (ORDER BY {late}), "
+                    f"percentile_disc(0.99) WITHIN GROUP (ORDER BY {late}) "
+                    f"FROM {name} h CROSS JOIN LATERAL unnest(h.due_at_us) AS d "
+                    f"WHERE {where} AND h.outcome = :delivered GROUP BY 1"), params)}
+                points = []
+                for m in sorted(stats.keys() | counts.keys()):
+                    n, p50, p99 = stats.get(m, (0, None, None))
+                    point = series_point(m, [], counts.get(m, {}))
+                    point.update(delivered=n, p50_ms=None if p50 is None else round(p50 / 1000, 3),
+                                 p99_ms=None if p99 is None else round(p99 / 1000, 3))
+                    points.append(point)
+                return points
+            values: dict[int, list[int]] = {}
+            for m, value in conn.execute(text(
+                    f"SELECT h.handed_at_us / :minute AS minute, h.handed_at_us - h.due_at_us FROM {name} h "
+                    f"WHERE {where} AND h.outcome = :delivered ORDER BY 1, 2"), params):
+                values.setdefault(int(m), []).append(int(value))
+        return [series_point(m, values.get(m, []), counts.get(m, {})) for m in sorted(values.keys() | counts.keys())]
+
+    def _readable(self, conn: Connection) -> bool:
+        """Whether the table is there to read (a store of schema version 11 or older has none: no history)."""
+        if self._present:
+            return True
+        self._present = inspect(conn).has_table(self.table.name, schema=self.db.schema)
+        return self._present
+
+    # -- upkeep -----------------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self.keep()
+        except Exception as exc:  # upkeep is retried at its next pass; a pump must not stop for it
+            log.warning("delivery history upkeep of %s failed, tried again in %.0f s: %s", self.tables.where,
+                        self.interval(), exc)
+
+    def keep(self) -> dict[str, list[str]]:
+        """Make the coming days' partitions and drop (or delete) what is past the retention; returns the partitions
+        made and dropped. Never waits more than moments for a lock: the next pass tries again. Run it at least once
+        a day (a pump's loop starts it every ten minutes): a day that starts without its partition writes to the
+        default."""
+        if not self._readable_now():
+            return {"made": [], "dropped": []}
+        now_us = to_us(self.db.clock())
+        cutoff_us = now_us - self.days * DAY_US
+        if not self.db.is_postgres:
+            with self.db.errors("trim the delivery history"), self.db.engine.begin() as conn:
+                conn.execute(delete(self.table).where(self.table.c.handed_at_us < cutoff_us))
+            return {"made": [], "dropped": []}
+        made, dropped = [], []
+        today = now_us // DAY_US
+        have = self._partitions()
+        for day in range(today + 1, today + 1 + _DAYS_AHEAD):
+            if day not in have and self._make(day):
+                made.append(self._name(day))
+        for day in sorted(have):
+            if (day + 1) * DAY_US <= cutoff_us and self._drop(day):
+                dropped.append(self._name(day))
+        with self.db.errors("trim the delivery history"), self.db.engine.begin() as conn:
+            conn.execute(text(f"DELETE FROM {self.db.qualified(self.tables.name + '_hdefault')} "
+                              "WHERE handed_at_us < :cutoff"), {"cutoff": cutoff_us})
+        if made or dropped:
+            log.info("delivery history of %s: made %s, dropped %s (kept %d days)", self.tables.where, made or "none",
+                     dropped or "none", self.days)
+        return {"made": made, "dropped": dropped}
+
+    def _readable_now(self) -> bool:
+        with self.db.errors("look for the delivery history"), self.db.engine.connect() as conn:
+            return self._readable(conn)
+
+    def _name(self, day: int) -> str:
+        return f"{self.tables.name}_h{(datetime(1970, 1, 1) + timedelta(days=day)).strftime('%y%m%d')}"
+
+    def _partitions(self) -> set[int]:
+        """The days that have a partition, from their names."""
+        with self.db.errors("list the delivery history's partitions"), self.db.engine.connect() as conn:
+            names = conn.execute(text(
+                "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+                "WHERE i.inhparent = to_regclass(:parent)"), {"parent": self.db.qualified(self.table.name)}).scalars()
+            days = set()
+            for name in names:
+                match = _DAY_NAME.search(name)
+                if match and name == f"{self.tables.name}_h{match[1]}":
+                    days.add((datetime.strptime(match[1], "%y%m%d") - datetime(1970, 1, 1)).days)
+        return days
+
+    def _briefly(self, action: str, work: Callable[[Connection], object]) -> bool:
+        """Do `work` in a transaction whose locks are had within moments or not at all: False when someone holds
+        one (the next pass tries again), so pumps never queue long behind a request for a lock here."""
+        with self.db.errors(action):
+            try:
+                with self.db.engine.begin() as conn:
+                    conn.execute(text("SET LOCAL lock_timeout = '200ms'"))
+                    work(conn)
+            except OperationalError as exc:
+                if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
+                    raise
+                return False
+        return True
+
+    def _make(self, day: int) -> bool:
+        """Attach a new table as the day's partition: ATTACH takes the parent's SHARE UPDATE EXCLUSIVE lock, which
+        inserts do not wait for (CREATE ... PARTITION OF would take ACCESS EXCLUSIVE)."""
+        parent, default = self.db.qualified(self.table.name), self.db.qualified(self.tables.name + "_hdefault")
+        name = self.db.qualified(self._name(day))
+
+        def make(conn: Connection) -> None:
+            conn.execute(text(f"CREATE TABLE IF NOT EXISTS {name} (LIKE {parent} INCLUDING DEFAULTS)"))
+            # Inserts into the default wait while its rows of that day are read and the partition is attached.
+            conn.execute(text(f"LOCK TABLE {default} IN SHARE ROW EXCLUSIVE MODE"))
+            last = conn.execute(text(f"SELECT max(handed_at_us) FROM {default} WHERE handed_at_us >= :start "
+                                     "AND handed_at_us < :end"),
+                                {"start": day * DAY_US, "end": (day + 1) * DAY_US}).scalar()
+            start = day * DAY_US if last is None else int(last) + 1
+            conn.execute(text(f"ALTER TABLE {parent} ATTACH PARTITION {name} FOR VALUES FROM ({start}) "
+                              f"TO ({(day + 1) * DAY_US})"))
+
+        return self._briefly("make a day's partition of the delivery history", make)
+
+    def _drop(self, day: int) -> bool:
+        """Drop a day's partition: a moment's ACCESS EXCLUSIVE lock of the parent, once a day."""
+        name = self.db.qualified(self._name(day))
+        return self._briefly("drop a day's partition of the delivery history",
+                             lambda conn: conn.execute(text(f"DROP TABLE IF EXISTS {name}")))
+
+
+def _cursor(after: str | None) -> tuple[int | None, int]:
+    """(the time of a page's last entry, how many entries of that time it showed) from its `next` cursor."""
+    if not after:
+        return None, 0
+    try:
+        at, _, shown = after.partition(":")
+        return int(at), int(shown)
+    except ValueError:
+        raise InvalidInputError(f"after must be the `next` cursor a page of the history gave, got {after!r}") from None
