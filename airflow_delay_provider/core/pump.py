@@ -61,6 +61,17 @@ class _Failed(Enum):
 _FAILED = _Failed.FAILED
 
 
+def _release(stack: ExitStack, exc: BaseException) -> None:
+    """End a claim with an error: rolled back, its rows stay stored. The store may report the failure again in its
+    own words (a lost connection, translated as it unwinds): the same failure, which the caller handles, not a new
+    one to stop the pump for."""
+    try:
+        stack.__exit__(type(exc), exc, exc.__traceback__)
+    except Exception as again:
+        if again is not exc:
+            log.debug("releasing the claim after %s: %s", type(exc).__name__, again)
+
+
 def _outage(messages: list[DelayedMessage], exc: Exception) -> dict[str, Exception]:
     """A whole batch failed: an outage, whatever the exception says; no message is to blame."""
     outage = exc if isinstance(exc, UnavailableError) else UnavailableError(f"{type(exc).__name__}: {exc}")
@@ -185,7 +196,7 @@ class Pump:
             connection = claim.connection if self.exactly_once else None
             return _InFlight(stack, claim, sending, self._start_send(sending, connection))
         except BaseException as exc:
-            stack.__exit__(type(exc), exc, exc.__traceback__)  # releases the claim: the rows stay stored
+            _release(stack, exc)  # the rows stay stored
             if isinstance(exc, CriticalError) or not isinstance(exc, Exception):
                 raise
             if isinstance(exc, StoreNotReadyError):  # before provisioning: a wait, no failure of the store
@@ -201,7 +212,7 @@ class Pump:
         try:
             transient = self._settle(inflight.claim, inflight.messages, stats, inflight.wait())
         except BaseException as exc:
-            inflight.stack.__exit__(type(exc), exc, exc.__traceback__)
+            _release(inflight.stack, exc)
             if isinstance(exc, CriticalError) or not isinstance(exc, Exception):
                 raise
             log.warning("batch released, its messages stay stored and are claimed again: %s", exc)
@@ -309,7 +320,7 @@ class Pump:
             if self._inflight is not None:  # stopped by an error: release the batch still in flight
                 inflight, self._inflight = self._inflight, None
                 error = CriticalError("the pump stopped with a batch in flight")
-                inflight.stack.__exit__(CriticalError, error, None)
+                _release(inflight.stack, error)
 
     def stop(self) -> None:
         """Ask a `run()` in another thread to return (`stopped`) after settling the batch in hand, as a

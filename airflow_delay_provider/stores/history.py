@@ -107,9 +107,12 @@ class DeliveryHistory(BackgroundWork):
     # -- writes -----------------------------------------------------------------------------------------
     def write(self, conn: Connection, handed_at_us: int, groups: Sequence[Settled], facts: Facts) -> None:
         """Insert a batch's outcomes in the caller's transaction: on PostgreSQL a row per destination and group."""
-        if not groups or not self.on(conn):
-            return
-        rows = []
+        with self.db.errors("record the delivery history"):  # the claim's own error, as its statements give
+            if groups and self.on(conn):
+                conn.execute(insert(self.table), self._rows(handed_at_us, groups, facts))
+
+    def _rows(self, handed_at_us: int, groups: Sequence[Settled], facts: Facts) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
         for group in groups:
             extra = 0 if group.outcome == CANCELLED else 1  # this attempt, but for a cancel
             by_destination: dict[str, list[str]] = {}
@@ -126,7 +129,7 @@ class DeliveryHistory(BackgroundWork):
                 else:
                     rows += [{**base, "message_id": m, "due_at_us": facts[m][1], "attempts": facts[m][2] + extra,
                               "stored_at_us": facts[m][3]} for m in ids]
-        conn.execute(insert(self.table), rows)
+        return rows
 
     def cancelled(self, conn: Connection, rows: Sequence[Any], at_us: int) -> None:
         """Record the rows a cancel deleted (each with message_id, destination, due_at_us, failures and

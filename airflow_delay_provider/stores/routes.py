@@ -13,16 +13,12 @@ from typing import Any
 from sqlalchemy import inspect, select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import check_destination
 from airflow_delay_provider.stores.engine import Database
 from airflow_delay_provider.stores.tables import StoreTables, from_us, to_us
+from airflow_delay_provider.transports.registry import check_transport
 
 log = logging.getLogger(__name__)
-
-#: The transports a route may name (transports/registry.py knows how to open each).
-TRANSPORTS = ("sql", "rabbitmq", "sqs")
-
 
 class DispatchRoutes:
     """`record` (provisioning, a dispatcher's start) and `routes` (the page) of one store."""
@@ -35,8 +31,7 @@ class DispatchRoutes:
     def record(self, transport: str, conn_id: str | None, error_queue: str, scope: dict[str, Any]) -> bool:
         """Say that messages go through `transport` on `conn_id` (None: the transport's default connection) with
         `error_queue`; False, recording nothing, on a store older than the routes (schema version 12 or before)."""
-        if transport not in TRANSPORTS:
-            raise InvalidInputError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        check_transport(transport)  # the built-in ones, and any a module registered
         check_destination(error_queue)
         row = {"transport": transport, "conn_id": conn_id or "", "error_queue": error_queue,
                "scope": json.dumps(scope, sort_keys=True, default=str), "seen_at_us": to_us(self.db.clock())}

@@ -64,7 +64,10 @@ def _move(store, queue, soon_only):
     """The statement of a move into SQL queues that reads the due rows: of `_soon` alone, the move itself; of every
     partition, the locking read of its rows' places before it (`SqlDelayedMessageStore.taken`)."""
     ids = queue.provisioned(store, store.due_ids(store.clock(), BATCH, soon_only=soon_only))
-    return queue._moving(store, store.claimed(ids, soon_only=True), store.clock())[1] if soon_only else ids
+    if not soon_only:
+        return ids
+    with store.engine.connect() as conn:  # where the move looks whether the delivery history is kept
+        return queue._moving(store, conn, store.claimed(ids, soon_only=True), store.clock())[1]
 
 
 def _claim(store, _queue, soon_only):

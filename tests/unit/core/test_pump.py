@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 
 import pytest
@@ -383,3 +384,39 @@ def test_a_transport_refusing_every_message_of_a_backlog_still_trips_the_breaker
     with pytest.raises(CriticalError, match="dispatching kept failing"):
         pump.run(stop_when_idle=True)
     assert received(transport, "orders") == [] and 30 <= transport.batches <= 40
+
+
+class HistoryFails(InMemoryStore):
+    """A store whose first batches fail to record their history with a driver's error, which the store's claim
+    reports in its own words as it unwinds (as the SQL store's translation does): a second exception."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    @contextmanager
+    def claim_due(self, now, limit, due_before=None, exclude=()):
+        try:
+            with super().claim_due(now, limit, due_before, exclude) as claim:
+                store = self
+
+                def record(_handed_at, _groups):
+                    if store.failures:
+                        store.failures -= 1
+                        raise OSError("server closed the connection unexpectedly")
+
+                claim.record = record
+                yield claim
+        except OSError as exc:
+            raise UnavailableError(f"could not claim due messages ({exc})") from None
+
+
+def test_a_settlement_the_store_fails_releases_the_batch_and_the_pump_goes_on():
+    store, transport = HistoryFails(failures=1), InMemoryTransport()
+    transport.provision("q")
+    store.store([DelayedMessage("q", b"x", utcnow() - timedelta(seconds=1), {}, f"m-{i}") for i in range(5)])
+    result = Pump(store, transport, PumpConfig(batch_size=5), sleep=lambda s: None).run(stop_when_idle=True)
+    # The batch released, and the pump on to the end: before, the second exception stopped it.
+    assert store.failures == 0 and store.count_scheduled() == {}
+    assert {m.message_id for m in received(transport, "q")} >= {f"m-{i}" for i in range(5)}
+    assert result.reason == "drained"
