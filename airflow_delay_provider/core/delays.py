@@ -158,5 +158,18 @@ def seconds_until(deliver_at: datetime, now: datetime) -> int:
     return max(0, math.ceil((deliver_at - now).total_seconds()))
 
 
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_US = timedelta(microseconds=1)
+
+
+def to_us(moment: datetime) -> int:
+    """Microseconds since the epoch (UTC), as the store keeps times."""
+    return (moment - EPOCH) // _US  # integer arithmetic: exact, unlike timestamp() floats
+
+
+def from_us(us: int) -> datetime:
+    return EPOCH + us * _US
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)

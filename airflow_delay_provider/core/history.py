@@ -3,7 +3,7 @@
 Every settlement writes one entry per message (delivered, retried, dead-lettered), and a cancel one per message
 it removes, in the transaction that settles it: the history says what the store did, never what it was about to
 do. An entry holds no body (a viewer may read the history) and no credentials; `detail` is the failure that a
-retry or a dead letter answers, or who cancelled.
+retry or a dead letter answers.
 
 The charts are per minute: how many were delivered and the p50/p99 of their lateness (the time from the due time
 to the hand-over), computed from the entries themselves, so they agree with the list beside them.
@@ -14,11 +14,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any, NamedTuple
 
 from airflow_delay_provider.core.checks import check_int
-from airflow_delay_provider.core.delays import UTC
+from airflow_delay_provider.core.delays import from_us, to_us
 from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.message import DelayedMessage
 
@@ -39,7 +39,6 @@ MAX_HISTORY_PAGE = 1_000
 #: The longest failure text an entry keeps (a broker's error can be long; the dead letter keeps all of it).
 MAX_DETAIL = 500
 MINUTE_US = 60_000_000
-EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def check_history_days(value: object, where: str = "") -> int:
@@ -143,30 +142,39 @@ def rank(n: int, quantile: float) -> int:
 def minute_series(entries: Iterable[Delivery], since: datetime, until: datetime) -> list[dict[str, Any]]:
     """Per minute from `since` to `until`: delivered, dead-lettered and retried counts and the p50/p99 lateness
     (milliseconds, nearest rank) of the delivered ones; minutes with no entry are left out."""
-    minutes: dict[int, dict[str, Any]] = {}
+    late: dict[int, list[int]] = {}
+    others: dict[int, dict[str, int]] = {}
     for e in entries:
         if not since <= e.handed_at < until:
             continue
-        us = (e.handed_at - EPOCH) // timedelta(microseconds=1)
-        slot = minutes.setdefault(us // MINUTE_US, {"late": [], DEAD_LETTERED: 0, RETRIED: 0, CANCELLED: 0})
+        minute = to_us(e.handed_at) // MINUTE_US
         if e.outcome == DELIVERED:
-            slot["late"].append(round(e.lateness * 1_000_000))
+            late.setdefault(minute, []).append(round(e.lateness * 1_000_000))
         else:
-            slot[e.outcome] += 1
-    return [series_point(minute, sorted(slot.pop("late")), slot) for minute, slot in sorted(minutes.items())]
+            counts = others.setdefault(minute, {})
+            counts[e.outcome] = counts.get(e.outcome, 0) + 1
+    return [series_point(m, *lateness_stats(sorted(late.get(m, []))), others.get(m, {}))
+            for m in sorted(late.keys() | others.keys())]
 
 
-def series_point(minute: int, lateness_us: list[int], others: Mapping[str, int]) -> dict[str, Any]:
-    """One minute of a chart from its delivered lateness values (microseconds, sorted) and the other counts."""
+def lateness_stats(lateness_us: list[int]) -> tuple[int, int | None, int | None]:
+    """(count, p50, p99) of sorted lateness values (microseconds), nearest rank; None for no values."""
     n = len(lateness_us)
-    at = EPOCH + timedelta(minutes=minute)
+    if not n:
+        return 0, None, None
+    return n, lateness_us[rank(n, 0.5) - 1], lateness_us[rank(n, 0.99) - 1]
 
-    def q(quantile: float) -> float | None:
-        return round(lateness_us[rank(n, quantile) - 1] / 1000, 3) if n else None
 
-    return {"minute": at.isoformat(), "delivered": n, "p50_ms": q(0.5), "p99_ms": q(0.99),
-            "dead_lettered": int(others.get(DEAD_LETTERED, 0)), "retried": int(others.get(RETRIED, 0)),
-            "cancelled": int(others.get(CANCELLED, 0))}
+def series_point(minute: int, delivered: int, p50_us: int | None, p99_us: int | None,
+                 others: Mapping[str, int]) -> dict[str, Any]:
+    """One minute of a chart: the delivered count, their lateness p50/p99 (microseconds) and the other counts."""
+
+    def ms(us: int | None) -> float | None:
+        return None if us is None else round(us / 1000, 3)
+
+    return {"minute": from_us(minute * MINUTE_US).isoformat(), "delivered": delivered, "p50_ms": ms(p50_us),
+            "p99_ms": ms(p99_us), "dead_lettered": int(others.get(DEAD_LETTERED, 0)),
+            "retried": int(others.get(RETRIED, 0)), "cancelled": int(others.get(CANCELLED, 0))}
 
 
 def story_report(message_id: str, scheduled: Mapping[str, Any] | None, entries: Iterable[Delivery],

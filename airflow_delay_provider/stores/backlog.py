@@ -17,7 +17,6 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from sqlalchemy import (
-    Column,
     ColumnElement,
     Integer,
     and_,
@@ -64,7 +63,7 @@ from airflow_delay_provider.stores.bulk import BatchedChange
 from airflow_delay_provider.stores.dedup import AcceptedIds
 from airflow_delay_provider.stores.destinations import DestinationSettings
 from airflow_delay_provider.stores.engine import PASSES, Database, in_transaction
-from airflow_delay_provider.stores.history import DeliveryHistory
+from airflow_delay_provider.stores.history import DeliveryHistory, removed_columns
 from airflow_delay_provider.stores.tables import COUNT_SLOT_US, StoreTables, _message, from_us, tier_of, to_us
 
 log = logging.getLogger(__name__)
@@ -331,15 +330,14 @@ class BacklogControls:
             changed: list[str] = []
             for _ in range(_PASSES):
                 statement = delete(t) if due_us is None else update(t).values(**new_values)
-                rows = conn.execute(statement.where(*where).returning(t.c.message_id, t.c.stored_at_us,
-                                                                      *self._cancelled_columns)).all()
-                changed.extend(r[0] for r in rows)
+                rows = conn.execute(statement.where(*where).returning(*removed_columns(t))).all()
+                changed.extend(r.message_id for r in rows)
                 if due_us is None:
-                    self.accepted.cancelled(conn, [(r[0], r[1]) for r in rows])
+                    self.accepted.cancelled(conn, [(r.message_id, r.stored_at_us) for r in rows])
                     if self.history is not None:
                         self.history.cancelled(conn, rows, now_us)
                 else:
-                    self.accepted.moved(conn, ((r[0], due_us, r[1]) for r in rows))
+                    self.accepted.moved(conn, ((r.message_id, due_us, r.stored_at_us) for r in rows))
                 # A claim this pass waited for may have written rows back for a retry; a new statement
                 # (a new snapshot) sees them, and the next pass takes them.
                 if not conn.execute(select(t.c.id).where(*where).limit(1)).first():
@@ -391,12 +389,6 @@ class BacklogControls:
                 held += conn.execute(select(t.c.message_id).where(*selected, leased).limit(LISTED + 1)).scalars()
         return bulk_report(selector, [*change.listed, *already][:LISTED + 1], change.count + already_count, held,
                            held_count, change.batches)
-
-    @property
-    def _cancelled_columns(self) -> tuple[Column[Any], ...]:
-        """What a cancel's delete returns besides the id and stored time, for the delivery history."""
-        t = self.tables.messages
-        return t.c.destination, t.c.due_at_us, t.c.failures
 
     def _new_values(self, due_us: int | None, now_us: int) -> dict[str, int]:
         """The columns a reschedule to `due_us` writes (none for a cancel)."""

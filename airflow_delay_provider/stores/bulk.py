@@ -24,7 +24,7 @@ from sqlalchemy.engine import Connection
 from airflow_delay_provider.core.backlog import BULK_BATCH, LISTED
 from airflow_delay_provider.stores.dedup import AcceptedIds
 from airflow_delay_provider.stores.engine import PASSES, Database, in_transaction
-from airflow_delay_provider.stores.history import DeliveryHistory
+from airflow_delay_provider.stores.history import DeliveryHistory, removed_columns
 from airflow_delay_provider.stores.tables import StoreTables, to_us
 
 log = logging.getLogger(__name__)
@@ -103,8 +103,7 @@ class BatchedChange:
             chosen = and_(t.c.tier.in_(sorted(set(tiers))), chosen)
         cancel = self.due_us is None
         plain = delete(t) if cancel else update(t).values(**self.values)
-        statement = plain.where(chosen, *self.where).returning(
-            t.c.message_id, t.c.stored_at_us, *((t.c.destination, t.c.due_at_us, t.c.failures) if cancel else ()))
+        statement = plain.where(chosen, *self.where).returning(*removed_columns(t))
 
         def work(conn: Connection) -> tuple[int, list[str]]:
             now_us = to_us(self.db.clock())
@@ -122,12 +121,12 @@ class BatchedChange:
             else:
                 rows = conn.execute(statement).all()
                 if self.due_us is None:
-                    self.accepted.cancelled(conn, [(r[0], r[1]) for r in rows])
+                    self.accepted.cancelled(conn, [(r.message_id, r.stored_at_us) for r in rows])
                     if self.history is not None:
                         self.history.cancelled(conn, rows, now_us)
                 else:
-                    self.accepted.moved(conn, ((r[0], self.due_us, r[1]) for r in rows))
-                ids = [r[0] for r in rows]
+                    self.accepted.moved(conn, ((r.message_id, self.due_us, r.stored_at_us) for r in rows))
+                ids = [r.message_id for r in rows]
             # Only once committed: a transaction tried again (in_transaction) lists nothing twice.
             return len(ids), ids[:max(0, LISTED + 1 - len(self.listed))]
 

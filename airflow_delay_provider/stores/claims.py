@@ -39,7 +39,7 @@ from airflow_delay_provider.core.history import Settled
 from airflow_delay_provider.core.ports import Claim
 from airflow_delay_provider.stores.dedup import AcceptedIds
 from airflow_delay_provider.stores.engine import Database, IndexStart
-from airflow_delay_provider.stores.history import DeliveryHistory
+from airflow_delay_provider.stores.history import DeliveryHistory, facts_of
 from airflow_delay_provider.stores.tables import SOON, StoreTables, _message, from_us, to_us
 
 #: How far before its clock a reading of where claims start marks the due times of rows written after it.
@@ -83,8 +83,7 @@ class _SqlClaim(Claim):
 
     def record(self, handed_at: datetime, groups: Sequence[Settled]) -> None:
         if self.history is not None:
-            self.history.write(self.connection, to_us(handed_at), groups, {
-                m: (r.destination, r.due_at_us, r.failures, r.stored_at_us) for m, r in self._rows.items()})
+            self.history.write(self.connection, to_us(handed_at), groups, facts_of(self._rows.values()))
 
     def restore_unsettled(self) -> None:
         if self._unsettled:

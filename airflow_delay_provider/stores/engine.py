@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Protocol, TypeVar
 
-from sqlalchemy import Engine, Table, create_engine, event, func, select
+from sqlalchemy import Engine, Table, create_engine, event, func, inspect, select
 from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError, PendingRollbackError
 from sqlalchemy.schema import CreateSchema
@@ -77,6 +77,26 @@ class Database(Protocol):
     def in_index_order(self, conn: Connection) -> None: ...
 
     def lock_schema(self, conn: Connection) -> None: ...
+
+
+class TablePresence:
+    """Whether a table that a later schema version adds is there yet, asked on the caller's connection (on SQLite a
+    second one would wait for the write lock the caller may hold). Once found it is not looked for again: migrations
+    only add tables. Until then, `every` seconds apart at most (a writer's hot path asks on each batch)."""
+
+    def __init__(self, db: Database, table: Table) -> None:
+        self.db = db
+        self.table = table
+        self.found = False
+        self._looked = -math.inf
+
+    def __call__(self, conn: Connection, every: float = 0.0) -> bool:
+        if not self.found and time.monotonic() - self._looked >= every:
+            # The time of a look only once it has found (or not): another thread's look under way must not make a
+            # writer pass over a table that is there.
+            self.found = inspect(conn).has_table(self.table.name, schema=self.db.schema)
+            self._looked = time.monotonic()
+        return self.found
 
 
 class SqlDatabase:

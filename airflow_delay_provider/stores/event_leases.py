@@ -31,7 +31,7 @@ from airflow_delay_provider.core.history import DELIVERED, Settled
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.stores.dedup import AcceptedIds
 from airflow_delay_provider.stores.engine import Database
-from airflow_delay_provider.stores.history import DeliveryHistory
+from airflow_delay_provider.stores.history import DeliveryHistory, facts_of, removed_columns
 from airflow_delay_provider.stores.leases import SweepLeases
 from airflow_delay_provider.stores.tables import EVENT_PREFIX, StoreTables, _message, check_claim_id, from_us, to_us
 
@@ -131,11 +131,10 @@ class EventLeases:
         t = self.tables.messages
         with self.db.errors("acknowledge handed-over messages"), self.db.engine.begin() as conn:
             gone = conn.execute(t.delete().where(t.c.message_id.in_(list(message_ids)), t.c.claim_id == claim_id)
-                                .returning(t.c.message_id, t.c.destination, t.c.due_at_us, t.c.failures,
-                                           t.c.stored_at_us)).all()
+                                .returning(*removed_columns(t))).all()
             if gone and self.history is not None:  # handed to Airflow as asset events: delivered
-                self.history.write(conn, to_us(self.db.clock()), [Settled(DELIVERED, tuple(r[0] for r in gone))],
-                                   {r[0]: (r[1], r[2], r[3], r[4]) for r in gone})
+                self.history.write(conn, to_us(self.db.clock()),
+                                   [Settled(DELIVERED, tuple(r.message_id for r in gone))], facts_of(gone))
             return len(gone)
 
     def release_events(self, claim_id: str, message_ids: Collection[str]) -> int:

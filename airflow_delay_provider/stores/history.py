@@ -21,21 +21,21 @@ from __future__ import annotations
 
 import logging
 import re
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Column,
     ColumnElement,
     Insert,
     Integer,
     String,
+    Table,
     delete,
     func,
     insert,
-    inspect,
     literal,
     select,
     text,
@@ -53,10 +53,11 @@ from airflow_delay_provider.core.history import (
     Delivery,
     Settled,
     check_history_days,
+    lateness_stats,
     series_point,
 )
 from airflow_delay_provider.stores.background import BackgroundWork
-from airflow_delay_provider.stores.engine import LOCK_NOT_AVAILABLE, Database
+from airflow_delay_provider.stores.engine import LOCK_NOT_AVAILABLE, Database, TablePresence
 from airflow_delay_provider.stores.tables import StoreTables, from_us, to_us
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,17 @@ _DAY_NAME = re.compile(r"_h(\d{6})$")
 Facts = Mapping[str, tuple[str, int, int, int | None]]
 
 
+def removed_columns(t: Table) -> tuple[Column[Any], ...]:
+    """What a statement that removes messages (a cancel, an event's acknowledgement) returns, for their ids' guards
+    and their history: each row's id, stored time, destination, due time and failures."""
+    return t.c.message_id, t.c.stored_at_us, t.c.destination, t.c.due_at_us, t.c.failures
+
+
+def facts_of(rows: Iterable[Any]) -> dict[str, tuple[str, int, int, int | None]]:
+    """The Facts of rows with those columns (message rows, or what `removed_columns` returned)."""
+    return {r.message_id: (r.destination, r.due_at_us, r.failures, r.stored_at_us) for r in rows}
+
+
 class DeliveryHistory(BackgroundWork):
     """One store's history: `write` (a claim's settlement), `moved_from` (the move's statement), `cancelled_from`
     (a cancel's), the reads, and its upkeep (`start`, in a thread)."""
@@ -87,22 +99,16 @@ class DeliveryHistory(BackgroundWork):
         self.batches = db.is_postgres
         self.table = tables.history if self.batches else tables.history_rows
         self.days = check_history_days(days)
-        self._present = False
-        self._present_checked = -float("inf")
+        self.present = TablePresence(db, self.table)
 
     def interval(self) -> float:
         return _UPKEEP_SECONDS
 
     # -- whether to write ------------------------------------------------------------------------------
     def on(self, conn: Connection) -> bool:
-        """Whether entries are written: a retention above 0 and the table there, looked for on the caller's
-        connection (on SQLite a second one would wait for the write lock the caller holds)."""
-        if not self.days:
-            return False
-        if not self._present and time.monotonic() - self._present_checked > _PRESENT_CHECK_SECONDS:
-            self._present_checked = time.monotonic()
-            self._present = inspect(conn).has_table(self.table.name, schema=self.db.schema)
-        return self._present
+        """Whether entries are written: a retention above 0 and the table there (looked for at most once a minute,
+        on the writer's own connection)."""
+        return bool(self.days) and self.present(conn, every=_PRESENT_CHECK_SECONDS)
 
     # -- writes -----------------------------------------------------------------------------------------
     def write(self, conn: Connection, handed_at_us: int, groups: Sequence[Settled], facts: Facts) -> None:
@@ -132,16 +138,14 @@ class DeliveryHistory(BackgroundWork):
         return rows
 
     def cancelled(self, conn: Connection, rows: Sequence[Any], at_us: int) -> None:
-        """Record the rows a cancel deleted (each with message_id, destination, due_at_us, failures and
-        stored_at_us), in its transaction."""
+        """Record the rows a cancel deleted (as `removed_columns` returns them), in its transaction."""
         if rows:
-            self.write(conn, at_us, [Settled(CANCELLED, tuple(r.message_id for r in rows))],
-                       {r.message_id: (r.destination, r.due_at_us, r.failures, r.stored_at_us) for r in rows})
+            self.write(conn, at_us, [Settled(CANCELLED, tuple(r.message_id for r in rows))], facts_of(rows))
 
     def _from(self, changed: CTE, handed_us: ColumnElement[int], outcome: str,
               attempts: ColumnElement[int]) -> Insert:
-        """On PostgreSQL: the insert of a row per destination of `changed` (a CTE of a DELETE returning message_id,
-        destination, due_at_us, failures and stored_at_us), for the changing statement itself."""
+        """On PostgreSQL: the insert of a row per destination of `changed` (a CTE of a DELETE returning at least
+        `removed_columns`), for the changing statement itself."""
         c = changed.c
         rows = select(handed_us, c.destination, literal(outcome, String), literal(None, String), func.count(),
                       func.array_agg(c.message_id), func.array_agg(c.due_at_us), func.array_agg(attempts),
@@ -181,9 +185,11 @@ class DeliveryHistory(BackgroundWork):
                 key = f"p{len(params)}"
                 where.append(f"h.{column} {op} :{key}")
                 params[key] = value
+        # A message's own columns: the unnested arrays' (`u`) on PostgreSQL, the row's (`h`) on SQLite.
+        u = "u" if self.batches else "h"
         if message_id is not None:
             params["mid"] = message_id
-            where.append("u.message_id = :mid")
+            where.append(f"{u}.message_id = :mid")
             if self.batches:  # the arrays that hold it, before they are unnested
                 where.append("h.message_ids @> ARRAY[CAST(:mid AS TEXT)]")
         name = self.db.qualified(self.table.name)
@@ -193,17 +199,14 @@ class DeliveryHistory(BackgroundWork):
                       "WITH ORDINALITY AS u(message_id, due_at_us, attempts, stored_at_us, i)")
             order = f"h.handed_at_us{direction}, h.seq{direction}, u.i{direction}"
         else:
-            source = f"{name} h"  # a row per message: the `u.` columns are the row's own
-            where = [w.replace("u.message_id", "h.message_id") for w in where]
+            source = f"{name} h"
             order = f"h.handed_at_us{direction}, h.rowid{direction}"
-        columns = ("h.handed_at_us, h.destination, h.outcome, h.detail, u.message_id, u.due_at_us, u.attempts, "
-                   "u.stored_at_us")
-        if not self.batches:
-            columns = columns.replace("u.", "h.")
+        columns = (f"h.handed_at_us, h.destination, h.outcome, h.detail, {u}.message_id, {u}.due_at_us, "
+                   f"{u}.attempts, {u}.stored_at_us")
         query = text(f"SELECT {columns} FROM {source} {'WHERE ' + ' AND '.join(where) if where else ''} "
                      f"ORDER BY {order} LIMIT :limit")
         with self.db.errors("read the delivery history"), self.db.engine.connect() as conn:
-            if not self._readable(conn):
+            if not self.present(conn):
                 return [], None
             rows = conn.execute(query, params).all()[shown:]
         page = [Delivery(r.message_id, r.destination, from_us(r.due_at_us), from_us(r.handed_at_us), r.attempts,
@@ -228,11 +231,12 @@ class DeliveryHistory(BackgroundWork):
         others = text(f"SELECT h.handed_at_us / :minute AS minute, h.outcome, {count} FROM {name} h "
                       f"WHERE {where} AND h.outcome <> :delivered GROUP BY 1, 2")
         with self.db.errors("read the delivery history"), self.db.engine.connect() as conn:
-            if not self._readable(conn):
+            if not self.present(conn):
                 return []
             counts: dict[int, dict[str, int]] = {}
             for m, outcome, n in conn.execute(others, params):
                 counts.setdefault(int(m), {})[outcome] = int(n)
+            stats: dict[int, tuple[int, int | None, int | None]]
             if self.batches:
                 late = "h.handed_at_us - d"
                 stats = {int(m): (int(n), p50, p99) for m, n, p50, p99 in conn.execute(text(
@@ -241,27 +245,15 @@ class DeliveryHistory(BackgroundWork):
                     f"percentile_disc(0.99) WITHIN GROUP (ORDER BY {late}) "
                     f"FROM {name} h CROSS JOIN LATERAL unnest(h.due_at_us) AS d "
                     f"WHERE {where} AND h.outcome = :delivered GROUP BY 1"), params)}
-                points = []
-                for m in sorted(stats.keys() | counts.keys()):
-                    n, p50, p99 = stats.get(m, (0, None, None))
-                    point = series_point(m, [], counts.get(m, {}))
-                    point.update(delivered=n, p50_ms=None if p50 is None else round(p50 / 1000, 3),
-                                 p99_ms=None if p99 is None else round(p99 / 1000, 3))
-                    points.append(point)
-                return points
-            values: dict[int, list[int]] = {}
-            for m, value in conn.execute(text(
-                    f"SELECT h.handed_at_us / :minute AS minute, h.handed_at_us - h.due_at_us FROM {name} h "
-                    f"WHERE {where} AND h.outcome = :delivered ORDER BY 1, 2"), params):
-                values.setdefault(int(m), []).append(int(value))
-        return [series_point(m, values.get(m, []), counts.get(m, {})) for m in sorted(values.keys() | counts.keys())]
-
-    def _readable(self, conn: Connection) -> bool:
-        """Whether the table is there to read (a store of schema version 11 or older has none: no history)."""
-        if self._present:
-            return True
-        self._present = inspect(conn).has_table(self.table.name, schema=self.db.schema)
-        return self._present
+            else:  # SQLite has no percentile: the minutes' values, sorted, and the same nearest rank
+                values: dict[int, list[int]] = {}
+                for m, value in conn.execute(text(
+                        f"SELECT h.handed_at_us / :minute AS minute, h.handed_at_us - h.due_at_us FROM {name} h "
+                        f"WHERE {where} AND h.outcome = :delivered ORDER BY 1, 2"), params):
+                    values.setdefault(int(m), []).append(int(value))
+                stats = {m: lateness_stats(v) for m, v in values.items()}
+        return [series_point(m, *stats.get(m, (0, None, None)), counts.get(m, {}))
+                for m in sorted(stats.keys() | counts.keys())]
 
     # -- upkeep -----------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -294,8 +286,7 @@ class DeliveryHistory(BackgroundWork):
             if (day + 1) * DAY_US <= cutoff_us and self._drop(day):
                 dropped.append(self._name(day))
         with self.db.errors("trim the delivery history"), self.db.engine.begin() as conn:
-            conn.execute(text(f"DELETE FROM {self.db.qualified(self.tables.name + '_hdefault')} "
-                              "WHERE handed_at_us < :cutoff"), {"cutoff": cutoff_us})
+            conn.execute(text(f"DELETE FROM {self._default} WHERE handed_at_us < :cutoff"), {"cutoff": cutoff_us})
         if made or dropped:
             log.info("delivery history of %s: made %s, dropped %s (kept %d days)", self.tables.where, made or "none",
                      dropped or "none", self.days)
@@ -303,7 +294,12 @@ class DeliveryHistory(BackgroundWork):
 
     def _readable_now(self) -> bool:
         with self.db.errors("look for the delivery history"), self.db.engine.connect() as conn:
-            return self._readable(conn)
+            return self.present(conn)
+
+    @property
+    def _default(self) -> str:
+        """The default partition (the migration makes it), qualified."""
+        return self.db.qualified(f"{self.tables.name}_hdefault")
 
     def _name(self, day: int) -> str:
         return f"{self.tables.name}_h{(datetime(1970, 1, 1) + timedelta(days=day)).strftime('%y%m%d')}"
@@ -338,7 +334,7 @@ class DeliveryHistory(BackgroundWork):
     def _make(self, day: int) -> bool:
         """Attach a new table as the day's partition: ATTACH takes the parent's SHARE UPDATE EXCLUSIVE lock, which
         inserts do not wait for (CREATE ... PARTITION OF would take ACCESS EXCLUSIVE)."""
-        parent, default = self.db.qualified(self.table.name), self.db.qualified(self.tables.name + "_hdefault")
+        parent, default = self.db.qualified(self.table.name), self._default
         name = self.db.qualified(self._name(day))
 
         def make(conn: Connection) -> None:

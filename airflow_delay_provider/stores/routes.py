@@ -10,11 +10,11 @@ import json
 import logging
 from typing import Any
 
-from sqlalchemy import inspect, select
+from sqlalchemy import select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from airflow_delay_provider.core.message import check_destination
-from airflow_delay_provider.stores.engine import Database
+from airflow_delay_provider.stores.engine import Database, TablePresence
 from airflow_delay_provider.stores.tables import StoreTables, from_us, to_us
 from airflow_delay_provider.transports.registry import check_transport
 
@@ -26,7 +26,7 @@ class DispatchRoutes:
     def __init__(self, db: Database, tables: StoreTables) -> None:
         self.db = db
         self.table = tables.routes
-        self._present = False
+        self._there = TablePresence(db, tables.routes)
 
     def record(self, transport: str, conn_id: str | None, error_queue: str, scope: dict[str, Any]) -> bool:
         """Say that messages go through `transport` on `conn_id` (None: the transport's default connection) with
@@ -54,8 +54,3 @@ class DispatchRoutes:
                                                    r.c.error_queue)).all()
         return [{"transport": row.transport, "conn_id": row.conn_id or None, "error_queue": row.error_queue,
                  "scope": json.loads(row.scope), "seen_at": from_us(row.seen_at_us).isoformat()} for row in rows]
-
-    def _there(self, conn: Any) -> bool:
-        if not self._present:
-            self._present = inspect(conn).has_table(self.table.name, schema=self.db.schema)
-        return self._present

@@ -13,7 +13,6 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
-from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
@@ -39,7 +38,8 @@ from sqlalchemy import (
     select,
 )
 
-from airflow_delay_provider.core.delays import UTC
+from airflow_delay_provider.core.delays import from_us as from_us  # the store's names for them too
+from airflow_delay_provider.core.delays import to_us as to_us
 from airflow_delay_provider.core.errors import InvalidInputError, InvalidNameError
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.stores.engine import Database, check_identifier
@@ -47,18 +47,6 @@ from airflow_delay_provider.stores.engine import Database, check_identifier
 DEFAULT_TABLE = "delayed_messages"
 #: Destinations under this prefix are handed to Airflow as trigger events (asset watchers), never dispatched.
 EVENT_PREFIX = "airflow.asset."
-EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_US = timedelta(microseconds=1)
-
-
-def to_us(moment: datetime) -> int:
-    return (moment - EPOCH) // _US  # integer arithmetic: exact, unlike timestamp() floats
-
-
-def from_us(us: int) -> datetime:
-    return EPOCH + us * _US
-
-
 #: One BIGINT primary key that autoincrements on both SQLite (as the rowid) and PostgreSQL (the store's and the
 #: SQL-table queues' tables).
 ID_TYPE = BigInteger().with_variant(Integer, "sqlite")

@@ -34,7 +34,7 @@ from airflow_delay_provider.core.backlog import (
     rescheduled_report,
 )
 from airflow_delay_provider.core.checks import check_int
-from airflow_delay_provider.core.delays import UTC, utcnow
+from airflow_delay_provider.core.delays import UTC, to_us, utcnow
 from airflow_delay_provider.core.duplicates import SKIP, applied, check_on_duplicate, fold
 from airflow_delay_provider.core.history import (
     CANCELLED,
@@ -376,7 +376,7 @@ class InMemoryStore(DelayedMessageStore):
         return sorted(filter(selector.matches, pool), key=self._key)
 
     def _key(self, m: DelayedMessage) -> tuple[int, int]:
-        return (m.due_at - _EPOCH) // _US, self._meta[m.message_id][0]
+        return to_us(m.due_at), self._meta[m.message_id][0]
 
     # -- destinations --------------------------------------------------------------------------------
     def register_destinations(self, destinations: Collection[str]) -> None:
@@ -406,7 +406,3 @@ class InMemoryStore(DelayedMessageStore):
             if changed and not paused:
                 self._lock.notify_all()  # resumed messages may be due now: wake the waiters
         return pause_report(names, changed)
-
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_US = timedelta(microseconds=1)
