@@ -34,9 +34,10 @@ queue), and times the page's reads of the history it left.
 
 `--ab COMMIT` runs only the first delivery of a burst (bench/first_delivery.py): COMMIT's package and the working
 tree's in turns, `--ab-rounds` bursts each, with the ratios of their medians; `--graphile` adds graphile-worker's
-run of the same burst to each round. No RabbitMQ is needed for it.
+run of the same burst to each round; `--plot` draws each round's figures. No RabbitMQ is needed for it.
 
-    .venv/bin/python bench/bench_throughput.py --pg default --ab 16253c2 --ab-rounds 5 --graphile
+    .venv/bin/python bench/bench_throughput.py --pg default --ab 16253c2 --ab-rounds 7 --graphile \
+        --plot docs/bench_first_delivery.png
 """
 
 from __future__ import annotations
@@ -638,6 +639,29 @@ def history_plot(r: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
+def ab_plot(r: dict, path: Path) -> None:
+    """--ab: each round's first insert and first delivery after T, and the drain rates, per side."""
+    plt = pyplot()
+    if plt is None:
+        return
+    sides = [("base", r["commit"], "0.6"), ("tree", "working tree", "tab:blue")]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    for ax, (figure, label) in zip(axes, (("first_insert_ms", "pump's first insert after T (ms)"),
+                                          ("first_delivery_ms", "first delivery after T (ms)"),
+                                          ("drain_rate", "drain rate from T, delivered (msg/s)")), strict=True):
+        for i, (side, name, color) in enumerate(sides):
+            values = [run[figure] for run in r["runs"][side]]
+            ax.bar([x + 1 + (i - 0.5) * 0.4 for x in range(len(values))], values, 0.4, label=name, color=color)
+        if figure == "drain_rate" and r["runs"].get("graphile"):
+            rates = [run["drain_rate"] for run in r["runs"]["graphile"]]
+            ax.plot(range(1, len(rates) + 1), rates, "o--", color="tab:orange", label="graphile-worker, jobs run")
+        ax.set_title(f"{label}\nratio of medians {r['ratios'][figure]:.2f}x", fontsize=9)
+        ax.set_xlabel("round")
+    axes[2].legend(loc="lower left", fontsize=8)
+    fig.suptitle(f"{r['messages']:,} due at one instant T, {r['commit']} beside the working tree, in turns")
+    save_figure(fig, path)
+
+
 def paired(r: dict, pump: str) -> str:
     """The median of the rounds' pump/raw ratios (see Bench.paired_rounds), with each round's."""
     return f"{r[f'{pump}_ratio']:.0%} ({' / '.join(f'{x:.0%}' for x in r[f'{pump}_ratio_runs'])})"
@@ -691,6 +715,8 @@ def first_delivery_ab(args) -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"first_delivery_ab": r}, indent=2, default=str))
     log(f"wrote {args.json}")
+    if args.plot:
+        ab_plot(r, args.plot)
 
 
 def main() -> None:

@@ -58,6 +58,10 @@ class DelayedMessageStore(ABC):
         """Look after the store's tables (statistics, dead rows) if it is time; called by pumps between
         batches, so it must return at once. Nothing to do by default."""
 
+    def ready_for(self, due: datetime) -> None:  # noqa: B027 - optional: a store in memory has nothing to read
+        """Read now what a claim at `due` would otherwise read first (where its scan starts): called by a pump just
+        before it wakes for a due time. Nothing by default."""
+
     def check_ready(self) -> None:  # noqa: B027 - optional: a store in memory has no tables to wait for
         """Raise StoreNotReadyError (saying what to run) while the store's tables are not there: a pump waits
         then, without counting it against its breakers. Called before each claim, so it must be cheap once they

@@ -40,6 +40,8 @@ MIN_HELD_BACKOFF_SECONDS = 0.005
 MAX_HELD_BACKOFF_SECONDS = 1.0
 #: How long after a wake the pump starts no upkeep while it finds work (seconds), at most; see `Pump._run`.
 QUIET_AFTER_WAKE_SECONDS = 5.0
+#: How long before a due time it sleeps until the pump runs the wake's first batch once (seconds); see `_rehearse`.
+REHEARSAL_SECONDS = 0.1
 
 
 @dataclass
@@ -452,8 +454,33 @@ class Pump:
                 return PumpResult(stats, "idle", None)
             if deadline is not None:
                 target = min(target, deadline)
-            self.store.wait(target)
+            if target != next_due or not self._rehearse(stats, target, due_before, first):
+                self.store.wait(target)
             ramp, quiet_until = first, time.monotonic() + QUIET_AFTER_WAKE_SECONDS
+
+    def _rehearse(self, stats: PumpStats, due: datetime, due_before: datetime | None, limit: int) -> bool:
+        """Wake REHEARSAL_SECONDS before a due time and run the wake's first batch once, which finds nothing due yet
+        (or what fell due meanwhile, which it takes): at the due time the claim is then a prepared statement on a
+        connection just used, its scan's start just read (`ready_for`). The first claim of a burst after a sleep
+        parsed and planned its statement on a connection that had not run it, a millisecond or two of the first
+        message's lateness. Returns whether the pump is to go on without waiting (woken early, or work found)."""
+        lead = timedelta(seconds=REHEARSAL_SECONDS)
+        if due - self._clock() < 2 * lead:
+            return False
+        self.store.wait(due - lead)
+        if self._clock() < due - lead or self._stopping.is_set():
+            return True  # woken by a message due sooner: the loop reads the next due time again
+        try:
+            self.store.ready_for(due)
+        except Exception as exc:  # the claim at the due time reads it then
+            log.debug("could not read ahead of the due time: %s", exc)
+        batch = self._step(limit, due_before)
+        if batch is not None:
+            stats.merge(batch)
+        if batch is None or batch.batches or self._inflight is not None:
+            return True
+        self.store.wait(due)
+        return True
 
     def _upkeep(self) -> None:
         self.store.upkeep()

@@ -16,7 +16,9 @@ from typing import Any
 
 from sqlalchemy import (
     ARRAY,
+    BigInteger,
     ColumnElement,
+    Integer,
     Table,
     Text,
     and_,
@@ -46,6 +48,14 @@ from airflow_delay_provider.stores.tables import SOON, StoreTables, _message, fr
 _START_MARGIN_US = 1_000_000
 #: The start of the due index before where claims start is known (the lowest BIGINT: every due time is above it).
 _LOWEST_US = -(2**63)
+#: The values a claim's statement is run with (`DueClaims.due_values`): its moment, where its scan starts, the due
+#: time it stays before and its size. Bound at each run, so the statement is built once (`DueClaims.built`).
+NOW_US = bindparam("claim_now_us", type_=BigInteger)
+START_US = bindparam("claim_start_us", type_=BigInteger)
+BEFORE_US = bindparam("claim_before_us", type_=BigInteger)
+LIMIT = bindparam("claim_limit", type_=Integer)
+#: Statements kept per store object, at most (a shape per partition choice, bound, exclusions and history).
+_BUILT_MAX = 32
 
 
 class _SqlClaim(Claim):
@@ -125,40 +135,68 @@ class DueClaims:
         self.history: DeliveryHistory | None = None  # set by the store
         self.due_start = IndexStart()  # where this object's claims start reading the due index
         self._start_soon_only = False  # whether `due_start` is `_soon`'s alone (read apart from both partitions')
+        self._built: dict[tuple[Any, ...], Any] = {}
 
     def restart(self) -> None:
         """Read where claims start afresh (the scope changed)."""
         self.due_start = IndexStart()
+        self._built.clear()
+
+    def built(self, key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
+        """The statement `build` makes for `key`, built once for this store object (until its scope changes) and
+        run with `due_values`. Building the move's statement and its parts took 1.5-2 ms of Python for each batch,
+        on the way to a burst's first row and between every two batches of its drain; SQLAlchemy's cache of
+        compiled statements only saves the compiling."""
+        statement = self._built.get(key)
+        if statement is None:
+            if len(self._built) >= _BUILT_MAX:  # shapes that came and went (exclusions of a throttle)
+                self._built.clear()
+            statement = self._built[key] = build()
+        return statement
 
     def due_ids(
         self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = (),
         soon_only: bool | None = None,
     ) -> Select[int]:
         """The query of the ids a claim takes: due, not leased, paused or an event destination; oldest first;
-        rows another claim holds are skipped, never waited for or handed out twice.
+        rows another claim holds are skipped, never waited for or handed out twice. Its values bound
+        (`due_query` and `due_values` give the statement and its values apart).
 
         :param soon_only: read `_soon` only (see `claims_soon_only`; by default, what it says at `now`). Pass the
             same to `claimed`.
         """
-        t, tables = self.tables.messages, self.tables
-        due = select(t.c.id).where(t.c.due_at_us <= to_us(now), tables.unleased(to_us(now)), tables.not_paused(),
-                                   tables.dispatchable(), *self.scope())
         if soon_only is None:
             soon_only = self.claims_soon_only(now)
+        values = self.due_values(now, limit, due_before, soon_only)
+        return self.due_query(soon_only, due_before is not None, exclude).params(values)
+
+    def due_query(self, soon_only: bool, before: bool, exclude: Collection[str] = ()) -> Select[int]:
+        """`due_ids` with its values as parameters (NOW_US, START_US, BEFORE_US with `before`, LIMIT)."""
+        t, tables = self.tables.messages, self.tables
+        due = select(t.c.id).where(t.c.due_at_us <= NOW_US, tables.unleased(NOW_US), tables.not_paused(),
+                                   tables.dispatchable(), *self.scope())
         if soon_only:
             due = due.where(self.tables.in_tier(SOON))
-        if soon_only != self._start_soon_only:  # the other partitions' start was never read: read it afresh
-            self._start_soon_only, self.due_start = soon_only, IndexStart()
         if self.db.is_postgres:
             # Always there, from the lowest BIGINT before the start is known: a condition only present once it was
             # made the first claim of a burst a statement the process had not run, compiled (3-4 ms of CPU) and
             # planned on the way to its first row, after a pump had slept through the reading that found the start.
-            due = due.where(t.c.due_at_us >= (self._claims_start(now, soon_only) or _LOWEST_US))
-        if due_before is not None:
-            due = due.where(t.c.due_at_us < to_us(due_before))
+            due = due.where(t.c.due_at_us >= START_US)
+        if before:
+            due = due.where(t.c.due_at_us < BEFORE_US)
         if exclude:
-            due = due.where(t.c.destination.not_in(list(exclude)))
-        return due.order_by(t.c.due_at_us, t.c.id).limit(limit).with_for_update(skip_locked=True)
+            due = due.where(t.c.destination.not_in(sorted(exclude)))
+        return due.order_by(t.c.due_at_us, t.c.id).limit(LIMIT).with_for_update(skip_locked=True)
+
+    def due_values(self, now: datetime, limit: int, due_before: datetime | None, soon_only: bool) -> dict[str, int]:
+        """The values `due_query`'s statement runs with at `now` (reading where claims start when it is time)."""
+        self._start_of(soon_only)
+        values = {NOW_US.key: to_us(now), LIMIT.key: limit, START_US.key: _LOWEST_US}
+        if self.db.is_postgres:
+            values[START_US.key] = self._claims_start(now, soon_only) or _LOWEST_US
+        if due_before is not None:
+            values[BEFORE_US.key] = to_us(due_before)
+        return values
 
     def claims_soon_only(self, now: datetime) -> bool:
         """Whether claims at `now` may read `_soon` only: `_later` holds nothing they could take until its last
@@ -166,7 +204,19 @@ class DueClaims:
         renews the bound in another thread, so a claim asks once and builds `due_ids` and `claimed` from that."""
         return to_us(now) < self.clear_until_us()
 
-    def _claims_start(self, now: datetime, soon_only: bool = False) -> int:
+    def ready_for(self, due: datetime) -> None:
+        """Read where the claims at `due` start now (DelayedMessageStore.ready_for), for the shape they will have."""
+        if self.db.is_postgres:
+            soon_only = self.claims_soon_only(due)
+            self._start_of(soon_only)
+            self._claims_start(due, soon_only, ahead=True)
+
+    def _start_of(self, soon_only: bool) -> None:
+        """Keep where claims start for the partitions they read (`_soon` alone or all)."""
+        if soon_only != self._start_soon_only:  # the other partitions' start was never read: read it afresh
+            self._start_soon_only, self.due_start = soon_only, IndexStart()
+
+    def _claims_start(self, now: datetime, soon_only: bool = False, ahead: bool = False) -> int:
         """Where claims start reading the due index (engine.IndexStart): the earliest due time a claim could take
         (future ones too), and as the mark this clock's time less `_START_MARGIN_US` (senders' due times are never
         before their own clock, which lags the database's by at most a round trip)."""
@@ -179,7 +229,7 @@ class DueClaims:
                 self.db.in_index_order(conn)
                 return conn.execute(first).scalar(), to_us(self.db.clock()) - _START_MARGIN_US
 
-        return self.due_start.current(read)
+        return self.due_start.current(read, ahead)
 
     def earliest_due(self, now_us: int) -> Select[int]:
         """The earliest due time of the messages a claim of this object could take, now or later.
@@ -213,11 +263,13 @@ class DueClaims:
             return and_(self.tables.in_tier(SOON), ctid == any_(func.array(places)))
         return self.tables.messages.c.id == any_(func.array(subquery))
 
-    def taken(self, conn: Connection, ids: Select[int], soon_only: bool = False) -> ColumnElement[bool]:
+    def taken(self, conn: Connection, ids: Select[int], soon_only: bool = False,
+              values: Mapping[str, Any] | None = None) -> ColumnElement[bool]:
         """The condition on the table's rows that `ids` selects (a query that locks them: FOR UPDATE), for the
         statement that takes them on `conn`. From `_soon` alone, `claimed`: one statement. Otherwise (a pump that
         has just started, a move that has failed for 30 s, a sweep's window) `ids` runs here first, and its rows
         are found again by their place in their own partition (a TID scan of each), which their lock keeps.
+        `values`: those of `ids`' parameters (`due_values`), for that first run.
 
         By id, a claim that read every partition looked each id up in all of them, and in the current hour's, once
         an analyse had found it all but empty, the planner took its due index for the lookup (id is its second
@@ -226,7 +278,7 @@ class DueClaims:
             return self.claimed(ids, soon_only)
         picked: dict[int, list[str]] = {}
         columns = ids.with_only_columns(self.tables.messages.c.tier, cast(literal_column("ctid"), Text))
-        for tier, tid in conn.execute(columns):
+        for tier, tid in conn.execute(columns, dict(values or {})):
             picked.setdefault(tier, []).append(tid)
         if not picked:
             return false()
@@ -234,17 +286,31 @@ class DueClaims:
                           .bindparams(bindparam(f"tids_{tier}", tids, type_=ARRAY(Text))))
                      for tier, tids in picked.items()))
 
+    def found_alone(self, soon_only: bool) -> bool:
+        """Whether `taken` finds the claimed rows in the claim's own statement (which can then be built once), not
+        by running `ids` first (the rows' places are in the statement)."""
+        return soon_only or not self.db.is_postgres or not self.tiered()
+
     @contextmanager
     def claim_due(
         self, now: datetime, limit: int, due_before: datetime | None = None, exclude: Collection[str] = ()
     ) -> Iterator[Claim]:
         t = self.tables.messages
         soon_only = self.claims_soon_only(now)
-        ids = self.due_ids(now, limit, due_before, exclude, soon_only)
+        values = self.due_values(now, limit, due_before, soon_only)
+        key = ("claim", soon_only, due_before is not None, frozenset(exclude))
         with self.db.errors("claim due messages"), self.db.engine.begin() as conn:
             self.db.in_index_order(conn)
-            claim_rows = delete(t).where(self.taken(conn, ids, soon_only)).returning(*self.tables.row)
-            claim = _SqlClaim(conn, t, conn.execute(claim_rows).all(), self.accepted, self.tier)
+
+            def claiming() -> Any:
+                ids = self.due_query(soon_only, due_before is not None, exclude)
+                return delete(t).where(self.taken(conn, ids, soon_only, values)).returning(*self.tables.row)
+
+            if self.found_alone(soon_only):
+                rows = self.db.run_prepared(conn, self.built(key, claiming), values).all()
+            else:
+                rows = conn.execute(claiming(), values).all()
+            claim = _SqlClaim(conn, t, rows, self.accepted, self.tier)
             claim.history = self.history
             yield claim
             claim.restore_unsettled()

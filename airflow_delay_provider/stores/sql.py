@@ -279,6 +279,9 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     def next_due(self, destination: str | None = None, due_before: datetime | None = None) -> datetime | None:
         return self.claims.next_due(destination, due_before)
 
+    def ready_for(self, due: datetime) -> None:
+        self.claims.ready_for(due)
+
     # -- the other parts' methods ------------------------------------------------------------------
     # destinations (stores/destinations.py)
     def register_destinations(self, destinations: Collection[str]) -> None:

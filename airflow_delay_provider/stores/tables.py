@@ -414,7 +414,7 @@ class StoreTables:
         """Rows a pump or a sweep may take: not those of event destinations (Airflow takes them as events)."""
         return ~self.messages.c.destination.startswith(EVENT_PREFIX, autoescape=True)
 
-    def unleased(self, now_us: int) -> ColumnElement[bool]:
+    def unleased(self, now_us: int | ColumnElement[int]) -> ColumnElement[bool]:
         """Rows no running sweep holds: never claimed by one, or its lease has expired."""
         t, s = self.messages, self.sweeps
         return or_(t.c.claim_id.is_(None),

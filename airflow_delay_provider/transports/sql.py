@@ -29,6 +29,7 @@ from sqlalchemy import (
     Table,
     Text,
     any_,
+    bindparam,
     case,
     cast,
     delete,
@@ -47,6 +48,7 @@ from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import DelayProviderError, DestinationNotFoundError, InvalidNameError
 from airflow_delay_provider.core.message import DelayedMessage, check_destination
 from airflow_delay_provider.core.ports import DelayedMessageStore, ReceivedMessage, Transport
+from airflow_delay_provider.stores.claims import NOW_US
 from airflow_delay_provider.stores.engine import (
     IndexStart,
     SqlDatabase,
@@ -121,6 +123,7 @@ class SqlTableTransport(SqlDatabase, Transport):
         )
         #: Per queue: where its receives start (see `_start_of`).
         self._starts: dict[str, IndexStart] = {}
+        self._receive: Any = None  # the receive's statement, built once (`_receiving`)
         self._sequence: str | None = None
         # Receives update and acks delete, so the queue table churns as the store does (stores/upkeep.py).
         self.maintenance = TableUpkeep(self, kept=lambda: (self.messages,))
@@ -209,12 +212,23 @@ class SqlTableTransport(SqlDatabase, Transport):
         queue table (`WITH claimed AS (DELETE ... RETURNING ...) INSERT ... SELECT FROM claimed`): the claim and
         the send of the pump's exactly-once path, without the rows coming to Python and going back."""
         assert isinstance(store, SqlDelayedMessageStore)
-        soon_only = store.claims_soon_only(now)
-        ids = self.provisioned(store, store.due_ids(now, limit, due_before, exclude, soon_only))
+        claims = store.claims
+        soon_only = claims.claims_soon_only(now)
+        values = claims.due_values(now, limit, due_before, soon_only)
         with store.errors("move due messages into their queues"), store.engine.begin() as conn:
             store.in_index_order(conn)
-            _, counts = self._moving(store, conn, store.taken(conn, ids, soon_only), now)
-            return [(queue, from_us(due_us), n) for queue, due_us, n in conn.execute(counts)]
+            recorded = store.history.on(conn)
+
+            def moving() -> Rows:
+                ids = self.provisioned(store, claims.due_query(soon_only, due_before is not None, exclude))
+                return self._moving(store, conn, claims.taken(conn, ids, soon_only, values), NOW_US)[1]
+
+            # Built once per shape (and queue table), run with the values of each batch.
+            key = ("move", self.messages, soon_only, due_before is not None, frozenset(exclude), recorded)
+            statement = claims.built(key, moving) if claims.found_alone(soon_only) else moving()
+            moved = store.run_prepared(conn, statement, values) if claims.found_alone(soon_only) else \
+                conn.execute(statement, values)
+            return [(queue, from_us(due_us), n) for queue, due_us, n in moved]
 
     def move_window(self, store: SqlDelayedMessageStore, claim_id: str, low: int, high: int, limit: int,
                     exclude: Collection[str] = ()) -> tuple[list[tuple[str, datetime, int]], int] | None:
@@ -228,7 +242,7 @@ class SqlTableTransport(SqlDatabase, Transport):
         with store.errors("move a sweep's messages into their queues"), store.engine.connect() as conn, \
                 conn.begin() as tx:
             claimed, counts = self._moving(store, conn, store.taken(conn, self.provisioned(store, ids)),
-                                           store.clock())
+                                           literal(to_us(store.clock()), BigInteger))
             total = select(func.count()).select_from(claimed).scalar_subquery()
             taken = (select(func.count()).select_from(claimed).where(claimed.c.claim_id.is_not(None))
                      .scalar_subquery())
@@ -249,7 +263,7 @@ class SqlTableTransport(SqlDatabase, Transport):
         return ids.where(t.c.destination == any_(func.array(select(self.queues.c.name).scalar_subquery())))
 
     def _moving(self, store: SqlDelayedMessageStore, conn: Connection, taken: ColumnElement[bool],
-                now: datetime) -> tuple[CTE, Rows]:
+                now_us: ColumnElement[int]) -> tuple[CTE, Rows]:
         """The move of the rows `taken` finds (`store.taken` of `provisioned` ids): the CTE of the rows deleted
         from the store, and the statement inserting them into the queue table that returns (queue, due time,
         count)."""
@@ -260,7 +274,7 @@ class SqlTableTransport(SqlDatabase, Transport):
                    .cte("claimed"))
         # Enqueued when inserted, on the database's clock, and never before the claim's moment (so never before
         # a moved message's due time, whatever the offset between this host's clock and the database's).
-        enqueued = func.greatest(literal(to_us(now), BigInteger), _database_now_us())
+        enqueued = func.greatest(now_us, _database_now_us())
         rows = select(claimed.c.destination, claimed.c.message_id, claimed.c.body, claimed.c.headers,
                       claimed.c.due_at_us, enqueued, enqueued).order_by(claimed.c.due_at_us, claimed.c.id)
         # Queue order (seq) is due order, as when the pump inserts a claimed batch itself.
@@ -309,29 +323,33 @@ class SqlTableTransport(SqlDatabase, Transport):
     def _now_us(self, now: datetime) -> ColumnElement[int] | int:
         """Now, for comparing visibility times. On PostgreSQL the database's clock as the statement starts: a move
         stamps rows with the database's clock, and this process's estimate of it lags by up to a round trip."""
-        if self.is_postgres:
-            return cast(func.extract("epoch", func.statement_timestamp()) * 1_000_000, BigInteger)
-        return to_us(now)
+        return _statement_now_us() if self.is_postgres else to_us(now)
 
     def _visible_now(self, now: datetime) -> ColumnElement[bool]:
         return self.messages.c.visible_at_us <= self._now_us(now)
 
     def receive(self, endpoint: str, max_messages: int = 10, visibility_timeout: float = 30.0) -> list[ReceivedMessage]:
         self.upkeep()  # consumers call this in a loop: their process looks after the table if no pump does
-        t = self.messages
         now = self.clock()
-        hidden_until = to_us(now + timedelta(seconds=visibility_timeout))
+        values = {_QUEUE.key: endpoint, _LIMIT.key: max_messages, _NOW_US.key: to_us(now),
+                  _HIDDEN_US.key: to_us(now + timedelta(seconds=visibility_timeout))}
         with self.errors(f"receive from queue {endpoint!r}"), self.engine.begin() as conn:
             self.in_index_order(conn)
-            start = self._start_of(conn, endpoint, now) if self.is_postgres else 0
-            rows = conn.execute(self._receiving(endpoint, max_messages, now, start)).all()
-            if rows:
-                conn.execute(
-                    update(t)
-                    .where(t.c.seq.in_([r.seq for r in rows]))
-                    .values(visible_at_us=hidden_until, receive_count=t.c.receive_count + 1)
-                )
-        return [_received(r, receipt=r.seq, receive_count=r.receive_count + 1) for r in rows]
+            values[_START.key] = self._start_of(conn, endpoint, now) if self.is_postgres else 0
+            rows = sorted(self.run_prepared(conn, self._taking(), values), key=lambda r: r.seq)  # RETURNING: no order
+        return [_received(r, receipt=r.seq, receive_count=r.receive_count) for r in rows]
+
+    def _taking(self) -> Any:
+        """The receive: one statement hides the oldest visible messages (`_receiving`) for the visibility timeout,
+        counts the receive and returns them, built once and prepared. A SELECT, then an UPDATE of what it locked,
+        took a round trip more and a millisecond of this process between them, for each batch of a consumer."""
+        if self._receive is None:
+            t = self.messages
+            seqs = self._receiving_query().with_only_columns(t.c.seq).scalar_subquery()
+            taken = t.c.seq == any_(func.array(seqs)) if self.is_postgres else t.c.seq.in_(seqs)
+            self._receive = (update(t).where(taken)
+                             .values(visible_at_us=_HIDDEN_US, receive_count=t.c.receive_count + 1).returning(*t.c))
+        return self._receive
 
     def _start_of(self, conn: Connection, endpoint: str, now: datetime) -> int:
         """Where a receive starts reading the queue (engine.IndexStart): the first seq that is visible or turns
@@ -361,11 +379,18 @@ class SqlTableTransport(SqlDatabase, Transport):
 
     def _receiving(self, endpoint: str, max_messages: int, now: datetime, start: int = 0) -> Rows:
         """The oldest visible messages of the queue from seq `start` on, locked (those another receive holds are
-        skipped)."""
-        query = self._visible_in_order(endpoint, max_messages, now).with_for_update(skip_locked=True)
-        # Always there (seqs start at 1): one statement whether or not the start is known, so the receive after a
+        skipped): `_receiving_query` with these values."""
+        return self._receiving_query().params({_QUEUE.key: endpoint, _LIMIT.key: max_messages, _START.key: start,
+                                               _NOW_US.key: to_us(now)})
+
+    def _receiving_query(self) -> Rows:
+        """`_receiving` with its values as parameters (_QUEUE, _LIMIT, _START and, on SQLite, _NOW_US)."""
+        t = self.messages
+        visible = t.c.visible_at_us <= (_statement_now_us() if self.is_postgres else _NOW_US)
+        # The start always there (seqs start at 1): one statement whether or not it is known, so the receive after a
         # consumer's wait is not compiled and planned afresh (as the store's claims, stores/claims.py `due_ids`).
-        return query.where(self.messages.c.seq >= start)
+        return (select(t).where(t.c.queue == _QUEUE, visible, t.c.seq >= _START).order_by(t.c.seq).limit(_LIMIT)
+                .with_for_update(skip_locked=True))
 
     can_peek = True
 
@@ -421,6 +446,15 @@ class SqlTableTransport(SqlDatabase, Transport):
             raise DestinationNotFoundError(f"queue {endpoint!r} does not exist (it was never provisioned)")
 
 
+#: The values a receive runs with: the queue, how many, where its scan starts, now (SQLite's; PostgreSQL reads its
+#: own clock) and until when what it takes is hidden.
+_QUEUE = bindparam("receive_queue", type_=String)
+_LIMIT = bindparam("receive_limit", type_=Integer)
+_START = bindparam("receive_start", type_=BigInteger)
+_NOW_US = bindparam("receive_now_us", type_=BigInteger)
+_HIDDEN_US = bindparam("receive_hidden_us", type_=BigInteger)
+
+
 def _received(r: Any, receipt: Any, receive_count: int) -> ReceivedMessage:
     return ReceivedMessage(
         message_id=r.message_id,
@@ -432,6 +466,11 @@ def _received(r: Any, receipt: Any, receive_count: int) -> ReceivedMessage:
         due_at=None if r.due_at_us is None else from_us(r.due_at_us),
         receive_count=receive_count,
     )
+
+
+def _statement_now_us() -> ColumnElement[int]:
+    """PostgreSQL's clock as the statement started, in microseconds."""
+    return cast(func.extract("epoch", func.statement_timestamp()) * 1_000_000, BigInteger)
 
 
 def _database_now_us() -> ColumnElement[int]:

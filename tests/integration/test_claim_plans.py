@@ -10,7 +10,7 @@ import json
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import delete, text
+from sqlalchemy import BigInteger, delete, literal, text
 from sqlalchemy.dialects import postgresql
 
 from airflow_delay_provider.core.message import DelayedMessage
@@ -67,7 +67,8 @@ def _move(store, queue, soon_only):
     if not soon_only:
         return ids
     with store.engine.connect() as conn:  # where the move looks whether the delivery history is kept
-        return queue._moving(store, conn, store.claimed(ids, soon_only=True), store.clock())[1]
+        now_us = literal(to_us(store.clock()), BigInteger)
+        return queue._moving(store, conn, store.claimed(ids, soon_only=True), now_us)[1]
 
 
 def _claim(store, _queue, soon_only):

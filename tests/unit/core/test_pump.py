@@ -12,7 +12,7 @@ import pytest
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.errors import CriticalError, UnavailableError
 from airflow_delay_provider.core.message import HEADER_FAILURES, DelayedMessage
-from airflow_delay_provider.core.pump import Pump, PumpConfig
+from airflow_delay_provider.core.pump import REHEARSAL_SECONDS, Pump, PumpConfig
 from airflow_delay_provider.testing import InMemoryStore, InMemoryTransport
 
 
@@ -85,39 +85,119 @@ def test_batches_start_small_after_a_wake_and_grow_to_the_batch_size():
     assert result.stats.dispatched == 100 and transport.sizes == [10, 20, 40, 30]
 
 
+class Sent(InMemoryTransport):
+    """Records each message sent and when."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: list[str] = []
+        self.sent_at: list = []
+
+    def send(self, messages, connection=None):
+        self.ids.extend(m.message_id for m in messages)
+        self.sent_at.extend(utcnow() for _ in messages)
+        return super().send(messages, connection)
+
+
 class Upkept(InMemoryStore):
-    """Records the pump's claims, waits and upkeep calls in order."""
+    """Records the pump's claims (with what each took), waits (with until when), reads ahead of a wake and upkeep
+    calls in order."""
 
     def __init__(self) -> None:
         super().__init__()
         self.events: list[str] = []
+        self.waits: list = []
+        self.claimed: list[int] = []
+        self.ready: list = []
 
     def upkeep(self) -> None:
         self.events.append("upkeep")
 
     def wait(self, until) -> None:
         self.events.append("wait")
+        self.waits.append(until)
         super().wait(until)
 
+    def ready_for(self, due) -> None:
+        self.events.append("ready")
+        self.ready.append(due)
+
+    @contextmanager
     def claim_due(self, *args, **kwargs):
         self.events.append("claim")
-        return super().claim_due(*args, **kwargs)
+        with super().claim_due(*args, **kwargs) as claim:
+            self.claimed.append(len(claim.messages))
+            yield claim
+
+
+def _burst(transport: InMemoryTransport, store: InMemoryStore, n: int, ahead: float, after: float):
+    """`n` messages due `ahead` seconds from now at one instant (`b-0`...), and a pump run until `after` seconds
+    past it; returns the due time and the pump's result."""
+    transport.provision("orders")
+    due = utcnow() + timedelta(seconds=ahead)
+    store.store([DelayedMessage("orders", b"x", due, message_id=f"b-{i}") for i in range(n)])
+    result = Pump(store, transport, PumpConfig(batch_size=200, first_batch_size=10)).run(
+        deadline=due + timedelta(seconds=after))
+    return due, result
 
 
 def test_a_pump_woken_at_a_due_time_claims_the_burst_before_any_upkeep_and_starts_it_before_it_sleeps():
-    transport = InMemoryTransport()
-    transport.provision("orders")
     store = Upkept()
-    due = utcnow() + timedelta(seconds=0.3)
-    store.store([DelayedMessage("orders", b"x", due, message_id=f"b-{i}") for i in range(100)])
-    result = Pump(store, transport, PumpConfig(batch_size=200, first_batch_size=10)).run(
-        deadline=due + timedelta(seconds=0.5))
+    _, result = _burst(InMemoryTransport(), store, 100, 0.3, 0.5)
     assert result.stats.dispatched == 100
-    after = store.events[store.events.index("wait") + 1:]
+    # After the wait until the due time itself (the one before it ends the rehearsal's claim, which takes nothing).
+    woke = len(store.events) - store.events[::-1].index("wait", store.events[::-1].index("upkeep"))
+    after = store.events[woke:]
     upkeep = after.index("upkeep")
     # The burst's claims (10, 20, 40, 30 and those that find nothing left), then the upkeep, then the sleep.
     assert set(after[:upkeep]) == {"claim"} and upkeep >= 4
     assert after[upkeep + 1] == "wait"
+
+
+def test_a_pump_runs_the_wakes_first_claim_once_just_before_the_due_time_and_claims_the_burst_at_it():
+    """The rehearsal: a wake REHEARSAL_SECONDS early reads ahead (`ready_for`) and claims once, finding nothing due
+    yet, so the claim at the due time runs what was just run; no message goes out before it is due."""
+    transport, store = Sent(), Upkept()
+    due, result = _burst(transport, store, 30, 0.6, 0.4)
+    assert result.stats.dispatched == 30
+    assert store.ready == [due]
+    ready = store.events.index("ready")
+    assert store.waits[store.events[:ready].count("wait") - 1] == due - timedelta(seconds=REHEARSAL_SECONDS)
+    assert store.events[ready + 1:ready + 3] == ["claim", "wait"]
+    rehearsal = store.events[:ready + 1].count("claim")
+    assert store.claimed[rehearsal] == 0 and store.claimed[rehearsal + 1] == 10  # nothing, then the head at T
+    assert store.waits[store.events[:ready + 3].count("wait") - 1] == due
+    assert min(transport.sent_at) >= due
+
+
+def test_what_falls_due_before_the_rehearsal_is_taken_by_it_without_a_second_sleep():
+    transport, store = Sent(), Upkept()
+    early: list = []
+
+    def store_one_due_already(due) -> None:  # due before the rehearsal, stored without waking the pump
+        early.append(due - timedelta(seconds=REHEARSAL_SECONDS + 0.05))
+        InMemoryStore.store(store, [DelayedMessage("orders", b"x", early[0], message_id="early")])
+
+    store.ready_for = store_one_due_already
+    due, result = _burst(transport, store, 1, 0.6, 0.4)
+    assert result.stats.dispatched == 2
+    got = dict(zip(transport.ids, transport.sent_at, strict=True))
+    assert early[0] <= got["early"] < due <= got["b-0"]
+
+
+def test_a_message_stored_due_sooner_during_the_wait_before_the_rehearsal_is_claimed_at_its_own_time():
+    transport = Sent()
+    transport.provision("orders")
+    store = Upkept()
+    due = utcnow() + timedelta(seconds=1.5)
+    store.store([DelayedMessage("orders", b"x", due, message_id="later")])
+    sooner = utcnow() + timedelta(seconds=0.5)
+    threading.Timer(0.2, lambda: store.store([DelayedMessage("orders", b"x", sooner, message_id="sooner")])).start()
+    result = Pump(store, transport).run(deadline=due + timedelta(seconds=0.3))
+    assert result.stats.dispatched == 2
+    got = dict(zip(transport.ids, transport.sent_at, strict=True))
+    assert sooner <= got["sooner"] < sooner + timedelta(seconds=0.3) and got["later"] >= due
+    assert store.ready == [sooner, due]
 
 
 def test_failures_are_retried_then_delivered_and_exhausted_ones_dead_lettered():
