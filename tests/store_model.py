@@ -224,8 +224,8 @@ class StoreModel:
         mine = [i for i, m in self.stored.items() if m.destination == destination]
         if any(not self.unleased(self.stored[i], now_us) for i in mine) or (mine and not force):
             return False
-        for i in mine:
-            del self.stored[i]
+        for i in mine:  # purged: cancelled
+            self.history[i, "cancelled", self.stored.pop(i).failures] += 1
         self.known.discard(destination)
         self.paused.discard(destination)
         return True

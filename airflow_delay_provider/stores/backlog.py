@@ -306,9 +306,11 @@ class BacklogControls:
             scheduled: dict[str, int] = {d: n for d, n in conn.execute(count).all()}
             in_flight: dict[str, int] = {d: n for d, n in conn.execute(count.where(self._leased_now())).all()}
             forget_check(names, scheduled, in_flight, force)
-            if scheduled:
-                gone = conn.execute(delete(t).where(mine).returning(t.c.message_id, t.c.stored_at_us)).all()
-                self.accepted.cancelled(conn, gone)
+            if scheduled:  # forced: purged, each cancelled in the delivery history
+                gone = conn.execute(delete(t).where(mine).returning(*removed_columns(t))).all()
+                self.accepted.cancelled(conn, [(r.message_id, r.stored_at_us) for r in gone])
+                if self.history is not None:
+                    self.history.cancelled(conn, gone, to_us(self.db.clock()))
             self.settings.forget(conn, names)
             return scheduled
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from sqlalchemy import and_, func, insert, or_, select, update
 
-from airflow_delay_provider.core.history import DELIVERED, Settled
+from airflow_delay_provider.core.history import DELIVERED, Settled, settled_groups
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.stores.dedup import AcceptedIds
 from airflow_delay_provider.stores.engine import Database
@@ -123,18 +123,22 @@ class EventLeases:
         taken_over = sum(1 for r in rows if before.get(r.id) is not None)
         return [_message(r) for r in rows], taken_over
 
-    def ack_events(self, claim_id: str, message_ids: Collection[str]) -> int:
+    def ack_events(self, claim_id: str, message_ids: Collection[str], failures: Mapping[str, str] | None = None
+                   ) -> int:
         """Delete handed-over messages this claim still holds; returns how many went. A row another claim
-        took over meanwhile (this lease had expired) stays: that claim hands it over again."""
+        took over meanwhile (this lease had expired) stays: that claim hands it over again. In the delivery
+        history they are delivered (asset events Airflow recorded), or with `failures` (id -> why) dead-lettered."""
         if not message_ids:
             return 0
         t = self.tables.messages
         with self.db.errors("acknowledge handed-over messages"), self.db.engine.begin() as conn:
             gone = conn.execute(t.delete().where(t.c.message_id.in_(list(message_ids)), t.c.claim_id == claim_id)
                                 .returning(*removed_columns(t))).all()
-            if gone and self.history is not None:  # handed to Airflow as asset events: delivered
-                self.history.write(conn, to_us(self.db.clock()),
-                                   [Settled(DELIVERED, tuple(r.message_id for r in gone))], facts_of(gone))
+            if gone and self.history is not None:
+                ids = [r.message_id for r in gone]
+                groups = settled_groups([], {}, {m: failures[m] for m in ids}) if failures is not None else \
+                    [Settled(DELIVERED, tuple(ids))]
+                self.history.write(conn, to_us(self.db.clock()), groups, facts_of(gone))
             return len(gone)
 
     def release_events(self, claim_id: str, message_ids: Collection[str]) -> int:
@@ -150,12 +154,21 @@ class EventLeases:
         return n
 
     def retry_events(self, claim_id: str, next_due: Mapping[str, datetime],
-                     headers: Mapping[str, dict[str, str]] | None = None) -> int:
+                     headers: Mapping[str, dict[str, str]] | None = None,
+                     failures: Mapping[str, str] | None = None) -> int:
         """Count one more failure for each message and make it due again at its time (new headers where
-        given), releasing it; returns how many."""
+        given), releasing it; returns how many. The delivery history records each as retried, with its failure
+        from `failures` (id -> why)."""
         t = self.tables.messages
         n = 0
         with self.db.errors("reschedule messages for a retry"), self.db.engine.begin() as conn:
+            if self.history is not None and next_due:  # as they were when handed over: due time and attempts
+                held = conn.execute(select(*removed_columns(t)).where(t.c.message_id.in_(list(next_due)),
+                                                                      t.c.claim_id == claim_id)).all()
+                if held:
+                    why = failures or {}
+                    groups = settled_groups([], {r.message_id: why.get(r.message_id, "") for r in held}, {})
+                    self.history.write(conn, to_us(self.db.clock()), groups, facts_of(held))
             for message_id, due in next_due.items():
                 values: dict[str, Any] = {"claim_id": None, "failures": t.c.failures + 1, "due_at_us": to_us(due)}
                 if headers and message_id in headers:

@@ -393,15 +393,17 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     def lease_events(self, claim_id: str, destination: str, limit: int) -> tuple[list[DelayedMessage], int]:
         return self.events.lease_events(claim_id, destination, limit)
 
-    def ack_events(self, claim_id: str, message_ids: Collection[str]) -> int:
-        return self.events.ack_events(claim_id, message_ids)
+    def ack_events(self, claim_id: str, message_ids: Collection[str], failures: Mapping[str, str] | None = None
+                   ) -> int:
+        return self.events.ack_events(claim_id, message_ids, failures)
 
     def release_events(self, claim_id: str, message_ids: Collection[str]) -> int:
         return self.events.release_events(claim_id, message_ids)
 
     def retry_events(self, claim_id: str, next_due: Mapping[str, datetime],
-                     headers: Mapping[str, dict[str, str]] | None = None) -> int:
-        return self.events.retry_events(claim_id, next_due, headers)
+                     headers: Mapping[str, dict[str, str]] | None = None,
+                     failures: Mapping[str, str] | None = None) -> int:
+        return self.events.retry_events(claim_id, next_due, headers, failures)
 
     def next_event_due(self, destination: str) -> datetime | None:
         return self.events.next_event_due(destination)

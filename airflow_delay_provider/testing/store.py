@@ -7,6 +7,7 @@ import heapq
 import itertools
 import json
 import threading
+from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
@@ -36,6 +37,7 @@ from airflow_delay_provider.core.backlog import (
 from airflow_delay_provider.core.checks import check_int
 from airflow_delay_provider.core.delays import UTC, to_us, utcnow
 from airflow_delay_provider.core.duplicates import SKIP, applied, check_on_duplicate, fold
+from airflow_delay_provider.core.errors import InvalidInputError
 from airflow_delay_provider.core.history import (
     CANCELLED,
     DEFAULT_HISTORY_DAYS,
@@ -100,7 +102,8 @@ class InMemoryStore(DelayedMessageStore):
                  history_days: int = DEFAULT_HISTORY_DAYS) -> None:
         self._clock = clock
         self.history_days = check_history_days(history_days)
-        self._history: list[Delivery] = []  # oldest first
+        self._history: deque[tuple[int, Delivery]] = deque()  # (the order it was recorded in, entry), oldest first
+        self._recorded = itertools.count()
         self._window = timedelta(seconds=dedup_window_seconds)
         lock = threading.RLock()
         self._lock = threading.Condition(lock)  # notified when a message is stored or becomes claimable
@@ -190,28 +193,37 @@ class InMemoryStore(DelayedMessageStore):
         if not self.history_days:
             return
         with self._lock:
-            self._history.extend(entries)
+            self._history.extend((next(self._recorded), e) for e in entries)
             cutoff = self.clock() - timedelta(days=self.history_days)
-            while self._history and self._history[0].handed_at < cutoff:
-                self._history.pop(0)
+            while self._history and self._history[0][1].handed_at < cutoff:
+                self._history.popleft()
 
     def delivery_history(self, destination: str | None = None, message_id: str | None = None,
                          outcome: str | None = None, since: datetime | None = None, before: datetime | None = None,
                          limit: int = 50, after: str | None = None) -> HistoryPage:
         with self._lock:
-            found = [e for e in self._history
+            found = [(to_us(e.handed_at), n, e) for n, e in self._history
                      if (destination is None or e.destination == destination)
                      and (message_id is None or e.message_id == message_id)
                      and (outcome is None or e.outcome == outcome)
                      and (since is None or e.handed_at >= since) and (before is None or e.handed_at < before)]
-        found.sort(key=lambda e: e.handed_at, reverse=message_id is None)
-        start = int(after) if after else 0  # the cursor: how many entries the pages before showed
-        end = start + min(limit, MAX_HISTORY_PAGE)
-        return HistoryPage(found[start:end], str(end) if end < len(found) else None)
+        newest_first = message_id is None  # a message's story reads oldest first
+        found.sort(key=lambda f: f[:2], reverse=newest_first)
+        if after:  # the cursor: the time and order of the last entry shown, so entries recorded since shift nothing
+            try:
+                at_us, _, n = after.partition(":")
+                last = (int(at_us), int(n))
+            except ValueError:
+                raise InvalidInputError(f"after must be the `next` cursor a page of the history gave, got "
+                                        f"{after!r}") from None
+            found = [f for f in found if (f[:2] < last if newest_first else f[:2] > last)]
+        page = found[:min(limit, MAX_HISTORY_PAGE)]
+        cursor = f"{page[-1][0]}:{page[-1][1]}" if len(found) > len(page) else None
+        return HistoryPage([e for _, _, e in page], cursor)
 
     def history_chart(self, destination: str | None, since: datetime, until: datetime) -> list[dict[str, Any]]:
         with self._lock:
-            entries = [e for e in self._history if destination is None or e.destination == destination]
+            entries = [e for _, e in self._history if destination is None or e.destination == destination]
         return minute_series(entries, since, until)
 
     def _held(self, message_id: str) -> bool:
@@ -329,9 +341,12 @@ class InMemoryStore(DelayedMessageStore):
             for m in mine:
                 scheduled[m.destination] = scheduled.get(m.destination, 0) + 1
             forget_check(names, scheduled, {}, force)
-            for m in mine:
+            stored = {}
+            for m in mine:  # forced: purged, each cancelled in the delivery history
                 del self._messages[m.message_id]
-                self._meta.pop(m.message_id, None)
+                stored[m.message_id] = self._meta.pop(m.message_id, (0, None))[1]
+            self._keep_history(entries_of([Settled(CANCELLED, tuple(stored))], {m.message_id: m for m in mine},
+                                          self.clock(), stored))
             for name in names:
                 self._known.pop(name, None)
                 self._policies.pop(name, None)

@@ -263,10 +263,12 @@ class DueMessageProducer(_Producer):
         if s.dead:
             self._dead_letter(s)
         if s.dead_lettered:
-            self.counts["dead_lettered"] += self.store.ack_events(self.claim_id, s.dead_lettered)
+            self.counts["dead_lettered"] += self.store.ack_events(
+                self.claim_id, s.dead_lettered, failures={m: s.why.get(m, "") for m in s.dead_lettered})
             s.dead_lettered = []
         if s.retries:
-            self.counts["retried"] += self.store.retry_events(self.claim_id, s.retries, s.headers)
+            self.counts["retried"] += self.store.retry_events(
+                self.claim_id, s.retries, s.headers, failures={m: s.why.get(m, "") for m in s.retries})
             s.retries, s.headers = {}, {}
 
     def _policy(self, destination: str) -> DeliveryPolicy:
@@ -293,6 +295,7 @@ class DueMessageProducer(_Producer):
             settled = settle_failure(message, why, self._policy(message.destination), self.trigger.error_queue, now,
                                      RETRY_JITTER, final=outcome.rejected)
             failed.add(message.message_id, settled)
+            s.why[message.message_id] = why
             if isinstance(settled, Retry):
                 log.warning("the event of message %s (%s) was not recorded; attempt %d, retrying at %s",
                             message.message_id, message.destination, message.failures + 1, settled.at.isoformat())
@@ -309,6 +312,7 @@ class DueMessageProducer(_Producer):
                 log.error("could not dead-letter %s to %s (%s); it stays stored", m.message_id, m.destination,
                           failures[m.message_id])
                 s.retries[m.message_id] = now
+                s.why[m.message_id] = f"could not dead-letter it: {failures[m.message_id]}"
             else:
                 log.warning("message %s for %s dead-lettered to %s: %s", m.message_id, t.destination, m.destination,
                             m.headers.get("x-delay-failure-reason"))
@@ -372,3 +376,4 @@ class _Settlement:
         self.dead_lettered: list[str] = []  # sent to the error queue, still to delete
         self.retries: dict[str, datetime] = {}
         self.headers: dict[str, dict[str, str]] = {}
+        self.why: dict[str, str] = {}  # each failed message's failure, for the delivery history

@@ -296,6 +296,29 @@ def test_pages_of_the_history_show_each_entry_once_even_within_one_batch(db, kin
     assert len(orders) == 9 and {e.destination for e in orders} == {"orders"}
 
 
+@pytest.mark.parametrize("kind", ["sql", "memory"])
+def test_a_page_after_newer_entries_came_goes_on_from_where_the_last_one_ended(db, kind):
+    """The cursor says where a page ended, not how many entries came before it: deliveries recorded between two
+    pages (newer, so on no later page) neither repeat the last page's entries nor skip any."""
+    url, schema, table = db
+    clock = HeldClock()
+    store = _store(url, schema, table, clock) if kind == "sql" else InMemoryStore(clock=clock.clock)
+    transport = make_transport(url, schema, table, "orders", "other")
+
+    def deliver(prefix: str, n: int) -> None:
+        store.store([DelayedMessage("orders", b"x", clock.now, {}, f"{prefix}-{i}") for i in range(n)])
+        assert Pump(store, transport, PumpConfig(), clock=clock.clock).dispatch_batch().dispatched == n
+        clock.advance(1)
+
+    for batch in range(3):
+        deliver(f"b{batch}", 3)
+    first = store.delivery_history(limit=4)
+    deliver("new", 5)  # newer than every entry of the first page
+    rest = store.delivery_history(limit=100, after=first.next)
+    seen = [e.message_id for e in first.entries + rest.entries]
+    assert sorted(seen) == sorted(f"b{b}-{i}" for b in range(3) for i in range(3)) and rest.next is None
+
+
 def test_the_history_table_is_made_as_the_code_declares_it(db):
     url, schema, table = db
     store = _store(url, schema, table, HeldClock())
@@ -321,3 +344,36 @@ def test_events_handed_to_airflow_are_recorded_as_delivered(db):
     assert store.ack_events("claim-1", ["ev-1"]) == 1
     [entry] = store.delivery_history(destination=destination).entries
     assert (entry.outcome, entry.attempts, entry.lateness) == (DELIVERED, 1, 3.0)
+
+
+@pytest.mark.parametrize("kind", ["sql", "memory"])
+def test_a_forced_forget_records_each_message_it_purges_as_cancelled(db, kind):
+    url, schema, table = db
+    clock = HeldClock()
+    store = _store(url, schema, table, clock) if kind == "sql" else InMemoryStore(clock=clock.clock)
+    store.store([DelayedMessage("retired", b"x", clock.now + timedelta(hours=i), {}, f"r{i}") for i in range(3)])
+    store.store([DelayedMessage("kept", b"x", clock.now + timedelta(hours=1), {}, "k0")])
+    assert store.forget_destinations(["retired"], force=True)["purged"] == {"retired": 3}
+    entries = store.delivery_history(limit=100).entries
+    assert sorted((e.message_id, e.outcome, e.attempts) for e in entries) == [
+        (f"r{i}", CANCELLED, 0) for i in range(3)]
+    assert store.message_story("r1")["state"] == CANCELLED and store.message_story("k0")["state"] == "scheduled"
+
+
+def test_events_retried_and_dead_lettered_are_recorded_so_with_their_failure(db):
+    url, schema, table = db
+    clock = HeldClock()
+    store = _store(url, schema, table, clock)
+    destination = "airflow.asset.orders_due"
+    due = clock.now - timedelta(seconds=2)
+    store.store([DelayedMessage(destination, b"{}", due, {}, "ev-1")])
+    store.open_event_claim("claim-1", destination, 60)
+    store.lease_events("claim-1", destination, 10)
+    assert store.retry_events("claim-1", {"ev-1": clock.now}, failures={"ev-1": "the event was not recorded"}) == 1
+    clock.advance(5)
+    store.lease_events("claim-1", destination, 10)
+    assert store.ack_events("claim-1", ["ev-1"], failures={"ev-1": "rejected by a subscriber"}) == 1
+    story = [(e.outcome, e.attempts, e.due_at, e.detail) for e in store.delivery_history(message_id="ev-1").entries]
+    assert story == [(RETRIED, 1, due, "the event was not recorded"),
+                     (DEAD_LETTERED, 2, clock.now - timedelta(seconds=5), "rejected by a subscriber")]
+    assert store.message_story("ev-1")["state"] == DEAD_LETTERED

@@ -192,6 +192,9 @@ def test_an_event_never_recorded_is_retried_then_dead_lettered(store_conn):
     assert dead[0].headers["x-delay-failed-destination"] == DEST
     assert "not recorded (after 2 attempt(s))" in dead[0].headers["x-delay-failure-reason"]
     assert store.get("run-1") is None
+    # Its story: retried after the first attempt, dead-lettered after the second, never delivered.
+    story = [(e.outcome, e.attempts, e.detail) for e in store.delivery_history(message_id="run-1").entries]
+    assert story == [("retried", 1, "the event was not recorded"), ("dead_lettered", 2, "the event was not recorded")]
 
 
 def test_it_wakes_for_a_message_stored_later_and_paces_events(store_conn):
