@@ -239,6 +239,19 @@ def dags_test_figure(tmp: Path) -> dict:
     return figures
 
 
+def airflow_settings(parser: argparse.ArgumentParser, given: list[str]) -> dict[str, str]:
+    """`--airflow-set SECTION.KEY=VALUE` as the AIRFLOW__SECTION__KEY variables of the deployment's processes."""
+    settings = {}
+    for item in given:
+        name, sep, value = item.partition("=")
+        section, dot, key = name.partition(".")
+        if not (sep and dot and section.isidentifier() and key.isidentifier()):
+            parser.error(f"--airflow-set {item!r}: write SECTION.KEY=VALUE, "
+                         "e.g. scheduler.scheduler_idle_sleep_time=0.2")
+        settings[f"AIRFLOW__{section.upper()}__{key.upper()}"] = value
+    return settings
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="delays of 2 and 15 s only, bursts of 1,000")
@@ -246,8 +259,12 @@ def main() -> None:
                         help="a checkout whose airflow_delay_provider the deployment's processes import instead of "
                              "this one's (an earlier commit, for a before/after in one sitting)")
     parser.add_argument("--per-delay", type=int, default=5, help="messages per delay and path")
+    parser.add_argument("--airflow-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="an Airflow setting of every component (e.g. scheduler.scheduler_idle_sleep_time=0.2), "
+                             "as AIRFLOW__SECTION__KEY; repeatable")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "deployment.json")
     args = parser.parse_args()
+    settings = airflow_settings(parser, args.airflow_set)
     delays = (2, 15) if args.quick else (2, 15, 90, 300)
     burst_n = {"sql": 1000, "rabbitmq": 1000, "native": 1000, "sqs": 100} if args.quick else \
         {"sql": 10_000, "rabbitmq": 10_000, "native": 10_000, "sqs": 300}
@@ -290,12 +307,12 @@ def main() -> None:
     total = max(delays) + 120
     # Unpausing the delayed-run target starts its watcher at the file's next parse: parse often.
     airflow = Deployment(tmp / "rig", dags, connections=connections,
-                         env={"AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "5",
+                         env={"AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "5", **settings,
                               **({"PYTHONPATH": str(args.code.resolve())} if args.code else {})})
     dag_run_due: dict[str, datetime] = {}
     arrivals = Arrivals()
     due: dict[str, tuple[str, object]] = {}  # message id -> (path label, due time)
-    results: dict = {"delays": list(delays), "bursts": burst_n}
+    results: dict = {"delays": list(delays), "bursts": burst_n, "airflow_settings": settings}
     try:
         log("starting the deployment")
         airflow.start()
@@ -418,7 +435,8 @@ def report(r: dict) -> None:
     v, m = r["versions"], r["machine"]
     print(f"\nDeployment lateness: Airflow {v['airflow']} (api-server, scheduler, dag-processor, triggerer as separate "
           f"processes, LocalExecutor), PostgreSQL {v['postgresql']}, RabbitMQ {v['rabbitmq']} (quorum queues), "
-          f"moto {v['moto']}; Python {m['python']}, {m['cpus']} cores, {m['platform']}\n")
+          f"moto {v['moto']}; Python {m['python']}, {m['cpus']} cores, {m['platform']}; Airflow settings beyond the "
+          f"rig's: {r.get('airflow_settings') or 'none'}\n")
     print("| path | messages | delivered | early | twice | first ms | p50 ms | p99 ms | max ms |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for row in r["rows"]:
