@@ -59,7 +59,7 @@ from airflow_delay_provider.core.backlog import (
 )
 from airflow_delay_provider.core.checks import check_int
 from airflow_delay_provider.core.message import check_destination
-from airflow_delay_provider.stores.bulk import BatchedChange
+from airflow_delay_provider.stores.bulk import BatchedChange, settle_cancelled
 from airflow_delay_provider.stores.dedup import AcceptedIds
 from airflow_delay_provider.stores.destinations import DestinationSettings
 from airflow_delay_provider.stores.engine import PASSES, Database, in_transaction
@@ -308,9 +308,7 @@ class BacklogControls:
             forget_check(names, scheduled, in_flight, force)
             if scheduled:  # forced: purged, each cancelled in the delivery history
                 gone = conn.execute(delete(t).where(mine).returning(*removed_columns(t))).all()
-                self.accepted.cancelled(conn, [(r.message_id, r.stored_at_us) for r in gone])
-                if self.history is not None:
-                    self.history.cancelled(conn, gone, to_us(self.db.clock()))
+                settle_cancelled(conn, gone, to_us(self.db.clock()), self.accepted, self.history)
             self.settings.forget(conn, names)
             return scheduled
 
@@ -335,9 +333,7 @@ class BacklogControls:
                 rows = conn.execute(statement.where(*where).returning(*removed_columns(t))).all()
                 changed.extend(r.message_id for r in rows)
                 if due_us is None:
-                    self.accepted.cancelled(conn, [(r.message_id, r.stored_at_us) for r in rows])
-                    if self.history is not None:
-                        self.history.cancelled(conn, rows, now_us)
+                    settle_cancelled(conn, rows, now_us, self.accepted, self.history)
                 else:
                     self.accepted.moved(conn, ((r.message_id, due_us, r.stored_at_us) for r in rows))
                 # A claim this pass waited for may have written rows back for a retry; a new statement

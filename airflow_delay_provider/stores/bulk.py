@@ -35,6 +35,15 @@ PROGRESS_EVERY = 5.0
 _READ_CHUNK = 50_000
 
 
+def settle_cancelled(conn: Connection, rows: Sequence[Any], at_us: int, accepted: AcceptedIds,
+                     history: DeliveryHistory | None) -> None:
+    """What removing scheduled messages for good leaves, in the caller's transaction (the rows as `removed_columns`
+    returns them): their ids guarded from their acceptance again, and each cancelled in the delivery history."""
+    accepted.cancelled(conn, [(r.message_id, r.stored_at_us) for r in rows])
+    if history is not None:
+        history.cancelled(conn, rows, at_us)
+
+
 class BatchedChange:
     """Delete (`due_us` None) or re-time the rows `where` selects, `batch` rows per transaction.
 
@@ -121,9 +130,7 @@ class BatchedChange:
             else:
                 rows = conn.execute(statement).all()
                 if self.due_us is None:
-                    self.accepted.cancelled(conn, [(r.message_id, r.stored_at_us) for r in rows])
-                    if self.history is not None:
-                        self.history.cancelled(conn, rows, now_us)
+                    settle_cancelled(conn, rows, now_us, self.accepted, self.history)
                 else:
                     self.accepted.moved(conn, ((r.message_id, self.due_us, r.stored_at_us) for r in rows))
                 ids = [r.message_id for r in rows]

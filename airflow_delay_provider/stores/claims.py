@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
     ARRAY,
@@ -41,6 +41,9 @@ from airflow_delay_provider.core.history import Settled
 from airflow_delay_provider.core.ports import Claim
 from airflow_delay_provider.stores.dedup import AcceptedIds
 from airflow_delay_provider.stores.engine import Database, IndexStart
+
+if TYPE_CHECKING:
+    from airflow_delay_provider.stores.engine import AnyResult
 from airflow_delay_provider.stores.history import DeliveryHistory, facts_of
 from airflow_delay_provider.stores.tables import SOON, StoreTables, _message, from_us, to_us
 
@@ -274,7 +277,7 @@ class DueClaims:
         By id, a claim that read every partition looked each id up in all of them, and in the current hour's, once
         an analyse had found it all but empty, the planner took its due index for the lookup (id is its second
         column) and read all of it for each id, as the move of `_later` did (tiers.LaterMessages._moving)."""
-        if soon_only or not self.db.is_postgres or not self.tiered():
+        if self._found_alone(soon_only):
             return self.claimed(ids, soon_only)
         picked: dict[int, list[str]] = {}
         columns = ids.with_only_columns(self.tables.messages.c.tier, cast(literal_column("ctid"), Text))
@@ -286,9 +289,17 @@ class DueClaims:
                           .bindparams(bindparam(f"tids_{tier}", tids, type_=ARRAY(Text))))
                      for tier, tids in picked.items()))
 
-    def found_alone(self, soon_only: bool) -> bool:
-        """Whether `taken` finds the claimed rows in the claim's own statement (which can then be built once), not
-        by running `ids` first (the rows' places are in the statement)."""
+    def run(self, conn: Connection, key: tuple[Any, ...], build: Callable[[], Any], values: Mapping[str, Any],
+            soon_only: bool) -> AnyResult:
+        """Run a claim's statement (`build` makes it from `due_query` and `taken`) with `values` on `conn`: built once
+        for `key` and prepared when `taken` finds the claimed rows in the statement itself; otherwise built afresh,
+        since the rows' places are in it (`taken` ran `ids` first)."""
+        if self._found_alone(soon_only):
+            return self.db.run_prepared(conn, self.built(key, build), values)
+        return conn.execute(build(), values)
+
+    def _found_alone(self, soon_only: bool) -> bool:
+        """Whether `taken` finds the claimed rows in the claim's own statement, not by running `ids` first."""
         return soon_only or not self.db.is_postgres or not self.tiered()
 
     @contextmanager
@@ -306,11 +317,8 @@ class DueClaims:
                 ids = self.due_query(soon_only, due_before is not None, exclude)
                 return delete(t).where(self.taken(conn, ids, soon_only, values)).returning(*self.tables.row)
 
-            if self.found_alone(soon_only):
-                rows = self.db.run_prepared(conn, self.built(key, claiming), values).all()
-            else:
-                rows = conn.execute(claiming(), values).all()
-            claim = _SqlClaim(conn, t, rows, self.accepted, self.tier)
+            claim = _SqlClaim(conn, t, self.run(conn, key, claiming, values, soon_only).all(), self.accepted,
+                              self.tier)
             claim.history = self.history
             yield claim
             claim.restore_unsettled()

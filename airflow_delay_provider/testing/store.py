@@ -341,12 +341,7 @@ class InMemoryStore(DelayedMessageStore):
             for m in mine:
                 scheduled[m.destination] = scheduled.get(m.destination, 0) + 1
             forget_check(names, scheduled, {}, force)
-            stored = {}
-            for m in mine:  # forced: purged, each cancelled in the delivery history
-                del self._messages[m.message_id]
-                stored[m.message_id] = self._meta.pop(m.message_id, (0, None))[1]
-            self._keep_history(entries_of([Settled(CANCELLED, tuple(stored))], {m.message_id: m for m in mine},
-                                          self.clock(), stored))
+            self._cancel(mine)  # forced: purged
             for name in names:
                 self._known.pop(name, None)
                 self._policies.pop(name, None)
@@ -359,19 +354,25 @@ class InMemoryStore(DelayedMessageStore):
         with self._lock:
             while any(selector.matches(m) for c in self._claims for m in c._unsettled.values()):
                 self._settled.wait()
-            gone, stored = [], {}
+            gone = []
             for m in self._select(selector):
                 if due_at is None:
-                    del self._messages[m.message_id]
                     gone.append(m)
-                    stored[m.message_id] = self._meta.pop(m.message_id, (0, None))[1]
                 elif m.due_at != due_at:  # one already due then stays as it is, and counts as rescheduled
                     self._put(DelayedMessage.trusted(m.destination, m.body, due_at, dict(m.headers), m.message_id,
                                                      m.failures))
                 changed.append(m.message_id)
-            self._keep_history(entries_of([Settled(CANCELLED, tuple(stored))], {m.message_id: m for m in gone},
-                                          self.clock(), stored))
+            self._cancel(gone)
         return changed
+
+    def _cancel(self, gone: Sequence[DelayedMessage]) -> None:
+        """Remove stored messages for good, each cancelled in the delivery history (the caller holds the lock)."""
+        stored = {}
+        for m in gone:
+            del self._messages[m.message_id]
+            stored[m.message_id] = self._meta.pop(m.message_id, (0, None))[1]
+        self._keep_history(entries_of([Settled(CANCELLED, tuple(stored))], {m.message_id: m for m in gone},
+                                      self.clock(), stored))
 
     def _accepted_of(self, message_ids: Sequence[str]) -> list[str]:
         """Of these ids, those stored with de-duplication (the SQL store's ids table)."""

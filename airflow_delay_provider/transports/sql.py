@@ -123,7 +123,7 @@ class SqlTableTransport(SqlDatabase, Transport):
         )
         #: Per queue: where its receives start (see `_start_of`).
         self._starts: dict[str, IndexStart] = {}
-        self._receive: Any = None  # the receive's statement, built once (`_receiving`)
+        self._receive: Any = None  # the receive's statement, built once (`_taking`)
         self._sequence: str | None = None
         # Receives update and acks delete, so the queue table churns as the store does (stores/upkeep.py).
         self.maintenance = TableUpkeep(self, kept=lambda: (self.messages,))
@@ -225,9 +225,7 @@ class SqlTableTransport(SqlDatabase, Transport):
 
             # Built once per shape (and queue table), run with the values of each batch.
             key = ("move", self.messages, soon_only, due_before is not None, frozenset(exclude), recorded)
-            statement = claims.built(key, moving) if claims.found_alone(soon_only) else moving()
-            moved = store.run_prepared(conn, statement, values) if claims.found_alone(soon_only) else \
-                conn.execute(statement, values)
+            moved = claims.run(conn, key, moving, values, soon_only)
             return [(queue, from_us(due_us), n) for queue, due_us, n in moved]
 
     def move_window(self, store: SqlDelayedMessageStore, claim_id: str, low: int, high: int, limit: int,
@@ -325,9 +323,6 @@ class SqlTableTransport(SqlDatabase, Transport):
         stamps rows with the database's clock, and this process's estimate of it lags by up to a round trip."""
         return _statement_now_us() if self.is_postgres else to_us(now)
 
-    def _visible_now(self, now: datetime) -> ColumnElement[bool]:
-        return self.messages.c.visible_at_us <= self._now_us(now)
-
     def receive(self, endpoint: str, max_messages: int = 10, visibility_timeout: float = 30.0) -> list[ReceivedMessage]:
         self.upkeep()  # consumers call this in a loop: their process looks after the table if no pump does
         now = self.clock()
@@ -372,10 +367,11 @@ class SqlTableTransport(SqlDatabase, Transport):
 
         return self._starts.setdefault(endpoint, IndexStart()).current(read)
 
-    def _visible_in_order(self, endpoint: str, max_messages: int, now: datetime) -> Rows:
-        """The oldest visible messages of the queue."""
+    def _visible_in_order(self, endpoint: str | ColumnElement[str], max_messages: int | ColumnElement[int],
+                          now_us: int | ColumnElement[int]) -> Rows:
+        """The oldest messages of the queue visible at `now_us` (values or parameters)."""
         t = self.messages
-        return select(t).where(t.c.queue == endpoint, self._visible_now(now)).order_by(t.c.seq).limit(max_messages)
+        return select(t).where(t.c.queue == endpoint, t.c.visible_at_us <= now_us).order_by(t.c.seq).limit(max_messages)
 
     def _receiving(self, endpoint: str, max_messages: int, now: datetime, start: int = 0) -> Rows:
         """The oldest visible messages of the queue from seq `start` on, locked (those another receive holds are
@@ -385,18 +381,16 @@ class SqlTableTransport(SqlDatabase, Transport):
 
     def _receiving_query(self) -> Rows:
         """`_receiving` with its values as parameters (_QUEUE, _LIMIT, _START and, on SQLite, _NOW_US)."""
-        t = self.messages
-        visible = t.c.visible_at_us <= (_statement_now_us() if self.is_postgres else _NOW_US)
+        query = self._visible_in_order(_QUEUE, _LIMIT, _statement_now_us() if self.is_postgres else _NOW_US)
         # The start always there (seqs start at 1): one statement whether or not it is known, so the receive after a
         # consumer's wait is not compiled and planned afresh (as the store's claims, stores/claims.py `due_ids`).
-        return (select(t).where(t.c.queue == _QUEUE, visible, t.c.seq >= _START).order_by(t.c.seq).limit(_LIMIT)
-                .with_for_update(skip_locked=True))
+        return query.with_for_update(skip_locked=True).where(self.messages.c.seq >= _START)
 
     can_peek = True
 
     def peek(self, endpoint: str, max_messages: int = 10) -> list[ReceivedMessage]:
         """A plain SELECT of the visible messages, oldest first: nothing is locked, hidden or counted."""
-        query = self._visible_in_order(endpoint, max_messages, self.clock())
+        query = self._visible_in_order(endpoint, max_messages, self._now_us(self.clock()))
         with self.errors(f"peek at queue {endpoint!r}"), self.engine.connect() as conn:
             self._require_queue(conn, endpoint)
             self.in_index_order(conn)  # as a receive reads it: the batch, not every visible message sorted
