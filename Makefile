@@ -33,6 +33,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
+# Four workers on two cores: the suite waits on Airflow's loops, Spark's JVMs and brokers more than it computes (three
+# left a third of the CPU idle once the docs and the Airflow 3.2 run beside it were done).
+TEST_WORKERS ?= 4
+
 test: $(STAMP) $(JDBC_JAR) $(CHROMIUM) dist
 	$(BIN)/ruff check .
 	$(BIN)/mypy
@@ -41,7 +45,7 @@ test: $(STAMP) $(JDBC_JAR) $(CHROMIUM) dist
 	@# highest's (3.3). Any of the three failing fails the target.
 	$(MAKE) --no-print-directory docs > dist/docs.log 2>&1 & docs=$$!; \
 	scripts/test_compat.sh 3.2 > dist/compat.log 2>&1 & compat=$$!; \
-	$(BIN)/python -m pytest -n 3 --dist loadfile --durations=15; suite=$$?; \
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15; suite=$$?; \
 	wait $$docs; built=$$?; wait $$compat; compatible=$$?; \
 	cat dist/docs.log; grep -v "^WARNING: Location" dist/compat.log | tail -n 40; \
 	echo "suite: exit $$suite, docs: exit $$built, Airflow 3.2: exit $$compatible"; \

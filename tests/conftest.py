@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.databases import admin_conninfo, drop_later, wait_for_drops
 from tests.services import MotoServer
 from tests.shared import FILE_GROUPS, Shared, group_of
 
@@ -139,6 +140,17 @@ def pg_schema():
     engine.dispose()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def databases_dropped():
+    """The session's end waits for the databases its tests handed to the dropping thread (tests/databases.py), a
+    shared deployment's included (closed here first): one not dropped fails it."""
+    yield
+    Shared.close_unless_next(None)
+    problems = wait_for_drops()
+    if problems:
+        pytest.fail("; ".join(problems), pytrace=False)
+
+
 @pytest.fixture(params=["sqlite", "postgres"])
 def db(request, tmp_path):
     """(url, schema, table) of an empty store on each database; a fresh table name per test."""
@@ -171,9 +183,8 @@ def pg_own_database():
     url = make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
     yield url, None, f"t_{uuid.uuid4().hex[:12]}"
     get_engine(url).dispose()
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()
+    drop_later(admin_conninfo(PG_URL), name)
 
 
 @pytest.fixture

@@ -300,12 +300,15 @@ class Pump:
         due_before: datetime | None = None,
         max_wait: float | None = None,
         stop_when_idle: bool = False,
+        woken: bool = False,
     ) -> PumpResult:
         """Dispatch until the deadline, `max_messages`, or nothing is left before `due_before`.
 
         While nothing is due it sleeps until the next due time, but only when that is at most
         `max_wait` seconds away (None: any wait up to the deadline); otherwise it returns `idle`
-        with the next due time, so a caller can defer instead of holding a worker.
+        with the next due time, so a caller can defer instead of holding a worker. `woken`: the caller
+        has just waited for a due time itself (a trigger, on its event loop), so the run starts as the
+        pump does after its own waits: a small first batch, and no upkeep until the burst is handled.
         """
         stats = PumpStats()
         self._exclusions = self.move_exclusions()
@@ -313,7 +316,7 @@ class Pump:
         if self.claims_ahead and not self._moves:
             self._claimer = ThreadPoolExecutor(1, thread_name_prefix="pump-claim")
         try:
-            return self._run(stats, deadline, max_messages, due_before, max_wait, stop_when_idle)
+            return self._run(stats, deadline, max_messages, due_before, max_wait, stop_when_idle, woken)
         finally:
             self._release_ahead()
             if self._claimer is not None:
@@ -382,18 +385,19 @@ class Pump:
         due_before: datetime | None,
         max_wait: float | None,
         stop_when_idle: bool,
+        woken: bool,
     ) -> PumpResult:
         started = time.monotonic()
         last_report = started
         held_backoff = MIN_HELD_BACKOFF_SECONDS
         first = min(self.config.first_batch_size, self.config.batch_size)
         # A pump starts on a backlog in full batches; after sleeping, a burst falls due and its head goes first.
-        ramp = self.config.batch_size
+        ramp = first if woken else self.config.batch_size
         # From a wake until the work found there is done (or QUIET_AFTER_WAKE_SECONDS), no upkeep starts: a pump
         # woken at a due time found every background pass overdue at once (the store's move of `_later` and its
         # look, its tables' and the queues' checks), and their threads took the GIL and the CPU from the burst's
         # first claims. They start before the pump sleeps instead, and run while it does.
-        quiet_until = -math.inf
+        quiet_until = time.monotonic() + QUIET_AFTER_WAKE_SECONDS if woken else -math.inf
         while True:
             if time.monotonic() >= quiet_until:
                 self._upkeep()
@@ -470,10 +474,7 @@ class Pump:
         self.store.wait(due - lead)
         if self._clock() < due - lead or self._stopping.is_set():
             return True  # woken by a message due sooner: the loop reads the next due time again
-        try:
-            self.store.ready_for(due)
-        except Exception as exc:  # the claim at the due time reads it then
-            log.debug("could not read ahead of the due time: %s", exc)
+        self.ready_for(due)
         batch = self._step(limit, due_before)
         if batch is not None:
             stats.merge(batch)
@@ -481,6 +482,14 @@ class Pump:
             return True
         self.store.wait(due)
         return True
+
+    def ready_for(self, due: datetime) -> None:
+        """Read where the claims at `due` start (`DelayedMessageStore.ready_for`), for a caller about to run the
+        pump then; a failure only leaves it to the claim at the due time."""
+        try:
+            self.store.ready_for(due)
+        except Exception as exc:
+            log.debug("could not read ahead of the due time: %s", exc)
 
     def _upkeep(self) -> None:
         self.store.upkeep()

@@ -24,6 +24,7 @@ from airflow_delay_provider.core.errors import DelayProviderError, StoreNotReady
 from airflow_delay_provider.core.pump import (
     MAX_HELD_BACKOFF_SECONDS,
     MIN_HELD_BACKOFF_SECONDS,
+    REHEARSAL_SECONDS,
     Pump,
     PumpConfig,
     PumpResult,
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 
 #: The longest stretch of pump work handed to a thread at once, so a cancelled trigger stops soon.
 STRETCH_SECONDS = 10.0
+REHEARSAL = timedelta(seconds=REHEARSAL_SECONDS)
 
 
 class _StoreTrigger(DelayStoreMixin, DelayTrigger):
@@ -175,6 +177,7 @@ class DispatchTrigger(_StoreTrigger):
         backoff = MIN_HELD_BACKOFF_SECONDS
         next_due: datetime | None = None
         ready = False
+        woken = False  # by the wait below: the stretch starts as the pump does after its own waits
         while True:
             now = await self._in_thread(pump.store.clock)
             if now >= deadline:
@@ -185,11 +188,14 @@ class DispatchTrigger(_StoreTrigger):
             left = None if self.max_messages is None else self.max_messages - stats.dispatched - stats.dead_lettered
             if left is not None and left <= 0:
                 return "max_messages", next_due
+            if next_due is not None and next_due - REHEARSAL <= now < next_due:  # woken for the rehearsal below
+                await self._in_thread(pump.ready_for, next_due)
             started = time.monotonic()
             result: PumpResult = await self._in_thread(
                 pump.run, deadline=min(deadline, now + timedelta(seconds=STRETCH_SECONDS)), max_messages=left,
-                due_before=due_before, stop_when_idle=True,
+                due_before=due_before, stop_when_idle=True, woken=woken,
             )
+            woken = False
             stats.merge(result.stats)
             next_due = result.next_due
             self._report(result, time.monotonic() - started)
@@ -201,10 +207,19 @@ class DispatchTrigger(_StoreTrigger):
             if next_due is not None and next_due <= now:
                 await asyncio.sleep(backoff)  # due, but held elsewhere for now
                 backoff = min(backoff * 2, MAX_HELD_BACKOFF_SECONDS)
+                woken = True
                 continue
             backoff = MIN_HELD_BACKOFF_SECONDS
-            wake = [deadline, now + timedelta(seconds=self.poll_interval)]
-            await pump.store.wait_async(min(wake if next_due is None else [*wake, next_due]))
+            wake = min(deadline, now + timedelta(seconds=self.poll_interval))
+            if next_due is not None and next_due < wake and next_due - now >= 2 * REHEARSAL:
+                # The pump's rehearsal, with the wait on the loop's shared LISTEN connection: woken REHEARSAL
+                # early, the stretch above runs once more and finds nothing due yet, so that at the due time its
+                # claim is a statement prepared on a connection just used, its scan's start just read.
+                await pump.store.wait_async(next_due - REHEARSAL)
+                woken = True
+                continue
+            await pump.store.wait_async(wake if next_due is None else min(wake, next_due))
+            woken = True
 
     def _report(self, result: PumpResult, seconds: float) -> None:
         """One line per stretch that moved messages: counts, rate, lateness, and what comes next."""

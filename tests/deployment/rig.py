@@ -43,6 +43,7 @@ import httpx
 import psutil
 
 from tests import waiting
+from tests.databases import drop, drop_later
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
@@ -233,6 +234,7 @@ class Deployment:
         port: int | None = None,
         start_timeout: float = 240.0,
         stop_grace: float = 20.0,
+        drop_in_background: bool = False,
     ):
         self.workdir = Path(workdir).resolve()
         self.dags_folder = Path(dags_folder).resolve()
@@ -247,6 +249,7 @@ class Deployment:
         self.pg_server_url = pg_server_url
         self.start_timeout = start_timeout
         self.stop_grace = stop_grace
+        self.drop_in_background = drop_in_background
         self.airflow = _airflow_bin()
         self.name = f"{time.strftime('%Y%m%d_%H%M%S')}_{uuid.uuid4().hex[:8]}"
         self.db_name = f"adp_rig_{self.name}"
@@ -534,27 +537,13 @@ class Deployment:
     def _drop_database(self) -> None:
         if not self._db_created:
             return
-        import psycopg
-        from psycopg import sql
-
-        with psycopg.connect(_pg_conninfo(self.pg_server_url), autocommit=True, connect_timeout=10) as conn:
-            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                         "WHERE datname = %s AND pid <> pg_backend_pid()", (self.db_name,))
-            try:
-                conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(self.db_name)))
-            except psycopg.errors.SyntaxError:  # PostgreSQL < 13
-                conn.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(self.db_name)))
+        # The drop waits for a checkpoint (tests/databases.py): a test suite hands it to its dropping thread.
+        (drop_later if self.drop_in_background else drop)(_pg_conninfo(self.pg_server_url), self.db_name)
         self._db_created = False
 
     def leftovers(self) -> list[psutil.Process]:
         """Processes of this deployment still alive (none after stop())."""
         return [p for p in airflow_processes(self.workdir) if _alive(p)]
-
-    def database_exists(self) -> bool:
-        import psycopg
-
-        with psycopg.connect(_pg_conninfo(self.pg_server_url), autocommit=True, connect_timeout=10) as conn:
-            return conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (self.db_name,)).fetchone() is not None
 
     # ------------------------------------------------------------------ logs
     def log_path(self, component: str) -> Path:

@@ -101,15 +101,15 @@ def _handled(runs: list[dict]) -> list[str]:
 def test_each_due_message_starts_one_run_with_its_payload_never_early(airflow, store):
     since = utcnow() - timedelta(seconds=2)  # the rig's processes share this machine's clock
     now = store.clock()
-    # Due 5-60 s ahead, each more than a scheduler loop apart; one more through the example scheduler DAG
-    # (due about 30 s ahead, in the gap).
-    offsets = (5, 12, 20, 45, 60)
+    # Due 5-32 s ahead, each more than a scheduler loop apart; one more through the example scheduler DAG
+    # (due 25 s after its task ran).
+    offsets = (5, 10, 15, 22, 32)
     messages = [DelayedMessage(DEST, json.dumps({"order_id": f"o-{d}"}).encode(), now + timedelta(seconds=d),
                                {"k": str(d)}, f"dr-{d}-{uuid.uuid4().hex[:6]}") for d in offsets]
     store.store(messages)
     airflow.unpause(SCHEDULER)
     scheduled = airflow.trigger(SCHEDULER, {"order_id": "via-form", "delay_seconds": 25, "paid": False})
-    cancelled = airflow.trigger(SCHEDULER, {"order_id": "paid-one", "delay_seconds": 40, "paid": True})
+    cancelled = airflow.trigger(SCHEDULER, {"order_id": "paid-one", "delay_seconds": 35, "paid": True})
     assert airflow.wait_run(SCHEDULER, scheduled, timeout=120) == "success"
     assert airflow.wait_run(SCHEDULER, cancelled, timeout=120) == "success"
     via_form = airflow.xcom(SCHEDULER, scheduled, "schedule_timeout")

@@ -7,7 +7,7 @@ import asyncio
 import json
 import threading
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 
@@ -15,7 +15,8 @@ from airflow_delay_provider.core.backlog import Selector
 from airflow_delay_provider.core.delays import utcnow
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.pump import Pump
-from airflow_delay_provider.triggers.delay_store import DispatchTrigger
+from airflow_delay_provider.stores.listener import Subscription
+from airflow_delay_provider.triggers.delay_store import REHEARSAL, DispatchTrigger
 from tests.conftest import PG_URL
 from tests.helpers import collect, make_store, make_transport, messages, store_connection
 from tests.waiting import SleepLog
@@ -49,10 +50,18 @@ class _WatchedTrigger(DispatchTrigger):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.sleeps = SleepLog()
+        self.readied: list[tuple[datetime, datetime]] = []  # (due time read ahead for, store's clock then)
 
     def open_pump(self) -> Pump:
         pump = super().open_pump()
         self.sleeps.attach(pump.store)
+        ready_for = pump.ready_for
+
+        def watched_ready_for(due: datetime) -> None:
+            self.readied.append((due, pump.store.clock()))
+            ready_for(due)
+
+        pump.ready_for = watched_ready_for
         return pump
 
 
@@ -107,6 +116,25 @@ def test_a_sooner_message_stored_while_the_trigger_sleeps_wakes_it(store_conn):
     assert slept[0].ended is not None and slept[0].ended < message.due_at, slept
     lateness = (message.enqueued_at - message.due_at).total_seconds()
     assert 0 <= lateness < 2.0  # not after the 60 s poll interval, never early
+
+
+def test_the_trigger_rehearses_a_due_time_on_its_shared_listen_connection(store_conn):
+    conn_id, store, queue, Q = store_conn
+    [stored] = messages(1, Q, delay=2.0)
+    store.store([stored])
+    due = stored.due_at
+    trigger = _trigger(conn_id, 30, poll_interval=60, max_messages=1)
+    [event] = asyncio.run(_events(trigger))
+    assert event["status"] == "done" and event["summary"]["dispatched"] == 1
+    [(_, message)] = collect(queue, Q, 1, timeout=2)
+    assert message.enqueued_at >= message.due_at  # never early
+    # It slept until REHEARSAL_SECONDS before the due time, read ahead and ran its claim then, and slept again
+    # until the due time itself: both on the loop's connection, none on a LISTEN connection of the thread's.
+    untils = [s.until for s in trigger.sleeps.sleeps]
+    assert untils[-2:] == [due - REHEARSAL, due], untils
+    assert all(isinstance(s.listener, Subscription) for s in trigger.sleeps.sleeps)
+    [(readied_for, at)] = trigger.readied
+    assert readied_for == due and due - REHEARSAL <= at < due, (trigger.readied, due)
 
 
 def test_two_copies_of_a_trigger_share_the_store_and_deliver_each_message_once(store_conn):

@@ -23,6 +23,7 @@ from airflow_delay_provider.core.errors import StoreNotReadyError
 from airflow_delay_provider.stores.migrations import latest_version, migrations
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore
 from tests.conftest import PG_URL
+from tests.databases import admin_conninfo, drop_later
 from tests.integration.test_bad_input import TI
 
 PASSWORD = "s3cr3t-pw"  # trust authentication ignores it; it must show nowhere
@@ -81,9 +82,8 @@ def empty_database():
 
     for key in [k for k in engines._engines if k.endswith(f"/{name}")]:  # a store of the old code may hold one
         engines._engines.pop(key).dispose()
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()
+    drop_later(admin_conninfo(PG_URL), name)
 
 
 def _no_secret_nor_sql(text_: str) -> None:

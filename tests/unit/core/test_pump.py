@@ -85,6 +85,21 @@ def test_batches_start_small_after_a_wake_and_grow_to_the_batch_size():
     assert result.stats.dispatched == 100 and transport.sizes == [10, 20, 40, 30]
 
 
+def test_a_run_woken_by_its_caller_starts_as_after_the_pumps_own_wait():
+    """A trigger waits for due times on its event loop and then runs the pump (`woken=True`): the burst's head goes
+    first in a small batch, and no upkeep starts before the burst is handled; a run not woken starts with full
+    batches and its upkeep, as on a backlog."""
+    for woken, sizes, upkeep_first in ((True, [10, 20, 40, 80, 50], False), (False, [200], True)):
+        transport, store = Sizes(), Upkept()
+        transport.provision("orders")
+        store.store([DelayedMessage("orders", b"x", utcnow(), message_id=f"b-{i}") for i in range(200)])
+        result = Pump(store, transport, PumpConfig(batch_size=200, first_batch_size=10)).run(
+            stop_when_idle=True, woken=woken)
+        assert result.stats.dispatched == 200 and transport.sizes == sizes, (woken, transport.sizes)
+        assert (store.events[0] == "upkeep") is upkeep_first, store.events
+        assert store.events.index("upkeep") > store.events.index("claim") or upkeep_first
+
+
 class Sent(InMemoryTransport):
     """Records each message sent and when."""
 
