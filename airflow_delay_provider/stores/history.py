@@ -33,6 +33,9 @@ from sqlalchemy import (
     Integer,
     String,
     Table,
+    Text,
+    bindparam,
+    cast,
     delete,
     func,
     insert,
@@ -73,6 +76,8 @@ _DAY_NAME = re.compile(r"_h(\d{6})$")
 
 #: What a write needs of each message, by id: (destination, due_at_us, failures before this attempt, stored_at_us).
 Facts = Mapping[str, tuple[str, int, int, int | None]]
+#: The array columns of a PostgreSQL history row.
+_ARRAYS = ("message_ids", "due_at_us", "attempts", "stored_at_us")
 
 
 def removed_columns(t: Table) -> tuple[Column[Any], ...]:
@@ -100,6 +105,7 @@ class DeliveryHistory(BackgroundWork):
         self.table = tables.history if self.batches else tables.history_rows
         self.days = check_history_days(days)
         self.present = TablePresence(db, self.table)
+        self._literal: Insert | None = None
 
     def interval(self) -> float:
         return _UPKEEP_SECONDS
@@ -112,10 +118,26 @@ class DeliveryHistory(BackgroundWork):
 
     # -- writes -----------------------------------------------------------------------------------------
     def write(self, conn: Connection, handed_at_us: int, groups: Sequence[Settled], facts: Facts) -> None:
-        """Insert a batch's outcomes in the caller's transaction: on PostgreSQL a row per destination and group."""
+        """Insert a batch's outcomes in the caller's transaction: on PostgreSQL a row per destination and group, its
+        arrays sent as array literals (the driver's adaptation of four lists of 1,000 took 2 ms of the pump's thread
+        per batch, a literal 0.2 ms)."""
         with self.db.errors("record the delivery history"):  # the claim's own error, as its statements give
             if groups and self.on(conn):
-                conn.execute(insert(self.table), self._rows(handed_at_us, groups, facts))
+                rows = self._rows(handed_at_us, groups, facts)
+                if self.batches:
+                    conn.execute(self._literal_insert(), [
+                        {f"p_{k}": _literal(v) if k in _ARRAYS else v for k, v in row.items()} for row in rows])
+                else:
+                    conn.execute(insert(self.table), rows)
+
+    def _literal_insert(self) -> Insert:
+        if self._literal is None:
+            t = self.table
+            self._literal = insert(t).values({
+                c.name: cast(bindparam(f"p_{c.name}", type_=Text), c.type) if c.name in _ARRAYS
+                else bindparam(f"p_{c.name}", type_=c.type)
+                for c in t.c if c.name in (*_ARRAYS, "handed_at_us", "destination", "outcome", "detail", "n")})
+        return self._literal
 
     def _rows(self, handed_at_us: int, groups: Sequence[Settled], facts: Facts) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
@@ -366,3 +388,12 @@ def _cursor(after: str | None) -> tuple[int | None, int]:
         return int(at), int(shown)
     except ValueError:
         raise InvalidInputError(f"after must be the `next` cursor a page of the history gave, got {after!r}") from None
+
+
+def _literal(values: Sequence[Any]) -> str:
+    """A PostgreSQL array literal of ints (None as NULL) or of strings, each string quoted with `\\` and `"` escaped."""
+    if values and isinstance(values[0], str):
+        return "{" + ",".join('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values) + "}"
+    if None in values:
+        return "{" + ",".join("NULL" if v is None else str(v) for v in values) + "}"
+    return "{" + ",".join(map(str, values)) + "}"

@@ -9,15 +9,17 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sqlalchemy import func, inspect, select, text
 
 from airflow_delay_provider.core.backlog import Selector
-from airflow_delay_provider.core.history import CANCELLED, DEAD_LETTERED, DELIVERED, RETRIED
+from airflow_delay_provider.core.history import CANCELLED, DEAD_LETTERED, DELIVERED, RETRIED, Settled
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.pump import Pump, PumpConfig
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
 from airflow_delay_provider.stores.history import DAY_US
-from airflow_delay_provider.stores.tables import to_us
+from airflow_delay_provider.stores.tables import from_us, to_us
 from airflow_delay_provider.testing.store import InMemoryStore
 from tests.helpers import ClockedStore, HeldClock, drain, make_transport
 from tests.integration.test_pump import FlakyTransport
@@ -134,6 +136,31 @@ def test_the_move_into_sql_queues_records_its_deliveries(pg):
     assert sorted(e.message_id for e in entries) == sorted(f"mv-{i}" for i in range(30))
     assert {(e.outcome, e.attempts, e.stored_at) for e in entries} == {(DELIVERED, 1, clock.START)}
     assert len(drain(transport, "orders")) == 30
+
+
+def test_any_printable_id_and_a_missing_stored_time_read_back_as_written(pg):
+    """PostgreSQL's rows carry their messages in arrays sent as literals (`_literal`): whatever a message id may hold
+    (quotes, backslashes, commas, braces, spaces, "NULL"), each entry reads back as it was written."""
+    url, schema, table = pg
+    clock = HeldClock()
+    store = _store(url, schema, table, clock)
+    handed = iter(range(to_us(clock.now), to_us(clock.now) + 10**9))
+
+    @settings(max_examples=60, deadline=None, database=None)
+    @given(ids=st.lists(st.text(st.characters(blacklist_categories=("Cc", "Cs", "Zl", "Zp")), min_size=1,
+                                max_size=40).filter(str.isprintable), min_size=1, max_size=8, unique=True),
+           stored=st.lists(st.one_of(st.none(), st.integers(0, 250_000_000_000_000_000)), min_size=8, max_size=8))
+    def written_and_read(ids, stored):
+        at = next(handed)
+        facts = {m: ("orders", at - i, i % 3, stored[i]) for i, m in enumerate(ids)}
+        with store.engine.begin() as conn:
+            store.history.write(conn, at, [Settled(DELIVERED, tuple(ids))], facts)
+        entries, _ = store.history.entries(since=from_us(at), before=from_us(at + 1), limit=100)
+        got = {e.message_id: (to_us(e.due_at), e.attempts, None if e.stored_at is None else to_us(e.stored_at))
+               for e in entries}
+        assert got == {m: (f[1], f[2] + 1, f[3]) for m, f in facts.items()}
+
+    written_and_read()
 
 
 def test_no_history_is_written_with_a_retention_of_0_nor_by_a_store_from_before_it(db):
