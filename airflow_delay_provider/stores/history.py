@@ -105,7 +105,7 @@ class DeliveryHistory(BackgroundWork):
         self.table = tables.history if self.batches else tables.history_rows
         self.days = check_history_days(days)
         self.present = TablePresence(db, self.table)
-        self._literal: Insert | None = None
+        self._literal_statement: Insert | None = None  # `_literal_insert`'s, built once
 
     def interval(self) -> float:
         return _UPKEEP_SECONDS
@@ -125,19 +125,19 @@ class DeliveryHistory(BackgroundWork):
             if groups and self.on(conn):
                 rows = self._rows(handed_at_us, groups, facts)
                 if self.batches:
-                    conn.execute(self._literal_insert(), [
+                    conn.execute(self._literal_insert(rows[0]), [
                         {f"p_{k}": _literal(v) if k in _ARRAYS else v for k, v in row.items()} for row in rows])
                 else:
                     conn.execute(insert(self.table), rows)
 
-    def _literal_insert(self) -> Insert:
-        if self._literal is None:
-            t = self.table
-            self._literal = insert(t).values({
-                c.name: cast(bindparam(f"p_{c.name}", type_=Text), c.type) if c.name in _ARRAYS
-                else bindparam(f"p_{c.name}", type_=c.type)
-                for c in t.c if c.name in (*_ARRAYS, "handed_at_us", "destination", "outcome", "detail", "n")})
-        return self._literal
+    def _literal_insert(self, row: Mapping[str, Any]) -> Insert:
+        """The insert of rows with `row`'s columns (every PostgreSQL row has the same), the arrays cast from text."""
+        if self._literal_statement is None:
+            c = self.table.c
+            self._literal_statement = insert(self.table).values({
+                k: cast(bindparam(f"p_{k}", type_=Text), c[k].type) if k in _ARRAYS
+                else bindparam(f"p_{k}", type_=c[k].type) for k in row})
+        return self._literal_statement
 
     def _rows(self, handed_at_us: int, groups: Sequence[Settled], facts: Facts) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []

@@ -177,7 +177,7 @@ class DispatchTrigger(_StoreTrigger):
         backoff = MIN_HELD_BACKOFF_SECONDS
         next_due: datetime | None = None
         ready = False
-        woken = False  # by the wait below: the stretch starts as the pump does after its own waits
+        woken = False  # by a wait below: the stretch starts as the pump does after its own waits
         while True:
             now = await self._in_thread(pump.store.clock)
             if now >= deadline:
@@ -195,19 +195,18 @@ class DispatchTrigger(_StoreTrigger):
                 pump.run, deadline=min(deadline, now + timedelta(seconds=STRETCH_SECONDS)), max_messages=left,
                 due_before=due_before, stop_when_idle=True, woken=woken,
             )
-            woken = False
             stats.merge(result.stats)
             next_due = result.next_due
             self._report(result, time.monotonic() - started)
             if result.reason == "drained" and due_before is not None:
                 return "drained", None
-            if result.reason in ("deadline", "max_messages"):
+            woken = result.reason not in ("deadline", "max_messages")  # every other way on waits first
+            if not woken:
                 continue  # a stretch ended; the checks above decide whether the whole run has
             now = await self._in_thread(pump.store.clock)
             if next_due is not None and next_due <= now:
                 await asyncio.sleep(backoff)  # due, but held elsewhere for now
                 backoff = min(backoff * 2, MAX_HELD_BACKOFF_SECONDS)
-                woken = True
                 continue
             backoff = MIN_HELD_BACKOFF_SECONDS
             wake = min(deadline, now + timedelta(seconds=self.poll_interval))
@@ -216,10 +215,8 @@ class DispatchTrigger(_StoreTrigger):
                 # early, the stretch above runs once more and finds nothing due yet, so that at the due time its
                 # claim is a statement prepared on a connection just used, its scan's start just read.
                 await pump.store.wait_async(next_due - REHEARSAL)
-                woken = True
                 continue
             await pump.store.wait_async(wake if next_due is None else min(wake, next_due))
-            woken = True
 
     def _report(self, result: PumpResult, seconds: float) -> None:
         """One line per stretch that moved messages: counts, rate, lateness, and what comes next."""

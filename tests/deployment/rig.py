@@ -43,7 +43,7 @@ import httpx
 import psutil
 
 from tests import waiting
-from tests.databases import drop, drop_later
+from tests.databases import admin_conninfo, drop, drop_later
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
@@ -164,17 +164,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pg_conninfo(server_url: str, database: str = "postgres") -> str:
-    url = re.sub(r"^postgresql\+\w+://", "postgresql://", server_url.rstrip("/"))
-    return f"{url}/{database}"
-
-
 def postgres_problem(server_url: str = PG_SERVER_URL) -> str | None:
     """None when the PostgreSQL server answers; otherwise a message saying how to start it."""
     import psycopg
 
     try:
-        with psycopg.connect(_pg_conninfo(server_url), autocommit=True, connect_timeout=5) as conn:
+        with psycopg.connect(admin_conninfo(server_url), autocommit=True, connect_timeout=5) as conn:
             conn.execute("select 1")
     except Exception as exc:  # noqa: BLE001 - any failure means "not usable"
         return (f"PostgreSQL is not reachable at {server_url.split('@')[-1]} ({type(exc).__name__}: {exc}). "
@@ -396,7 +391,7 @@ class Deployment:
     def _start_watchdog(self) -> None:
         state_file = self.workdir / "watchdog.json"
         state_file.write_text(json.dumps({"workdir": str(self.workdir), "db": self.db_name,
-                                          "pg_conninfo": _pg_conninfo(self.pg_server_url)}))
+                                          "pg_conninfo": admin_conninfo(self.pg_server_url)}))
         with open(self.workdir / "watchdog.log", "ab") as log:
             self._watchdog = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(state_file)],
                                               stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -530,7 +525,7 @@ class Deployment:
         import psycopg
         from psycopg import sql
 
-        with psycopg.connect(_pg_conninfo(self.pg_server_url), autocommit=True, connect_timeout=10) as conn:
+        with psycopg.connect(admin_conninfo(self.pg_server_url), autocommit=True, connect_timeout=10) as conn:
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(self.db_name)))
         self._db_created = True
 
@@ -538,7 +533,7 @@ class Deployment:
         if not self._db_created:
             return
         # The drop waits for a checkpoint (tests/databases.py): a test suite hands it to its dropping thread.
-        (drop_later if self.drop_in_background else drop)(_pg_conninfo(self.pg_server_url), self.db_name)
+        (drop_later if self.drop_in_background else drop)(admin_conninfo(self.pg_server_url), self.db_name)
         self._db_created = False
 
     def leftovers(self) -> list[psutil.Process]:
