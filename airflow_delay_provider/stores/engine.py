@@ -219,9 +219,7 @@ class SqlDatabase:
         concurrent creators wait and then find the tables there (SQLite's BEGIN IMMEDIATE already
         serialises them). Also creates the schema if missing."""
         if self.is_postgres:
-            key = int.from_bytes(hashlib.sha1(f"airflow_delay_provider:{self.schema}".encode()).digest()[:8],
-                                 "big", signed=True)
-            conn.execute(select(func.pg_advisory_xact_lock(key)))
+            conn.execute(select(func.pg_advisory_xact_lock(advisory_key(f"airflow_delay_provider:{self.schema}"))))
             if self.schema:
                 conn.execute(CreateSchema(self.schema, if_not_exists=True))
 
@@ -291,6 +289,11 @@ class IndexStart:
 
 
 _T = TypeVar("_T")
+
+
+def advisory_key(name: str) -> int:
+    """A PostgreSQL advisory lock's key for `name` (what one process at a time does to one set of tables)."""
+    return int.from_bytes(hashlib.sha1(name.encode()).digest()[:8], "big", signed=True)
 
 
 def in_transaction(db: Database, action: str, work: Callable[[Connection], _T]) -> _T:

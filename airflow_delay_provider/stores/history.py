@@ -60,7 +60,7 @@ from airflow_delay_provider.core.history import (
     series_point,
 )
 from airflow_delay_provider.stores.background import BackgroundWork
-from airflow_delay_provider.stores.engine import LOCK_NOT_AVAILABLE, Database, TablePresence
+from airflow_delay_provider.stores.engine import LOCK_NOT_AVAILABLE, Database, TablePresence, advisory_key
 from airflow_delay_provider.stores.tables import StoreTables, from_us, to_us
 
 log = logging.getLogger(__name__)
@@ -355,12 +355,21 @@ class DeliveryHistory(BackgroundWork):
 
     def _make(self, day: int) -> bool:
         """Attach a new table as the day's partition: ATTACH takes the parent's SHARE UPDATE EXCLUSIVE lock, which
-        inserts do not wait for (CREATE ... PARTITION OF would take ACCESS EXCLUSIVE)."""
+        inserts do not wait for (CREATE ... PARTITION OF would take ACCESS EXCLUSIVE). Returns whether this call
+        made it (not when another process is making it, or made it meanwhile)."""
         parent, default = self.db.qualified(self.table.name), self._default
         name = self.db.qualified(self._name(day))
+        made: list[str] = []
 
         def make(conn: Connection) -> None:
-            conn.execute(text(f"CREATE TABLE IF NOT EXISTS {name} (LIKE {parent} INCLUDING DEFAULTS)"))
+            # One process at a time: two pumps starting together both found the day missing, and the second CREATE
+            # failed in the catalog (a duplicate type name), putting its upkeep off for ten minutes.
+            key = advisory_key(f"airflow_delay_provider.history:{parent}")
+            if not conn.execute(text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": key}).scalar():
+                return  # another process's upkeep is making it
+            if conn.execute(text("SELECT to_regclass(:name)"), {"name": name}).scalar() is not None:
+                return  # made meanwhile
+            conn.execute(text(f"CREATE TABLE {name} (LIKE {parent} INCLUDING DEFAULTS)"))
             # Inserts into the default wait while its rows of that day are read and the partition is attached.
             conn.execute(text(f"LOCK TABLE {default} IN SHARE ROW EXCLUSIVE MODE"))
             last = conn.execute(text(f"SELECT max(handed_at_us) FROM {default} WHERE handed_at_us >= :start "
@@ -369,8 +378,9 @@ class DeliveryHistory(BackgroundWork):
             start = day * DAY_US if last is None else int(last) + 1
             conn.execute(text(f"ALTER TABLE {parent} ATTACH PARTITION {name} FOR VALUES FROM ({start}) "
                               f"TO ({(day + 1) * DAY_US})"))
+            made.append(name)
 
-        return self._briefly("make a day's partition of the delivery history", make)
+        return self._briefly("make a day's partition of the delivery history", make) and bool(made)
 
     def _drop(self, day: int) -> bool:
         """Drop a day's partition: a moment's ACCESS EXCLUSIVE lock of the parent, once a day."""

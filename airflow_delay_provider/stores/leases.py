@@ -318,7 +318,7 @@ class _LeasedClaim(Claim):
         stmt = update(t).where(t.c.id == bindparam("rid")).values(**values)
         self.connection.execute(stmt, rows)
         accepted = select(t.c.message_id, t.c.due_at_us, t.c.stored_at_us).where(t.c.id.in_([r["rid"] for r in rows]))
-        self._accepted.moved(self.connection, self.connection.execute(accepted).tuples())
+        self._accepted.moved(self.connection, (tuple(row) for row in self.connection.execute(accepted)))
         self._unsettled.difference_update(next_due)
 
     def restore_unsettled(self) -> None:

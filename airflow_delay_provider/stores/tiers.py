@@ -49,7 +49,6 @@ partition by changing its due time (a concurrent reschedule, a sweep's release) 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
@@ -60,7 +59,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import OperationalError
 
 from airflow_delay_provider.stores.background import BackgroundWork
-from airflow_delay_provider.stores.engine import LOCK_NOT_AVAILABLE, Database
+from airflow_delay_provider.stores.engine import LOCK_NOT_AVAILABLE, Database, advisory_key
 from airflow_delay_provider.stores.tables import (
     FIRST_HOUR,
     HOUR_US,
@@ -135,8 +134,7 @@ class LaterMessages(BackgroundWork):
         self._into_soon = self._moving(str(SOON))
         self._into_hours = self._moving(str(hour_tier_rows(literal_column("due_at_us"))
                                             .compile(dialect=db.engine.dialect)))
-        digest = hashlib.sha1(f"airflow_delay_provider.tiers:{messages}".encode()).digest()
-        self._key = int.from_bytes(digest[:8], "big", signed=True)
+        self._key = advisory_key(f"airflow_delay_provider.tiers:{messages}")
 
     @staticmethod
     def _picking(source_table: str) -> TextClause:

@@ -17,7 +17,6 @@ One process per store does it at a time (an advisory lock), it never waits for a
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
@@ -30,7 +29,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import OperationalError
 
 from airflow_delay_provider.stores.background import BackgroundWork
-from airflow_delay_provider.stores.engine import LOCK_NOT_AVAILABLE, Database
+from airflow_delay_provider.stores.engine import LOCK_NOT_AVAILABLE, Database, advisory_key
 
 log = logging.getLogger(__name__)
 
@@ -323,5 +322,4 @@ class TableUpkeep(BackgroundWork):
     def key(self) -> int:
         # One process at a time per set of tables (a store and its queue table in one schema are kept apart).
         where = self.kept_names()[0]
-        digest = hashlib.sha1(f"airflow_delay_provider.upkeep:{where}".encode()).digest()
-        return int.from_bytes(digest[:8], "big", signed=True)
+        return advisory_key(f"airflow_delay_provider.upkeep:{where}")

@@ -5,7 +5,9 @@ retention, the day partitions' upkeep, and a store from before the history."""
 from __future__ import annotations
 
 import math
+import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -18,6 +20,7 @@ from airflow_delay_provider.core.history import CANCELLED, DEAD_LETTERED, DELIVE
 from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.core.pump import Pump, PumpConfig
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
+from airflow_delay_provider.stores.engine import advisory_key
 from airflow_delay_provider.stores.history import DAY_US
 from airflow_delay_provider.stores.tables import from_us, to_us
 from airflow_delay_provider.testing.store import InMemoryStore
@@ -238,6 +241,30 @@ def test_postgresql_keeps_a_partition_per_day_and_drops_those_past_the_retention
     assert done["dropped"] == [f"{table}_h260502"] and done["made"] == [f"{table}_h260506", f"{table}_h260507"]
     assert [e.message_id for e in store.delivery_history().entries] == ["recent"]
     assert f"{table}_h260503" in _partitions(store)  # ends within the retention: kept
+
+
+def test_pumps_starting_together_make_each_day_once_and_none_fails(pg):
+    """Every pump's upkeep finds the coming days missing at once: one makes them, the others leave them (a second
+    CREATE of one table failed in the catalog, putting that pump's upkeep off for ten minutes)."""
+    url, schema, table = pg
+    clock = HeldClock()
+    clock.now = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
+    stores = [_store(url, schema, table, clock) for _ in range(4)]
+    # Another process holds the days' lock: this pass makes nothing, and says so.
+    with stores[0].engine.begin() as conn:
+        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"),
+                     {"key": advisory_key(f"airflow_delay_provider.history:{stores[0].qualified(f'{table}_history')}")})
+        assert stores[1].history.keep()["made"] == []
+    start = threading.Barrier(len(stores))
+
+    def keep(store):
+        start.wait()
+        return store.history.keep()["made"]
+
+    with ThreadPoolExecutor(len(stores)) as pool:
+        made = [name for names in pool.map(keep, stores) for name in names]
+    assert sorted(made) == [f"{table}_h260502", f"{table}_h260503"]
+    assert _partitions(stores[0]) == sorted([f"{table}_hdefault", *made])
 
 
 def test_a_day_with_rows_in_the_default_gets_a_partition_after_them(pg):
