@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 #: The audit log's event of an action is this prefix and its name: `delayed_messages.cancel`.
 EVENT_PREFIX = "delayed_messages."
 #: What a result counts, by the key that holds it (a list of ids, a number, or numbers per destination).
-_COUNTED = ("cancelled", "rescheduled", "edited", "changed", "forgotten", "purged", "redriven", "deleted", "unknown")
+_COUNTED = ("cancelled", "rescheduled", "edited", "paused", "resumed", "changed", "forgotten", "purged", "redriven",
+            "deleted", "unknown")
 #: The parts of a request that say what it acted on.
 _TARGET = ("message_id", "message_ids", "destination", "destinations", "headers", "due_from", "due_before",
            "body_contains", "deliver_at", "delay_seconds", "force", "error_queue", "everything")

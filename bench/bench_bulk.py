@@ -8,9 +8,10 @@ SQL-table queue and a consumer recording each one's lateness (its enqueue time m
 database's clock). Against that load it measures, in order:
 
 1. the count of `bulk-target`'s messages (the dry run the page and the CLI show before the user confirms);
-2. the cancel of them by that filter, as the page, the CLI and the operators run it: in batches of 10,000, each its
+2. with --with-pause, a pause of them by that filter and a resume, in batches as the cancel goes;
+3. the cancel of them by that filter, as the page, the CLI and the operators run it: in batches of 10,000, each its
    own transaction (its time, rate and batches);
-3. the same messages written again (COPY), then removed by one statement in one transaction doing the same work
+4. the same messages written again (COPY), then removed by one statement in one transaction doing the same work
    (`DELETE ... WHERE destination = ...` and their ids remembered): the database's own limit for the work, and what
    one long transaction does to the pump beside it.
 
@@ -165,6 +166,8 @@ class Bulk:
         self.r["count_seconds"] = time.perf_counter() - started
         self.r["counted"] = counted["would_cancel"]
         log(f"count: {counted['would_cancel']:,} in {self.r['count_seconds']:.2f} s")
+        if self.args.with_pause:
+            self.pause_and_resume()
         self.mark("batched cancel")
         started = time.perf_counter()
         report = self.store.cancel(Selector(destination=TARGET))
@@ -212,6 +215,21 @@ class Bulk:
         self.r["marks"] = self.marks
 
 
+    def pause_and_resume(self) -> None:
+        """The same messages paused by the filter and resumed, in batches as the cancel goes: each moves its rows
+        into the paused messages' partition and back."""
+        for action, change in (("pause", self.store.pause_messages), ("resume", self.store.resume_messages)):
+            self.mark(f"batched {action}")
+            started = time.perf_counter()
+            report = change(Selector(destination=TARGET))
+            took = time.perf_counter() - started
+            done = report["counts"]["paused" if action == "pause" else "resumed"]
+            self.r[action] = {"seconds": took, "changed": done, "batches": report["batches"], "rate": done / took}
+            log(f"batched {action}: {done:,} in {took:.1f} s ({report['batches']} batches)")
+            self.mark(f"after {action}")
+            time.sleep(self.args.after / 2)
+
+
 def phases(seen: list[list[float]], marks: list[tuple[str, float]]) -> dict:
     """Lateness p50/p99/max (ms) and messages of each phase: between one mark and the next."""
     out = {}
@@ -241,6 +259,11 @@ def report(r: dict) -> None:
     print(f"count of {TARGET}'s messages (the dry run): {r['counted']:,} in {r['count_seconds']:.2f} s")
     print("| removal | messages | seconds | messages/s | transactions |")
     print("|---|---|---|---|---|")
+    for action in ("pause", "resume"):
+        if action in r:
+            a = r[action]
+            print(f"| {action} by filter, in batches of {r['batch']:,} | {a['changed']:,} | {a['seconds']:.1f} | "
+                  f"{a['rate']:,.0f} | {a['batches']} |")
     print(f"| cancel by filter, in batches of {r['batch']:,} | {b['cancelled']:,} | {b['seconds']:.1f} | "
           f"{b['rate']:,.0f} | {b['batches']} |")
     print(f"| one statement, one transaction (the database's limit) | {o['deleted']:,} | {o['seconds']:.1f} | "
@@ -261,7 +284,7 @@ def plot(r: dict, path: Path) -> None:
     ax.plot([x["t"] for x in w], [x["p50"] for x in w], label="p50")
     start = r["marks"][0][1]
     for (name, at), (_, end) in zip(r["marks"], r["marks"][1:], strict=False):
-        if name in ("batched cancel", "one DELETE", "refill"):
+        if name in ("batched pause", "batched resume", "batched cancel", "one DELETE", "refill"):
             ax.axvspan(at - start, end - start, alpha=0.15, color={"refill": "grey"}.get(name, "C3"))
             ax.text(at - start, ax.get_ylim()[1] * 0.95, name, fontsize=8, va="top")
     ax.set_yscale("log")
@@ -280,6 +303,8 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=1000, help="the steady load, messages a second (default 1,000)")
     parser.add_argument("--before", type=float, default=60.0, help="seconds of steady load before the cancel")
     parser.add_argument("--after", type=float, default=60.0, help="seconds of steady load after each removal")
+    parser.add_argument("--with-pause", action="store_true",
+                        help="before the cancel, pause the same messages by the filter and resume them")
     parser.add_argument("--settle-timeout", type=float, default=900.0)
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "bulk.json")
     parser.add_argument("--plot", type=Path)

@@ -55,7 +55,7 @@ def main() -> None:
             wal, fpi = conn.execute("SELECT pg_current_wal_insert_lsn(), wal_fpi FROM pg_stat_wal").fetchone()
             started = time.perf_counter()
             with store.engine.begin() as sa:
-                replaced = store.controls.sum_up_counts(sa)
+                replaced = store.controls.counts.sum_up_counts(sa)
             took = time.perf_counter() - started
             wal_mib, fpi_after = conn.execute(
                 "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), %s) / 1048576.0, wal_fpi FROM pg_stat_wal",

@@ -35,9 +35,11 @@ class Stored:
     body: bytes = b"x"
     #: The sweep that leased it (its lease may have run out).
     claim: str | None = None
-    #: Since when the store has had it as it is now (written, retried, rescheduled, released): a move after this
-    #: takes it to where claims read.
+    #: Since when the store has had it as it is now (written, retried, rescheduled, released, resumed): a move after
+    #: this takes it to where claims read.
     since_us: int = 0
+    #: Paused by `pause_messages` until resumed: never claimed, swept or read as the next due time.
+    held: bool = False
 
 
 @dataclass
@@ -117,7 +119,7 @@ class StoreModel:
     def claimable(self, now_us: int) -> dict[str, Stored]:
         """What a claim at `now_us` may take."""
         return {i: m for i, m in self.stored.items()
-                if m.due_us <= now_us and m.destination not in self.paused and self.unleased(m, now_us)}
+                if m.due_us <= now_us and m.destination not in self.paused and not m.held and self.unleased(m, now_us)}
 
     def since(self, m: Stored) -> int:
         """Since when `m` is as the store has it, for a move: a lease that ran out makes its rows claimable then."""
@@ -143,7 +145,7 @@ class StoreModel:
 
     def earliest(self, now_us: int) -> int | None:
         """The next due time a pump reads: of what a claim could take now or later."""
-        dues = [m.due_us for m in self.stored.values() if m.destination not in self.paused
+        dues = [m.due_us for m in self.stored.values() if m.destination not in self.paused and not m.held
                 and self.unleased(m, now_us)]
         return min(dues, default=None)
 
@@ -170,7 +172,7 @@ class StoreModel:
     # -- sweeps ----------------------------------------------------------------------------------------
     def start_sweep(self, claim: str, due_before_us: int, lease_us: int, now_us: int) -> int:
         taken = [m for m in self.stored.values() if m.due_us <= now_us and m.due_us < due_before_us
-                 and m.destination not in self.paused and self.unleased(m, now_us)]
+                 and m.destination not in self.paused and not m.held and self.unleased(m, now_us)]
         self.sweeps[claim] = Sweep(now_us + lease_us)
         for m in taken:
             m.claim = claim
@@ -218,6 +220,21 @@ class StoreModel:
             if m.due_us != due_us:
                 m.due_us, m.since_us = due_us, now_us
         return set(changed), set(busy)
+
+    def hold(self, ids: Iterable[str] | None, destination: str | None, pause: bool,
+             now_us: int) -> tuple[set[str], set[str]]:
+        """Pause (or resume) a selection: (reported paused or resumed, in flight). By ids, one already so is reported
+        too; by a filter, only those changed. A resumed row goes to the partition of its due time then."""
+        changed, busy = self._selected(None if ids is None else set(ids), destination, now_us)
+        if not pause:  # a paused message is never leased: a resume takes every one selected
+            changed, busy = changed + busy, []
+        flipped = {i for i in changed if self.stored[i].held != pause}
+        for i in flipped:
+            m = self.stored[i]
+            m.held = pause
+            if not pause:
+                m.since_us = now_us
+        return (set(changed) if ids is not None else flipped), set(busy)
 
     def forget(self, destination: str, force: bool, now_us: int) -> bool:
         """Whether forgetting is allowed; forgets (purging with `force`) when it is."""

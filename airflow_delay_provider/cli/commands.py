@@ -199,7 +199,7 @@ def _bulk(verb: str, change: _Change) -> Callable[[DelayStoreHook, argparse.Name
 
 
 def _would(counted: dict) -> int:
-    """What a count (a dry run) says the change would touch: its `would_cancel` or `would_reschedule`."""
+    """What a count (a dry run) says the change would touch: its `would_cancel`, `would_pause`, ..."""
     return next(v for k, v in counted.items() if k.startswith("would_"))
 
 
@@ -208,7 +208,7 @@ def _described(selector: dict[str, Any]) -> str:
 
 
 def _count_note(report: dict) -> str | None:
-    """After a --dry-run of a cancel, reschedule or run-now: what it counted, and how to do it."""
+    """After a --dry-run of a cancel, reschedule, run-now, pause or resume: what it counted, and how to do it."""
     if not report.get("dry_run"):
         return None
     n = _would(report)
@@ -228,6 +228,10 @@ reschedule = _command(_bulk("Reschedule", lambda hook, args, selection, dry_run:
     note=_count_note, action=_action_unless_dry("reschedule"))
 run_now = _command(_bulk("Run now", lambda hook, _, selection, dry_run: hook.run_now(**selection, dry_run=dry_run)),
                    note=_count_note, action=_action_unless_dry("run_now"))
+pause_messages = _command(_bulk("Pause", lambda hook, _, selection, dry_run: hook.pause_messages(
+    **selection, dry_run=dry_run)), note=_count_note, action=_action_unless_dry("pause_messages"))
+resume_messages = _command(_bulk("Resume", lambda hook, _, selection, dry_run: hook.resume_messages(
+    **selection, dry_run=dry_run)), note=_count_note, action=_action_unless_dry("resume_messages"))
 
 
 @_action("edit")

@@ -97,6 +97,11 @@ COMMANDS = (
                   args=(*_STORE, ARG_EDIT_ID, ARG_BODY, ARG_SET_HEADER)),
     ActionCommand(name="run-now", help="Make scheduled messages due now (selected as cancel selects them)",
                   func=lazy_load_command(_COMMANDS + "run_now"), args=(*_STORE, *_BULK)),
+    ActionCommand(name="pause-messages", help="Pause scheduled messages (selected as cancel selects them): stored, "
+                  "never delivered until resume-messages", func=lazy_load_command(_COMMANDS + "pause_messages"),
+                  args=(*_STORE, *_BULK)),
+    ActionCommand(name="resume-messages", help="Resume paused messages (selected as cancel selects them): those past "
+                  "due go at once", func=lazy_load_command(_COMMANDS + "resume_messages"), args=(*_STORE, *_BULK)),
     ActionCommand(name="pause", help="Pause destinations: their messages stay stored until resumed",
                   func=lazy_load_command(_COMMANDS + "pause"), args=(*_STORE, ARG_DESTINATIONS)),
     ActionCommand(name="resume", help="Resume paused destinations",

@@ -303,6 +303,16 @@ def edited_report(report: dict[str, Any]) -> dict[str, Any]:
     return report
 
 
+def held_report(report: dict[str, Any], key: str, already: int | None = None) -> dict[str, Any]:
+    """A change report as a pause or a resume words it: `paused` or `resumed` (`key`) instead of `cancelled`; a
+    pause by a filter also counts the selected messages that were paused already (`already_paused`)."""
+    report[key] = report.pop("cancelled")
+    report["counts"][key] = report["counts"].pop("cancelled")
+    if already is not None and key == "paused":
+        report["counts"]["already_paused"] = already
+    return report
+
+
 def rescheduled_report(report: dict[str, Any], due_at: datetime) -> dict[str, Any]:
     """A change report as a reschedule words it: `rescheduled` instead of `cancelled`, and the new due time."""
     report["rescheduled"] = report.pop("cancelled")
@@ -313,14 +323,14 @@ def rescheduled_report(report: dict[str, Any], due_at: datetime) -> dict[str, An
 
 def destination_counts(paused: bool) -> dict[str, Any]:
     """One destination's entry of a backlog report, before counting."""
-    return {"scheduled": 0, "due": 0, "in_flight": 0, "paused": paused, "histogram": empty_histogram()}
+    return {"scheduled": 0, "due": 0, "in_flight": 0, "held": 0, "paused": paused, "histogram": empty_histogram()}
 
 
 def backlog_report(now: datetime, destinations: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The backlog report of counted destination entries: each one's `due` from its histogram, and totals."""
     for entry in destinations.values():
         entry["due"] = entry["histogram"]["due"]
-    totals = {k: sum(e[k] for e in destinations.values()) for k in ("scheduled", "due", "in_flight")}
+    totals = {k: sum(e[k] for e in destinations.values()) for k in ("scheduled", "due", "in_flight", "held")}
     totals["paused_due"] = sum(e["due"] for e in destinations.values() if e["paused"])
     return {"at": now.astimezone(UTC).isoformat(), "destinations": destinations, "totals": totals,
             "buckets": [{"key": key, "label": label} for key, label in BUCKET_LABELS.items()]}

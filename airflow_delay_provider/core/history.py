@@ -183,7 +183,7 @@ def story_report(message_id: str, scheduled: Mapping[str, Any] | None, entries: 
     attempts, oldest first; `state` sums it up."""
     steps = sorted(entries, key=lambda e: e.handed_at)
     if scheduled is not None:
-        state = "scheduled"
+        state = "held" if scheduled.get("held") else "scheduled"
     elif steps:
         state = steps[-1].outcome
     else:

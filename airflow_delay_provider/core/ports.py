@@ -142,6 +142,16 @@ class DelayedMessageStore(ABC):
         """Remove every scheduled message of one known destination (with `dry_run`, only count them)."""
         raise NotImplementedError(f"{type(self).__name__} cannot purge a destination")
 
+    def pause_messages(self, selector: Selector) -> dict[str, Any]:
+        """Hold the selected messages stored (never delivered, whatever their due time) until resumed; reports like
+        `cancel`, with `paused` (`count_selected(selector, "pause")` counts first)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot pause messages")
+
+    def resume_messages(self, selector: Selector) -> dict[str, Any]:
+        """Release the selected paused messages to their due times (those past due at once); reports like `cancel`,
+        with `resumed`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot resume messages")
+
     # -- the delivery history (core/history.py) ------------------------------------------------------
     #: Days of history kept (0: none is written).
     history_days: int = 0

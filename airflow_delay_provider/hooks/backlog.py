@@ -102,6 +102,31 @@ class BacklogActions:
                                due_from=due_from, due_before=due_before, body_contains=body_contains,
                                dry_run=dry_run)
 
+    def pause_messages(self, *, message_ids: Any = None, destination: Any = None, headers: Any = None,
+                       due_from: Any = None, due_before: Any = None, body_contains: Any = None,
+                       dry_run: bool = False) -> dict[str, Any]:
+        """Pause scheduled messages, selected as `cancel` selects them: they stay stored, due or not, and are never
+        delivered until resumed (`resume_messages`); a destination's new messages are not affected (`pause` pauses
+        a destination). `dry_run` only counts (`would_pause`)."""
+        return self._hold("pause", dict(message_ids=message_ids, destination=destination, headers=headers,
+                                        due_from=due_from, due_before=due_before, body_contains=body_contains), dry_run)
+
+    def resume_messages(self, *, message_ids: Any = None, destination: Any = None, headers: Any = None,
+                        due_from: Any = None, due_before: Any = None, body_contains: Any = None,
+                        dry_run: bool = False) -> dict[str, Any]:
+        """Resume paused messages, selected as `cancel` selects them: each is due at its due time again, and those
+        whose due time passed meanwhile are delivered at once. `dry_run` only counts (`would_resume`)."""
+        return self._hold("resume", dict(message_ids=message_ids, destination=destination, headers=headers,
+                                         due_from=due_from, due_before=due_before, body_contains=body_contains),
+                          dry_run)
+
+    def _hold(self, action: str, selection: dict[str, Any], dry_run: bool) -> dict[str, Any]:
+        selector = Selector.build(**selection)
+        if dry_run:
+            return self.checked_store().count_selected(selector, action)
+        store = self.checked_store(writes=True)
+        return store.pause_messages(selector) if action == "pause" else store.resume_messages(selector)
+
     def pause(self, destinations: Any) -> dict[str, Any]:
         """Pause destinations: their messages stay stored until resumed (batches already claimed finish)."""
         return {"paused": True, **self.checked_store(writes=True).set_paused(_names(destinations), True)}

@@ -173,6 +173,38 @@ class RescheduleDelayedMessagesOperator(_BacklogOperator):
         return result
 
 
+class PauseDelayedMessagesOperator(_BacklogOperator):
+    """Pause scheduled messages by ids or a filter: they stay stored with their due times and are never delivered
+    until resumed (`ResumeDelayedMessagesOperator`), whatever their due time; the destination's other and new
+    messages go on as usual (`PauseDestinationOperator` pauses a whole destination). Returns which were paused,
+    which a running sweep holds (`in_flight`: not paused) and, of the ids asked for, which were `gone` or
+    `unknown`; a filter's result also counts `already_paused`. Idempotent."""
+
+    counted_as = "pause"
+
+    def execute(self, context: Context) -> dict:
+        return self._hold(self.hook.pause_messages, "Paused")
+
+    def _hold(self, change: Any, verb: str) -> dict:
+        selector = self._selector()
+        if not self.dry_run:
+            self._guard(selector)
+        result = change(**selector, dry_run=self.dry_run)
+        if not self.dry_run:
+            self.log.info("%s %s: %s", verb, result["selector"], json.dumps(result["counts"]))
+        return result
+
+
+class ResumeDelayedMessagesOperator(PauseDelayedMessagesOperator):
+    """Resume paused messages by ids or a filter: each is due at its due time again, and one whose due time passed
+    while it was paused is delivered at once. Idempotent. Arguments as CancelDelayedMessagesOperator's."""
+
+    counted_as = "resume"
+
+    def execute(self, context: Context) -> dict:
+        return self._hold(self.hook.resume_messages, "Resumed")
+
+
 class PauseDestinationOperator(DelayStoreMixin, BaseOperator):
     """Pause destinations: pumps and new sweeps leave their messages stored (due ones wait, counted as
     paused) until resumed; batches claimed before the pause still finish. Idempotent.

@@ -11,7 +11,6 @@ sweep holds under a live lease are reported `in_flight` and left alone: the swee
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
@@ -23,11 +22,10 @@ from sqlalchemy import (
     case,
     delete,
     func,
-    inspect,
     literal,
+    literal_column,
     or_,
     select,
-    union_all,
     update,
 )
 from sqlalchemy.engine import Connection
@@ -59,12 +57,14 @@ from airflow_delay_provider.core.backlog import (
 )
 from airflow_delay_provider.core.checks import check_int
 from airflow_delay_provider.core.message import check_destination
-from airflow_delay_provider.stores.bulk import BatchedChange, settle_cancelled
+from airflow_delay_provider.stores.bulk import BatchedChange, leased_selected, settle_cancelled
+from airflow_delay_provider.stores.counts import BacklogCounts
 from airflow_delay_provider.stores.dedup import AcceptedIds
 from airflow_delay_provider.stores.destinations import DestinationSettings
 from airflow_delay_provider.stores.engine import PASSES, Database, in_transaction
 from airflow_delay_provider.stores.history import DeliveryHistory, removed_columns
-from airflow_delay_provider.stores.tables import COUNT_SLOT_US, StoreTables, _message, from_us, tier_of, to_us
+from airflow_delay_provider.stores.holds import MessageHolds
+from airflow_delay_provider.stores.tables import HELD, StoreTables, _message, from_us, tier_of, to_us
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,8 @@ class BacklogControls:
 
     def __init__(self, db: Database, tables: StoreTables, settings: DestinationSettings, accepted: AcceptedIds,
                  scope: Callable[[], Sequence[ColumnElement[bool]]] = tuple,
-                 tiered: Callable[[], bool] = lambda: False, ringed: Callable[[], bool] = lambda: False) -> None:
+                 tiered: Callable[[], bool] = lambda: False, ringed: Callable[[], bool] = lambda: False,
+                 version: Callable[[], int] = lambda: 0) -> None:
         self.db = db
         self.tables = tables
         self.settings = settings
@@ -93,11 +94,14 @@ class BacklogControls:
         self.scope = scope
         self.tiered = tiered
         self.ringed = ringed
-        self._has_counts = False
+        self.counts = BacklogCounts(db, tables)
         #: Messages a change by a filter changes per transaction (tests make it small, to see many batches).
         self.batch = BULK_BATCH
         #: Where cancels are recorded (set by the store; None: nowhere).
         self.history: DeliveryHistory | None = None
+        #: Pausing and resuming messages by a selection (schema version 14 on).
+        self.holds = MessageHolds(db, tables, settings, accepted, self._selected, self._accepted, version, tiered,
+                                  ringed, lambda: self.batch)
 
     # -- reading ------------------------------------------------------------------------------------
     def browse(self, selector: Selector, limit: int = 50, after: str | None = None,
@@ -113,7 +117,9 @@ class BacklogControls:
         """
         check_int("limit", limit, 1, MAX_PAGE)
         t = self.tables.messages
-        query = select(*self.tables.row, self._leased_now().label("in_flight")).where(*self._selected(selector))
+        held = self.tables.held_rows() if self.tables.shape.has_tier else literal(False)
+        query = select(*self.tables.row, self._leased_now().label("in_flight"), held.label("held")).where(
+            *self._selected(selector))
         if after:
             due_us, row_id = parse_cursor(after)
             query = query.where(or_(t.c.due_at_us > due_us, and_(t.c.due_at_us == due_us, t.c.id > row_id)))
@@ -128,7 +134,8 @@ class BacklogControls:
                 continue
             item = {"message_id": m.message_id, "destination": m.destination, "due_at": m.due_at.isoformat(),
                     "stored_at": from_us(row.stored_at_us).isoformat(), "failures": m.failures,
-                    "headers": m.headers, "in_flight": bool(row.in_flight), "paused": m.destination in paused}
+                    "headers": m.headers, "in_flight": bool(row.in_flight), "paused": m.destination in paused,
+                    "held": bool(row.held)}
             item |= preview(m.body, body_bytes) if body_bytes is not None else {"body_bytes": len(m.body)}
             page.append(item)
         more = len(rows) > limit
@@ -142,7 +149,7 @@ class BacklogControls:
             check_destination(destination)
         with self.db.errors("count the backlog"), self.db.engine.connect() as conn:
             # SQLite, or a store not yet migrated to version 6: count the rows themselves.
-            rows = (self._from_counts if self.counted() else self._from_rows)(conn, now_us, destination)
+            rows = self.counts.rows(conn, now_us, destination)
         known = self.settings.destinations()
         report = {name: destination_counts(known.get(name, {}).get("paused", False))
                   for name in sorted({r[0] for r in rows} | ({destination} if destination else set(known)))}
@@ -154,85 +161,21 @@ class BacklogControls:
                 entry["histogram"][bucket] = int(upto or 0) - previous
                 previous = int(upto or 0)
             entry["histogram"]["later"] = scheduled - previous
+        for name, held in self.holds.held_counts(destination).items():
+            report[name]["held"] = held
         return backlog_report(from_us(now_us), report)
 
     def count(self, selector: Selector, action: str = "cancel") -> dict[str, Any]:
         """What a change by `selector` would touch (its dry run): `would_<action>` (the messages it would change now)
         and `in_flight` (held by a sweep: left as they are), counted in one snapshot, changing nothing."""
+        if action in ("pause", "resume"):
+            return self.holds.count(selector, action)
         selector.check_for_change(self.settings.check_known)
         held = case((self._leased_now(), 1), else_=0)
         query = select(func.count(), func.sum(held)).where(*self._selected(selector))
         with self.db.errors("count selected messages"), self.db.engine.connect() as conn:
             total, held = conn.execute(query).one()
         return count_report(selector, action, int(total or 0) - int(held or 0), int(held or 0))
-
-    def counted(self) -> bool:
-        """Whether this store keeps counts per slot of due time (PostgreSQL, schema version 6 on)."""
-        if not self.db.is_postgres:
-            return False
-        if not self._has_counts:
-            with self.db.engine.connect() as conn:
-                self._has_counts = inspect(conn).has_table(self.tables.counts.name, schema=self.db.schema)
-        return self._has_counts
-
-    def sum_up_counts(self, conn: Connection) -> int:
-        """Replace the rows of changes in the counts table by one row per destination and slot (rows added
-        meanwhile are left for the next time); returns how many rows it replaced."""
-        c = self.db.qualified(self.tables.counts.name)
-        started = time.monotonic()
-        replaced, kept = conn.exec_driver_sql(
-            f"WITH gone AS (DELETE FROM {c} WHERE id <= (SELECT max(id) FROM {c}) RETURNING destination, slot, n), "
-            f"kept AS (INSERT INTO {c} (destination, slot, n) SELECT destination, slot, sum(n) FROM gone "
-            "GROUP BY destination, slot HAVING sum(n) <> 0 RETURNING 1) "
-            "SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM kept)").one()
-        took = time.monotonic() - started
-        # A bulk load leaves a row per destination and slot of each statement: its first sum-up is work to see.
-        log.log(logging.INFO if took >= 1.0 else logging.DEBUG, "upkeep: summed up %d rows of backlog counts into "
-                "%d in %.1f s (%s)", replaced, kept, took, c)
-        return int(replaced)
-
-    def _from_rows(self, conn: Connection, now_us: int, destination: str | None) -> list[tuple[Any, ...]]:
-        """(destination, scheduled, in flight, due by each bucket's limit...), counted row by row."""
-        t = self.tables.messages
-        buckets = [func.sum(case((t.c.due_at_us <= now_us + limit * 1_000_000, 1), else_=0)) for _, limit in BUCKETS]
-        query = select(t.c.destination, func.count(), func.sum(case((self._leased_now(), 1), else_=0)), *buckets)
-        if destination is not None:
-            query = query.where(t.c.destination == destination)
-        return [tuple(row) for row in conn.execute(query.group_by(t.c.destination))]
-
-    def _from_counts(self, conn: Connection, now_us: int, destination: str | None) -> list[tuple[Any, ...]]:
-        """(destination, scheduled, in flight, due by each bucket's limit...) from the counts per slot: whole
-        slots before a limit's slot from the counts, the part of its own slot from the rows (ten minutes of
-        rows at most), all in one snapshot."""
-        c, t = self.tables.counts, self.tables.messages
-        limits = [now_us + seconds * 1_000_000 for _, seconds in BUCKETS]
-        slots = [limit // COUNT_SLOT_US for limit in limits]
-        counted = select(c.c.destination, func.sum(c.c.n),
-                         *(func.sum(c.c.n).filter(c.c.slot < slot) for slot in slots)).group_by(c.c.destination)
-        # One range scan of the due index per limit (an OR of the ranges lets the planner scan the whole table).
-        parts = [select(literal(k).label("k"), t.c.destination, func.count().label("n"))
-                 .where(t.c.due_at_us.between(slot * COUNT_SLOT_US, limit), *(
-                     [t.c.destination == destination] if destination is not None else []))
-                 .group_by(t.c.destination)
-                 for k, (slot, limit) in enumerate(zip(slots, limits, strict=True))]
-        if destination is not None:
-            counted = counted.where(c.c.destination == destination)
-        conn.execution_options(isolation_level="REPEATABLE READ")
-        with conn.begin():
-            totals = {d: (int(n), [int(x or 0) for x in upto]) for d, n, *upto in conn.execute(counted) if n}
-            within: dict[str, list[int]] = {}
-            for k, name, n in conn.execute(union_all(*parts)):
-                within.setdefault(name, [0] * len(BUCKETS))[k] = n
-            leased: dict[str, int] = {}
-            live = select(self.tables.sweeps.c.claim_id).where(self.tables.sweeps.c.lease_until_us >= now_us)
-            if conn.execute(live.limit(1)).first():
-                held = select(t.c.destination, func.count()).where(self._leased_now())
-                if destination is not None:
-                    held = held.where(t.c.destination == destination)
-                leased = dict(conn.execute(held.group_by(t.c.destination)).all())
-        return [(d, n, leased.get(d, 0), *(a + b for a, b in zip(upto, within.get(d, [0] * len(BUCKETS)),
-                                                                 strict=True)))
-                for d, (n, upto) in totals.items()]
 
     # -- changing -----------------------------------------------------------------------------------
     def cancel(self, selector: Selector) -> dict[str, Any]:
@@ -378,25 +321,23 @@ class BacklogControls:
                                self._new_values(due_us, now_us), self.batch, self.tiered(), self.history).run()
         # Held: a sweep's live lease (looked for only while a sweep holds one), or a claim that wrote the row back for
         # a retry before every pass (`left`): not changed, and it may yet be delivered.
-        held, held_count = list(change.left), len(change.left)
-        s = self.tables.sweeps
         with self.db.errors(action), self.db.engine.connect() as conn:
-            if conn.execute(select(s.c.claim_id).where(s.c.lease_until_us >= now_us).limit(1)).first():
-                leased = self._leased_now()
-                held_count += int(conn.execute(select(func.count()).where(*selected, leased)).scalar_one())
-                held += conn.execute(select(t.c.message_id).where(*selected, leased).limit(LISTED + 1)).scalars()
+            leased, leased_count = leased_selected(conn, self.tables, selected, now_us)
+        held, held_count = [*change.left, *leased], len(change.left) + leased_count
         return bulk_report(selector, [*change.listed, *already][:LISTED + 1], change.count + already_count, held,
                            held_count, change.batches)
 
-    def _new_values(self, due_us: int | None, now_us: int) -> dict[str, int]:
+    def _new_values(self, due_us: int | None, now_us: int) -> dict[str, Any]:
         """The columns a reschedule to `due_us` writes (none for a cancel)."""
         if due_us is None:
             return {}
-        values = {"due_at_us": due_us}
+        values: dict[str, Any] = {"due_at_us": due_us}
         if self.tiered():
             # A row of `_later` made due now goes where claims read at once, not at the next move; PostgreSQL moves
-            # a row whose partition key changes.
-            values["tier"] = tier_of(due_us, now_us, self.ringed())
+            # a row whose partition key changes. A paused one stays paused.
+            tier = self.tables.messages.c.tier
+            values["tier"] = case((tier == literal_column(str(HELD)), tier),
+                                  else_=literal_column(str(tier_of(due_us, now_us, self.ringed()))))
         return values
 
     def _in_transaction(self, action: str, work: Callable[[Connection], _T]) -> _T:

@@ -44,21 +44,38 @@ def settle_cancelled(conn: Connection, rows: Sequence[Any], at_us: int, accepted
         history.cancelled(conn, rows, at_us)
 
 
+def leased_selected(conn: Connection, tables: StoreTables, selected: Sequence[ColumnElement[bool]],
+                    now_us: int) -> tuple[list[str], int]:
+    """(the first LISTED + 1 ids, the count) of the selected rows a live sweep lease holds: looked for only while a
+    sweep holds one (the sweeps table, not the messages, is read otherwise)."""
+    s, t = tables.sweeps, tables.messages
+    if not conn.execute(select(s.c.claim_id).where(s.c.lease_until_us >= now_us).limit(1)).first():
+        return [], 0
+    leased = [*selected, tables.leased(now_us)]
+    count = int(conn.execute(select(func.count()).where(*leased)).scalar_one())
+    return list(conn.execute(select(t.c.message_id).where(*leased).limit(LISTED + 1)).scalars()), count
+
+
 class BatchedChange:
-    """Delete (`due_us` None) or re-time the rows `where` selects, `batch` rows per transaction.
+    """Delete (`due_us` None and no `values`), re-time (`due_us`) or move between partitions (`values` alone: a
+    pause or a resume by a filter) the rows `where` selects, `batch` rows per transaction.
 
     :param where: the selection's conditions, with the one that leaves rows a live sweep lease holds and, for a
-        reschedule, the one that leaves rows already at the new due time (so a changed row is never chosen again).
-    :param values: the columns a reschedule writes.
+        reschedule, the one that leaves rows already at the new due time (so a changed row is never chosen again;
+        a pause or a resume: rows already held, or not held).
+    :param values: the columns a reschedule, a pause or a resume writes.
     :param tiered: whether the rows are in partitions by `tier` (a store from before has no such column).
+    :param wake: tell waiting pumps of the earliest due time changed (a resume).
 
     After `run`: `listed` (the first LISTED + 1 ids changed), `count`, `batches`, and `left` (ids still selected
     after the last pass: a claim wrote them back for a retry before every pass)."""
 
     def __init__(self, db: Database, tables: StoreTables, accepted: AcceptedIds, action: str,
                  where: Sequence[ColumnElement[bool]], due_us: int | None, values: dict[str, Any],
-                 batch: int = BULK_BATCH, tiered: bool = False, history: DeliveryHistory | None = None) -> None:
+                 batch: int = BULK_BATCH, tiered: bool = False, history: DeliveryHistory | None = None,
+                 wake: bool = False) -> None:
         self.db, self.tables, self.accepted, self.action = db, tables, accepted, action
+        self.wake = wake
         self.history = history  # where a cancel's rows are recorded
         self.where, self.due_us, self.values, self.batch = list(where), due_us, values, batch
         self.tiered = tiered
@@ -110,13 +127,18 @@ class BatchedChange:
         chosen: ColumnElement[bool] = t.c.id.in_(list(ids))
         if self.tiered:
             chosen = and_(t.c.tier.in_(sorted(set(tiers))), chosen)
-        cancel = self.due_us is None
+        cancel = self.due_us is None and not self.values
         plain = delete(t) if cancel else update(t).values(**self.values)
         statement = plain.where(chosen, *self.where).returning(*removed_columns(t))
 
         def work(conn: Connection) -> tuple[int, list[str]]:
             now_us = to_us(self.db.clock())
-            if self.db.is_postgres:
+            if not cancel and self.due_us is None:  # a pause or a resume: the due times and the ids' guards stay
+                rows = conn.execute(statement).all()
+                ids = [r.message_id for r in rows]
+                if rows and self.wake and self.db.is_postgres:
+                    conn.execute(select(func.pg_notify(self.tables.channel, str(min(r.due_at_us for r in rows)))))
+            elif self.db.is_postgres:
                 # The change, the ids it keeps and its history in one statement: 10,000 rows need not go to the client
                 # and back.
                 changed = statement.cte("changed")

@@ -57,6 +57,8 @@ from airflow_delay_provider.stores.writes import MessageWrites
 
 log = logging.getLogger(__name__)
 
+#: The schema version that added `tier` to the messages.
+_TIER_VERSION = 8
 #: How often a store object looks again whether its store has been migrated to the two partitions.
 _TIERS_CHECK_SECONDS = 30.0
 
@@ -104,7 +106,7 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         self.leases = SweepLeases(self, self.tables, self.tiered, self.ringed)
         self.events = EventLeases(self, self.tables, self.leases, self.accepted)
         self.controls = BacklogControls(self, self.tables, self.settings, self.accepted, lambda: self._scope,
-                                        self.tiered, self.ringed)
+                                        self.tiered, self.ringed, lambda: self.migrations.schema_version())
         t = self.tables
         self.writes = MessageWrites(self, t, self.accepted, self.settings, self.tiered, self.ringed)
         self.claims = DueClaims(self, t, self.accepted, lambda: self._scope, self.tiered,
@@ -120,9 +122,9 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
         # are their own (the partitioned table has none); the names of tables not there are passed over.
         messages = (t.messages, t.soon)
         self.maintenance = TableUpkeep(
-            self, kept=lambda: (*messages, t.ids, t.counts) if self.controls.counted() else (*messages, t.ids),
+            self, kept=lambda: (*messages, t.ids, t.counts) if self.controls.counts.counted() else (*messages, t.ids),
             rebuilt=messages, analyzed=messages,  # the claims' plans need statistics; the rest: by key
-            before=lambda conn: self.controls.counted() and self.controls.sum_up_counts(conn))
+            before=lambda conn: self.controls.counts.counted() and self.controls.counts.sum_up_counts(conn))
         # `_later` holds millions, and a vacuum of it runs for minutes (102 s at 8.9 million in the soak): in a
         # thread and under a lock of its own, so that `_soon`, which the claims churn, is never left waiting for it.
         # From schema version 9 `_far` and the hours' partitions; those are truncated as they rest (stores/tiers.py),
@@ -192,7 +194,9 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     def check_ready(self, current: bool = False) -> None:
         """StoreNotReadyError (naming the store and what to run) while its tables are not there or, with `current`,
         older than this release; cheap once they are. Reads never create them (`migrations.state()` only looks)."""
-        self.migrations.require(current)
+        state = self.migrations.require(current)
+        # A store from before schema version 8 has no `tier`: its claims leave out the condition on held messages.
+        self.tables.shape.has_tier = state.version >= _TIER_VERSION or bool(self._tiered)
 
     def schema_problem(self) -> DelayProviderError | None:
         return self.migrations.problem()
@@ -200,7 +204,10 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     def migrate(self, up_to: int | None = None) -> list[int]:
         """Apply the migrations this store lacks, up to `up_to` (default: all); returns the versions applied.
         Safe to run concurrently: the others find the store up to date."""
-        return self.migrations.migrate(up_to)
+        applied = self.migrations.migrate(up_to)
+        if applied:
+            self.tables.shape.has_tier = self.migrations.schema_version() >= _TIER_VERSION
+        return applied
 
     def _adopt(self, conn: Connection) -> int:
         """The version of a store made before versioning: claim_id came with bulk sweeps (2); the later
@@ -235,6 +242,8 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
                 inspector = inspect(conn)
                 self._tiered = inspector.has_table(self.tables.later.name, schema=self.schema)
                 self._ringed = self._tiered and inspector.has_table(self.tables.far.name, schema=self.schema)
+                if self._tiered:
+                    self.tables.shape.has_tier = True
         return bool(self._tiered)
 
     def ringed(self) -> bool:
@@ -331,6 +340,12 @@ class SqlDelayedMessageStore(SqlDatabase, DelayedMessageStore):
     def edit(self, message_id: str, body: bytes | str | None = None,
              headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         return self.controls.edit(message_id, body, headers)
+
+    def pause_messages(self, selector: Selector) -> dict[str, Any]:
+        return self.controls.holds.pause(selector)
+
+    def resume_messages(self, selector: Selector) -> dict[str, Any]:
+        return self.controls.holds.resume(selector)
 
     def purge(self, destination: str, dry_run: bool = True) -> dict[str, Any]:
         return self.controls.purge(destination, dry_run)

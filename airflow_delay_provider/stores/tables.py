@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import (
@@ -71,6 +71,11 @@ LATER = 1
 HOUR_US = 3_600_000_000
 RING_HOURS = 26
 FIRST_HOUR = 2
+#: `tier` of the messages paused by a filter (schema version 14): `<table>_held` on PostgreSQL, the column's value on
+#: SQLite. Claims, leases and the move never take them; a resume gives each row the tier its due time says.
+HELD = -1
+#: The schema version from which a store can hold messages.
+HELD_VERSION = 14
 
 
 def _literal(value: str) -> str:
@@ -291,6 +296,14 @@ def versions_table(metadata: MetaData, name: str, schema: str | None) -> Table:
     )
 
 
+@dataclass
+class StoreShape:
+    """What a store object learnt of its tables when it checked them: a store from before schema version 8 has no
+    `tier` column, so its claims leave the condition on held messages out (it cannot hold any)."""
+
+    has_tier: bool = True
+
+
 @dataclass(frozen=True)
 class StoreTables:
     """Every table of one store (a name and a schema), and the row conditions that several of its parts add to
@@ -319,10 +332,14 @@ class StoreTables:
     history_rows: Table
     #: From schema version 13, the transports, connections and error queues the messages go through.
     routes: Table
+    #: From schema version 14 on PostgreSQL, the partition of the messages paused by a filter (HELD).
+    held: Table
     versions: Table
     #: The NOTIFY channel that wakes the store's waiting pumps: LISTEN takes an identifier of at most 63 bytes,
     #: and a hash keeps any schema.table pair within it.
     channel: str
+    #: What the store object found of its tables' shape (`SqlDelayedMessageStore.check_ready`).
+    shape: StoreShape = field(default_factory=StoreShape)
 
     @classmethod
     def declare(cls, name: str, schema: str | None) -> StoreTables:
@@ -338,7 +355,7 @@ class StoreTables:
             delays=queue_delays_table(md, name, schema), policies=policies_table(md, name, schema),
             dests=destinations_table(md, name, schema), counts=counts_table(md, name, schema),
             history=history_table(name, schema, batches=True), history_rows=history_table(name, schema, batches=False),
-            routes=routes_table(md, name, schema),
+            routes=routes_table(md, name, schema), held=partition_table(f"{name}_held", schema),
             versions=versions_table(MetaData(), f"{name}_schema", schema),
             channel="delay_" + hashlib.sha1(qualified.encode()).hexdigest()[:24],
         )
@@ -374,6 +391,7 @@ class StoreTables:
             "ix_soon_leased_q": q(f"ix_soon_leased_{short}"),
             # Schema version 12: the delivery history, its default partition and its indexes.
             "history": q(f"{t}_history"), "history_default": q(f"{t}_hdefault"), "routes": q(f"{t}_routes"),
+            "held": q(f"{t}_held"),  # schema version 14
             **{f"ix_{str(ix.name).split('_')[1]}": preparer.quote_identifier(str(ix.name))
                for ix in self.history_rows.indexes},  # ix_hat, ix_hdest, ix_hist
             "id_type": "BIGSERIAL" if db.is_postgres else "INTEGER",  # SQLite's INTEGER key is the rowid
@@ -397,9 +415,17 @@ class StoreTables:
 
     # -- conditions on the messages table -------------------------------------------------------------
     def not_paused(self) -> ColumnElement[bool]:
-        """Rows of destinations that are not paused: every claim and lease adds this."""
+        """Rows neither of a paused destination nor paused themselves (HELD): every claim and lease adds this. On
+        PostgreSQL the second leaves `_held` out of the plan (a literal, as `in_tier`)."""
         d = self.dests
-        return self.messages.c.destination.not_in(select(d.c.destination).where(d.c.paused_at_us.is_not(None)))
+        live = self.messages.c.destination.not_in(select(d.c.destination).where(d.c.paused_at_us.is_not(None)))
+        if not self.shape.has_tier:  # a store from before schema version 8 holds nothing
+            return live
+        return and_(live, self.messages.c.tier != literal_column(str(HELD)))
+
+    def held_rows(self) -> ColumnElement[bool]:
+        """Rows paused by a filter (schema version 14 on)."""
+        return self.messages.c.tier == literal_column(str(HELD))
 
     def in_tier(self, tier: int) -> ColumnElement[bool]:
         """Rows of one partition (SOON or LATER). A literal, not a bound parameter: the planner leaves the other

@@ -20,7 +20,7 @@ from airflow_delay_provider.core.message import DelayedMessage
 from airflow_delay_provider.stores.dedup import AcceptedIds
 from airflow_delay_provider.stores.destinations import DestinationSettings
 from airflow_delay_provider.stores.engine import PASSES, Database, copy_rows, in_transaction
-from airflow_delay_provider.stores.tables import SOON, StoreTables, _message, tier_of, to_us
+from airflow_delay_provider.stores.tables import HELD, SOON, StoreTables, _message, tier_of, to_us
 
 #: A send to more destinations than this wakes every waiting pump with one notification, naming none.
 _NAMED_WAKEUPS = 16
@@ -118,6 +118,9 @@ class MessageWrites:
                 break
         written = [self._row(m, now_us, tiered, ring)
                    for m in applied(((found[i], wanted[i]) for i in found), mode)]
+        for r in written:
+            if tiered and tiers[r["message_id"]] == HELD:
+                r["tier"] = HELD  # a paused message stays paused, whatever a send changes of it
         if written:
             names = [c for c in written[0] if c != "message_id"]
             partition = [t.c.tier == bindparam("m_tier")] if tiered else []

@@ -19,6 +19,7 @@ from airflow_delay_provider.core.backlog import (
     Selector,
     backlog_report,
     bucket_of,
+    bulk_report,
     change_report,
     check_known,
     count_report,
@@ -27,6 +28,7 @@ from airflow_delay_provider.core.backlog import (
     edited_values,
     forget_check,
     forget_report,
+    held_report,
     parse_cursor,
     pause_names,
     pause_report,
@@ -115,6 +117,7 @@ class InMemoryStore(DelayedMessageStore):
         self._meta: dict[str, tuple[int, datetime]] = {}  # per stored message: (store order, stored at)
         self._accepted: dict[str, datetime] = {}  # when each id was stored with de-duplication (the ids table)
         self._known: dict[str, datetime | None] = {}  # known destinations: when paused, or None
+        self._holds: set[str] = set()  # ids of the messages paused by a selection (the SQL store's HELD rows)
         self._claims: list[_MemoryClaim] = []  # open claims
 
     def clock(self) -> datetime:
@@ -167,7 +170,7 @@ class InMemoryStore(DelayedMessageStore):
                 m = self._messages.get(entry[2])
                 if m is None or m.due_at != entry[0]:
                     continue  # settled, or rescheduled under a newer entry
-                if m.destination in exclude or self._paused(m.destination) \
+                if m.destination in exclude or self._paused(m.destination) or m.message_id in self._holds \
                         or (due_before is not None and m.due_at >= due_before):
                     skipped.append(entry)
                     continue
@@ -233,7 +236,7 @@ class InMemoryStore(DelayedMessageStore):
         with self._lock:
             dues = [m.due_at for m in self._messages.values()
                     if (destination is None or m.destination == destination) and not self._paused(m.destination)
-                    and (due_before is None or m.due_at < due_before)]
+                    and m.message_id not in self._holds and (due_before is None or m.due_at < due_before)]
         return min(dues, default=None)
 
     def count_scheduled(self, due_before: datetime | None = None) -> dict[str, int]:
@@ -274,7 +277,8 @@ class InMemoryStore(DelayedMessageStore):
         for _, m, stored_at in rows[:limit]:
             item = {"message_id": m.message_id, "destination": m.destination, "due_at": m.due_at.isoformat(),
                     "stored_at": stored_at.astimezone(UTC).isoformat(), "failures": m.failures,
-                    "headers": dict(m.headers), "in_flight": False, "paused": m.destination in paused}
+                    "headers": dict(m.headers), "in_flight": False, "paused": m.destination in paused,
+                    "held": m.message_id in self._holds}
             item |= preview(m.body, body_bytes) if body_bytes is not None else {"body_bytes": len(m.body)}
             page.append(item)
         last = rows[limit - 1][0] if len(rows) > limit else None
@@ -286,19 +290,48 @@ class InMemoryStore(DelayedMessageStore):
         with self._lock:
             now = self.clock()
             known = {d: self._paused(d) for d in self._known}
-            dues = [(m.destination, m.due_at) for m in self._messages.values()
+            dues = [(m.destination, m.due_at, m.message_id in self._holds) for m in self._messages.values()
                     if destination is None or m.destination == destination]
         report = {name: destination_counts(known.get(name, False))
-                  for name in sorted({d for d, _ in dues} | ({destination} if destination else set(known)))}
-        for name, due_at in dues:
+                  for name in sorted({d for d, _, _ in dues} | ({destination} if destination else set(known)))}
+        for name, due_at, held in dues:
             report[name]["scheduled"] += 1
+            report[name]["held"] += held
             report[name]["histogram"][bucket_of((due_at - now).total_seconds())] += 1
         return backlog_report(now, report)
 
     def count_selected(self, selector: Selector, action: str = "cancel") -> dict[str, Any]:
         selector.check_for_change(self.check_known)
         with self._lock:
-            return count_report(selector, action, len(self._select(selector)), 0)
+            selected = self._select(selector)
+            if action in ("pause", "resume"):  # those it would change: not paused yet, or paused
+                selected = [m for m in selected if (m.message_id in self._holds) == (action == "resume")]
+            return count_report(selector, action, len(selected), 0)
+
+    def pause_messages(self, selector: Selector) -> dict[str, Any]:
+        return self._hold(selector, True)
+
+    def resume_messages(self, selector: Selector) -> dict[str, Any]:
+        return self._hold(selector, False)
+
+    def _hold(self, selector: Selector, pause: bool) -> dict[str, Any]:
+        """Pause or resume the selected messages once no open claim holds one of them; by ids, one already in that
+        state is reported changed, by a filter only those changed (and, paused, the count of those paused before)."""
+        selector.check_for_change(self.check_known)
+        with self._lock:
+            while any(selector.matches(m) for c in self._claims for m in c._unsettled.values()):
+                self._settled.wait()
+            selected = [m.message_id for m in self._select(selector)]
+            changed = [i for i in selected if (i in self._holds) != pause]
+            already = len(selected) - len(changed)
+            (self._holds.update if pause else self._holds.difference_update)(changed)
+            if changed and not pause:
+                self._lock.notify_all()  # resumed messages may be due now: wake the waiters
+        key = "paused" if pause else "resumed"
+        if selector.message_ids:
+            return held_report(change_report(selector, selected, [], self._accepted_of), key)
+        return held_report(bulk_report(selector, changed, len(changed), [], 0, 1 if changed else 0), key,
+                           already if pause else None)
 
     def cancel(self, selector: Selector) -> dict[str, Any]:
         return change_report(selector, self._change(selector, None), [], self._accepted_of)
@@ -370,6 +403,7 @@ class InMemoryStore(DelayedMessageStore):
         stored = {}
         for m in gone:
             del self._messages[m.message_id]
+            self._holds.discard(m.message_id)
             stored[m.message_id] = self._meta.pop(m.message_id, (0, None))[1]
         self._keep_history(entries_of([Settled(CANCELLED, tuple(stored))], {m.message_id: m for m in gone},
                                       self.clock(), stored))

@@ -160,7 +160,7 @@ class Selection(BaseModel):
 class Counting(Selection):
     """A selection and the action it is counted for (its dry run)."""
 
-    action: Literal["cancel", "reschedule", "run_now"] = "cancel"
+    action: Literal["cancel", "reschedule", "run_now", "pause", "resume"] = "cancel"
 
 
 class Rescheduling(Selection):
@@ -331,6 +331,16 @@ def create_app() -> FastAPI:
     @app.post("/api/run-now")
     def run_now(user: Editor, store: Store, selection: Selection) -> dict[str, Any]:
         return audited("run_now", user, selection, store.run_now(**selection.model_dump()))
+
+    @app.post("/api/pause-messages")
+    def pause_messages(user: Editor, store: Store, selection: Selection) -> dict[str, Any]:
+        """Hold the selected messages stored, never delivered, until resumed."""
+        return audited("pause_messages", user, selection, store.pause_messages(**selection.model_dump()))
+
+    @app.post("/api/resume-messages")
+    def resume_messages(user: Editor, store: Store, selection: Selection) -> dict[str, Any]:
+        """Release the selected paused messages to their due times (those past due go at once)."""
+        return audited("resume_messages", user, selection, store.resume_messages(**selection.model_dump()))
 
     @app.post("/api/reschedule")
     def reschedule(user: Editor, store: Store, change: Rescheduling) -> dict[str, Any]:

@@ -151,7 +151,7 @@ def test_backlog_counts_buckets_and_pauses(store):
     assert ordered["histogram"] == {"due": 2, "next_minute": 1, "next_hour": 1, "next_day": 1, "later": 2}
     assert ordered["scheduled"] == 7 and ordered["due"] == 2 and not ordered["paused"]
     assert refunds["paused"] and refunds["due"] == 2
-    assert report["totals"] == {"scheduled": 9, "due": 4, "in_flight": 0, "paused_due": 2}
+    assert report["totals"] == {"scheduled": 9, "due": 4, "in_flight": 0, "held": 0, "paused_due": 2}
     # One set of words for the histogram, carried by the report the CLI prints and the page draws.
     assert [b["key"] for b in report["buckets"]] == list(ordered["histogram"])
     assert [b["label"] for b in report["buckets"]] == ["Due now", "< 1 minute", "< 1 hour", "< 1 day", "Later"]
@@ -499,3 +499,85 @@ def test_a_bad_filter_is_refused_and_changes_nothing(store, selection, pattern):
     with pytest.raises(InvalidInputError, match=pattern):
         store.cancel(Selector.build(**selection))
     assert sum(store.count_scheduled().values()) == len(sent)
+
+
+def _tenants(store, n: int = 12) -> list[DelayedMessage]:
+    """`n` messages due a second apart in the past, tenants a and b in turn, and one of tenant a due in an hour."""
+    now = store.clock()
+    sent = [DelayedMessage("orders", f"order {i}".encode(), now - timedelta(seconds=n - i),
+                           {"tenant": "ab"[i % 2]}, f"t-{i}") for i in range(n)]
+    sent.append(DelayedMessage("orders", b"later", now + timedelta(hours=1), {"tenant": "a"}, "t-later"))
+    store.store(sent)
+    return sent
+
+
+def test_a_paused_filter_is_counted_first_never_claimed_and_resumed_to_its_due_times(store):
+    sent = _tenants(store)
+    tenant_a = sorted(m.message_id for m in sent if m.headers["tenant"] == "a")
+    selector = Selector.build(headers={"tenant": "a"})
+    counted = store.count_selected(selector, "pause")
+    assert (counted["would_pause"], counted["in_flight"]) == (len(tenant_a), 0)
+    _small_batches(store, 2)
+    report = store.pause_messages(selector)
+    assert sorted(report["paused"]) == tenant_a
+    assert report["counts"] == {"paused": len(tenant_a), "in_flight": 0, "already_paused": 0}
+    if hasattr(store, "controls"):
+        assert report["batches"] == -(-len(tenant_a) // 2)
+    # Paused ones are never claimed, whatever their due time, and the next due time passes over them.
+    with store.claim_due(store.clock(), limit=100) as claim:
+        assert sorted(m.message_id for m in claim.messages) == sorted(m.message_id for m in sent
+                                                                     if m.headers["tenant"] == "b")
+        claim.remove([m.message_id for m in claim.messages])
+    assert store.next_due() is None
+    # They are still there for every reader: browse marks them, the backlog counts them, a story says so.
+    page = store.browse(Selector(), limit=100)["messages"]
+    assert sorted(m["message_id"] for m in page if m["held"]) == tenant_a and all(m["held"] for m in page)
+    entry = store.backlog("orders")["destinations"]["orders"]
+    assert (entry["scheduled"], entry["held"]) == (len(tenant_a), len(tenant_a))
+    assert store.message_story("t-0")["state"] == "held"
+    again = store.pause_messages(selector)
+    assert again["paused"] == [] and again["counts"]["already_paused"] == len(tenant_a)
+    assert store.count_selected(selector, "pause")["would_pause"] == 0
+    assert store.count_selected(selector, "resume")["would_resume"] == len(tenant_a)
+
+    resumed = store.resume_messages(selector)
+    assert sorted(resumed["resumed"]) == tenant_a and resumed["counts"]["resumed"] == len(tenant_a)
+    assert store.next_due() < store.clock()
+    with store.claim_due(store.clock(), limit=100) as claim:
+        assert sorted(m.message_id for m in claim.messages) == [i for i in tenant_a if i != "t-later"]
+    assert store.get("t-later").due_at == sent[-1].due_at and not store.browse(Selector())["messages"][-1]["held"]
+
+
+def test_paused_ids_are_reported_each_and_stay_paused_through_a_reschedule_an_edit_and_a_resend(store):
+    _tenants(store, 4)
+    report = store.pause_messages(Selector.build(message_ids=["t-0", "t-1", "t-2", "nope"]))
+    assert (sorted(report["paused"]), report["unknown"]) == (["t-0", "t-1", "t-2"], ["nope"])
+    # By ids, one already paused is reported paused again (a repeated action reports the same).
+    assert store.pause_messages(Selector.build(message_ids=["t-0"]))["paused"] == ["t-0"]
+    now = store.clock()
+    assert store.reschedule(Selector.build(message_ids=["t-0"]), now)["rescheduled"] == ["t-0"]
+    assert store.edit("t-1", body=b"edited")["edited"] == ["t-1"]
+    store.store([DelayedMessage("orders", b"resent", now - timedelta(seconds=30), {"tenant": "a"}, "t-2")],
+                on_duplicate="replace")
+    with store.claim_due(store.clock(), limit=100) as claim:
+        assert [m.message_id for m in claim.messages] == ["t-3"]
+        claim.remove(["t-3"])
+    held = {m["message_id"]: m for m in store.browse(Selector(), limit=10)["messages"] if m["held"]}
+    assert sorted(held) == ["t-0", "t-1", "t-2"]
+    assert store.get("t-2").body == b"resent" and store.get("t-1").body == b"edited"
+    # A cancel takes a paused message as any other; a resume by ids reports one that was not paused as resumed.
+    assert store.cancel(Selector.build(message_ids=["t-1"]))["cancelled"] == ["t-1"]
+    resumed = store.resume_messages(Selector.build(message_ids=["t-0", "t-2", "t-later", "t-1"]))
+    assert sorted(resumed["resumed"]) == ["t-0", "t-2", "t-later"] and resumed["gone"] == ["t-1"]
+    with store.claim_due(store.clock(), limit=100) as claim:
+        assert sorted(m.message_id for m in claim.messages) == ["t-0", "t-2"]
+
+
+def test_a_paused_destination_is_purged_and_forgotten_with_its_paused_messages(store):
+    _tenants(store, 4)
+    store.pause_messages(Selector.build(destination="orders"))
+    with pytest.raises(InvalidInputError, match="scheduled"):
+        store.forget_destinations(["orders"])
+    assert store.purge("orders", dry_run=True)["would_purge"] == 5
+    assert store.purge("orders", dry_run=False)["purged"] == 5
+    assert store.count_scheduled() == {} and store.backlog()["totals"]["held"] == 0

@@ -27,7 +27,7 @@ def _store(pg, **kwargs) -> SqlDelayedMessageStore:
     url, schema, table = pg
     store = SqlDelayedMessageStore(url, table=table, schema=schema, **kwargs)
     store.create_schema()
-    assert store.controls.counted()
+    assert store.controls.counts.counted()
     return store
 
 
@@ -40,13 +40,13 @@ def _spread(n: int, destination: str, start: float = 0.0) -> list[DelayedMessage
 def assert_counts_match(store: SqlDelayedMessageStore) -> None:
     now_us = to_us(store.clock())
     with store.engine.connect() as conn:
-        counted = sorted(store.controls._from_counts(conn, now_us, None))
+        counted = sorted(store.controls.counts.from_counts(conn, now_us, None))
     with store.engine.connect() as conn:
-        scanned = sorted(store.controls._from_rows(conn, now_us, None))
+        scanned = sorted(store.controls.counts.from_rows(conn, now_us, None))
     assert counted == scanned
     for destination, *_ in scanned:
         with store.engine.connect() as conn:
-            one = store.controls._from_counts(conn, now_us, destination)
+            one = store.controls.counts.from_counts(conn, now_us, destination)
         assert one == [row for row in scanned if row[0] == destination]
 
 
@@ -140,10 +140,10 @@ def test_a_sum_up_replaces_every_row_of_changes_and_says_how_many(pg):
         store.store(_spread(24, "orders"))
     rows = _count_rows(store)
     with store.engine.begin() as conn:
-        replaced = store.controls.sum_up_counts(conn)
+        replaced = store.controls.counts.sum_up_counts(conn)
     assert replaced == rows > _count_rows(store)
     with store.engine.begin() as conn:  # one row per destination and slot already: replaced by themselves
-        assert store.controls.sum_up_counts(conn) == _count_rows(store)
+        assert store.controls.counts.sum_up_counts(conn) == _count_rows(store)
     assert_counts_match(store)
 
 
@@ -181,7 +181,7 @@ def test_a_store_upgraded_with_rows_starts_with_their_counts(pg):
     old = SqlDelayedMessageStore(url, table=table, schema=schema)
     old.migrate(up_to=5)
     old.store(_spread(100, "orders") + _spread(7, "billing"))
-    assert not old.controls.counted()
+    assert not old.controls.counts.counted()
     store = SqlDelayedMessageStore(url, table=table, schema=schema)
     assert store.migrate() == list(range(6, latest_version() + 1))
     assert_counts_match(store)
@@ -216,7 +216,7 @@ def _provisioned(destination: str) -> InMemoryTransport:
 
 def _scan(store):
     with store.engine.connect() as conn:
-        return store.controls._from_rows(conn, to_us(store.clock()), None)
+        return store.controls.counts.from_rows(conn, to_us(store.clock()), None)
 
 
 def _count_rows(store) -> int:

@@ -43,6 +43,15 @@ class _Recording(InMemoryTransport):
         return result
 
 
+def drain_with_pumps(pg, transport: InMemoryTransport, batch_size: int) -> list[threading.Thread]:
+    """Two pumps of stores of their own, each in a thread, stopping once nothing is left to claim."""
+    pumps = [Pump(make_store(*pg), transport, PumpConfig(batch_size=batch_size)) for _ in range(2)]
+    threads = [threading.Thread(target=p.run, kwargs={"stop_when_idle": True}) for p in pumps]
+    for t in threads:
+        t.start()
+    return threads
+
+
 def test_a_pause_under_running_pumps_holds_the_rest_and_a_resume_delivers_it_once(pg):
     store = make_store(*pg)
     transport = _Recording(hold_after=500)
@@ -52,15 +61,7 @@ def test_a_pause_under_running_pumps_holds_the_rest_and_a_resume_delivers_it_onc
     store.store([DelayedMessage(d, b"x", due, message_id=f"{d}-{i}") for d in ("orders", "refunds")
                  for i in range(3000)])
     batch_size = 50
-
-    def drain_with_pumps() -> list[threading.Thread]:
-        pumps = [Pump(make_store(*pg), transport, PumpConfig(batch_size=batch_size)) for _ in range(2)]
-        threads = [threading.Thread(target=p.run, kwargs={"stop_when_idle": True}) for p in pumps]
-        for t in threads:
-            t.start()
-        return threads
-
-    threads = drain_with_pumps()
+    threads = drain_with_pumps(pg, transport, batch_size)
     wait_for(lambda: transport.orders_sent() >= 500, 60, "500 orders sent")
     store.set_paused(["orders"], True)
     before_pause = transport.orders_sent()
@@ -75,7 +76,7 @@ def test_a_pause_under_running_pumps_holds_the_rest_and_a_resume_delivers_it_onc
     assert store.backlog("orders")["totals"]["paused_due"] == held
 
     store.set_paused(["orders"], False)
-    for t in drain_with_pumps():
+    for t in drain_with_pumps(pg, transport, batch_size):
         t.join(timeout=120)
     assert store.count_scheduled() == {}
     delivered = Counter(m.message_id for q in ("orders", "refunds") for m in transport.receive(q, 10_000))

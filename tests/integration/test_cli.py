@@ -306,6 +306,34 @@ def test_a_cancel_by_a_filter_counts_first_and_asks_above_a_thousand(on_sqlite, 
     assert recorded[1]["target"]["body_contains"] == "vip" and recorded[0]["target"]["due_from"] == later
 
 
+def test_pause_messages_by_a_filter_counts_first_holds_them_and_resume_messages_releases_them(where):
+    """On both databases: a dry run counts, the pause holds what matches (the backlog counts it held, a claim passes
+    over it), a resume by ids and one by the filter release it; the audit log has both with their counts."""
+    from airflow_delay_provider import audit
+
+    conn_id, store, _ = where
+    now = utcnow()
+    store.store([DelayedMessage("orders", b"x", now - timedelta(seconds=5), {"tenant": "ab"[i % 2]}, f"t-{i}")
+                 for i in range(6)])
+    base = ("--conn-id", conn_id, "-o", "json")
+    counted = _ok(_cli("pause-messages", *base, "--header", "tenant=a", "--dry-run"))
+    assert json.loads(counted.stdout)["would_pause"] == 3 and "3 scheduled message(s) would be" in counted.stderr
+    paused = json.loads(_ok(_cli("pause-messages", *base, "--header", "tenant=a")).stdout)
+    assert sorted(paused["paused"]) == ["t-0", "t-2", "t-4"] and paused["counts"]["already_paused"] == 0
+    backlog = json.loads(_ok(_cli("backlog", *base)).stdout)
+    assert backlog["destinations"]["orders"]["held"] == 3
+    with store.claim_due(utcnow(), 10) as claim:
+        assert sorted(m.message_id for m in claim.messages) == ["t-1", "t-3", "t-5"]
+    one = json.loads(_ok(_cli("resume-messages", *base, "--id", "t-2")).stdout)
+    assert one["resumed"] == ["t-2"]
+    rest = json.loads(_ok(_cli("resume-messages", *base, "--header", "tenant=a", "--destination", "orders")).stdout)
+    assert sorted(rest["resumed"]) == ["t-0", "t-4"]
+    _refused(_cli("pause-messages", *base), "would apply to every message")
+    recorded = [(a["action"], a["counts"]) for a in audit.recent(10, conn_id) if a["action"].endswith("_messages")]
+    assert recorded == [("resume_messages", {"resumed": 2}), ("resume_messages", {"resumed": 1, "unknown": 0}),
+                        ("pause_messages", {"paused": 3})]
+
+
 def test_history_lateness_and_story_show_what_became_of_messages_without_writing(where):
     conn_id, store, queues = where
     destination = f"orders_{uuid.uuid4().hex[:6]}"

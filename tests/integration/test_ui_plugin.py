@@ -54,6 +54,8 @@ ACTIONS = {  # every POST of the page, with a body that would change something
     "resume": {"destinations": ["refunds"]},
     "purge": {"destination": "orders", "dry_run": False},
     "reschedule": {"destination": "orders", "delay_seconds": 60},
+    "pause-messages": {"headers": {"tenant": "acme"}},
+    "resume-messages": {"destination": "orders"},
     "count": {"destination": "orders"},
 }
 
@@ -299,6 +301,34 @@ def test_a_filter_is_counted_then_changed_by_editors_and_searching_bodies_is_the
     assert seen["viewer"]["target"]["body_contains"] == "(hidden)"
     bad = client("admin", "POST", "/api/cancel", json={"body_contains": "x" * 201})
     assert bad.status_code == 422
+
+
+def test_editors_pause_a_filter_the_page_marks_and_counts_it_held_and_a_resume_releases_it(client, store):
+    """A pause by a header match: counted first, then every reader sees the messages held (in the list, the counts
+    and a story), a claim passes over them, and a resume by ids and one by the filter release them; the audit log
+    has each with its user and counts."""
+    acme = {"headers": {"tenant": "acme"}}
+    assert client("user", "POST", "/api/count", json={**acme, "action": "pause"}).json()["would_pause"] == 3
+    paused = client("user", "POST", "/api/pause-messages", json=acme).json()
+    assert sorted(paused["paused"]) == ["orders-0", "orders-2", "orders-4"] and paused["counts"]["paused"] == 3
+    page = client("viewer", "GET", "/api/messages", params={"destination": "orders"}).json()["messages"]
+    assert {m["message_id"]: m["held"] for m in page} == {f"orders-{i}": i % 2 == 0 for i in range(6)}
+    assert client("viewer", "GET", "/api/backlog").json()["destinations"]["orders"]["held"] == 3
+    assert client("viewer", "GET", "/api/story", params={"message_id": "orders-0"}).json()["state"] == "held"
+    with store.claim_due(utcnow(), 10) as claim:  # orders-0 is due: held, it is not taken
+        assert sorted(m.message_id for m in claim.messages) == ["orders-1"]
+    assert client("user", "POST", "/api/count", json={**acme, "action": "resume"}).json()["would_resume"] == 3
+
+    one = client("admin", "POST", "/api/resume-messages", json={"message_ids": ["orders-2"]}).json()
+    assert one["resumed"] == ["orders-2"]
+    rest = client("user", "POST", "/api/resume-messages", json=acme).json()
+    assert sorted(rest["resumed"]) == ["orders-0", "orders-4"]
+    assert client("viewer", "GET", "/api/backlog").json()["destinations"]["orders"]["held"] == 0
+    actions = client("viewer", "GET", "/api/actions", params={"limit": 3}).json()["actions"]
+    assert [(a["action"], a["user"], a["counts"]) for a in actions] == [
+        ("resume_messages", "user", {"resumed": 2}), ("resume_messages", "admin", {"resumed": 1, "unknown": 0}),
+        ("pause_messages", "user", {"paused": 3})]
+    assert actions[-1]["target"] == {"headers": {"tenant": "acme"}}
 
 
 def test_bad_input_is_a_400_that_says_why(client, store):
@@ -921,6 +951,18 @@ def test_editors_search_bodies_and_change_everything_a_filter_matches_after_seei
         form.get_by_label("Body contains").fill(marker)
         form.get_by_role("button", name="Search").click()
         expect(frame.locator("#matching-count")).to_have_text("5 scheduled messages match this filter.")
+        # Paused and resumed by the filter, each confirmed on a button with its count; the list shows them held.
+        frame.get_by_role("button", name="Pause all matching…").click()
+        expect(dialog).to_contain_text(f"Pause 5 scheduled messages matching body containing “{marker}”?")
+        dialog.get_by_role("button", name="Pause 5").click()
+        expect(frame.locator("#status")).to_have_text("Paused 5 messages.")
+        expect(frame.locator("#messages tbody .badge.held")).to_have_count(5)
+        assert store.backlog("orders")["destinations"]["orders"]["held"] >= 5
+        frame.get_by_role("button", name="Resume all matching…").click()
+        expect(dialog).to_contain_text(f"Resume 5 paused messages matching body containing “{marker}”?")
+        dialog.get_by_role("button", name="Resume 5").click()
+        expect(frame.locator("#status")).to_have_text("Resumed 5 messages.")
+        expect(frame.locator("#messages tbody .badge.held")).to_have_count(0)
         frame.get_by_role("button", name="Cancel all matching…").click()
         expect(dialog).to_contain_text(f"Cancel 5 scheduled messages matching body containing “{marker}”?")
         dialog.get_by_role("button", name="Keep").click()

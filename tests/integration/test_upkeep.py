@@ -202,7 +202,7 @@ def test_a_migration_cancels_the_upkeep_instead_of_waiting_for_it(pg):
     finally:
         worker.join(timeout=150)
     assert outcome == ["cancelled"]
-    assert store.controls.counted()
+    assert store.controls.counts.counted()
 
 
 def test_a_queue_table_is_looked_after_by_its_consumers_and_pumps(pg, monkeypatch):

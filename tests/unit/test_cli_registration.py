@@ -43,7 +43,7 @@ def test_every_command_is_loaded_lazily_from_the_commands_module():
             yield command
 
     found = list(actions(get_delay_cli_commands()[0]))
-    assert len(found) == 16
+    assert len(found) == 18
     for command in found:
         # lazy_load_command's wrapper, holding the path it imports when the command runs, which exists.
         assert command.func.__module__ == "airflow.cli.cli_config", command.name

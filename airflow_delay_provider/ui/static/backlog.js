@@ -175,6 +175,20 @@
     });
   }
 
+  /** Pause (hold stored, never delivered) or resume the messages of these ids. */
+  function hold(ids, pause) {
+    return act(async () => {
+      const question = pause
+        ? `Pause ${plural(ids.length, "message")}? They stay stored and are not delivered until resumed, whatever their due time.`
+        : `Resume ${plural(ids.length, "message")}? Each is delivered at its due time; one already past due goes at once.`;
+      if (!await confirmAction(`${question}\n\n${idList(ids)}`, pause ? "Pause messages" : "Resume messages")) return null;
+      const report = await api(pause ? "api/pause-messages" : "api/resume-messages", { message_ids: ids });
+      state.selected.clear();
+      return pause ? describe("Paused", report.counts.paused, report.counts)
+        : describe("Resumed", report.counts.resumed, report.counts);
+    });
+  }
+
   // -- everything a filter matches: counted first, then changed (by the server, in batches) ---------------
   /** The search's filter as an action's selection (no ids: a link's or the form's ids are a selection of their own). */
   function filterSelection() {
@@ -211,7 +225,9 @@
     const held = counted.in_flight ? ` (and ${number(counted.in_flight)} held by a running sweep, left as they are)` : "";
     const n = counted.would_cancel;
     $("matching-count").textContent = `${number(n)} scheduled message${n === 1 ? " matches" : "s match"} this filter${held}.`;
-    for (const id of ["match-run-now", "match-reschedule", "match-cancel"]) $(id).disabled = !counted.would_cancel;
+    for (const id of ["match-run-now", "match-reschedule", "match-pause", "match-resume", "match-cancel"]) {
+      $(id).disabled = !counted.would_cancel;
+    }
     bar.hidden = false;
   }
 
@@ -226,13 +242,31 @@
     });
   }
 
-  /** Cancel, run now or reschedule every message the filter matches: the count first, on the confirm button. */
+  const WOULD = { cancel: "would_cancel", run_now: "would_reschedule", reschedule: "would_reschedule",
+    pause: "would_pause", resume: "would_resume" };
+  const QUESTIONS = {
+    cancel: (n, words) => `Cancel ${plural(n, "scheduled message")} matching ${words}? They will never be delivered. `
+      + "This cannot be undone.",
+    run_now: (n, words) => `Deliver ${plural(n, "scheduled message")} matching ${words} now instead of at their `
+      + "scheduled times?",
+    pause: (n, words) => `Pause ${plural(n, "scheduled message")} matching ${words}? They stay stored and are not `
+      + "delivered until resumed, whatever their due time. New messages are not paused.",
+    resume: (n, words) => `Resume ${plural(n, "paused message")} matching ${words}? Each is delivered at its due `
+      + "time; those already past due go at once.",
+  };
+
+  /** Cancel, run now, reschedule, pause or resume every message the filter matches: the count first, on the confirm
+   * button. */
   function onFilter(kind) {
     return act(async () => {
       const selection = filterSelection(), words = describeFilter(selection);
       const counted = await api("api/count", { ...selection, action: kind });
-      const n = kind === "cancel" ? counted.would_cancel : counted.would_reschedule;
-      if (!n) return `Nothing changed: no scheduled message matches ${words}.`;
+      const n = counted[WOULD[kind]];
+      if (!n) {
+        return kind === "resume" ? `Nothing changed: no paused message matches ${words}.`
+          : kind === "pause" ? `Nothing changed: every scheduled message matching ${words} is paused already.`
+            : `Nothing changed: no scheduled message matches ${words}.`;
+      }
       let change = {}, question;
       if (kind === "reschedule") {
         const at = await rescheduleForm(n);
@@ -240,19 +274,20 @@
         change = { deliver_at: at };
         question = `Move ${plural(n, "scheduled message")} matching ${words} to ${window.airflowPrefs.formatTime(at)}?`;
       } else {
-        question = kind === "cancel"
-          ? `Cancel ${plural(n, "scheduled message")} matching ${words}? They will never be delivered. This cannot be undone.`
-          : `Deliver ${plural(n, "scheduled message")} matching ${words} now instead of at their scheduled times?`;
+        question = QUESTIONS[kind](n, words);
       }
       if (counted.in_flight) question += ` ${plural(counted.in_flight, "message")} held by a running sweep will stay.`;
       if (counted.confirm) question += " It is done in batches and may take a while; messages stored meanwhile that match are changed too.";
-      const label = { cancel: "Cancel", run_now: "Run now", reschedule: "Reschedule" }[kind];
+      const label = { cancel: "Cancel", run_now: "Run now", reschedule: "Reschedule", pause: "Pause",
+        resume: "Resume" }[kind];
       if (!await confirmAction(question, `${label} ${number(n)}`)) return null;
-      const path = kind === "run_now" ? "api/run-now" : `api/${kind}`;
+      const path = { run_now: "api/run-now", pause: "api/pause-messages", resume: "api/resume-messages" }[kind]
+        || `api/${kind}`;
       const report = await api(path, { ...selection, ...change });
-      const done = kind === "cancel" ? report.counts.cancelled : report.counts.rescheduled;
-      const verb = { cancel: "Cancelled", run_now: "Made due now:", reschedule: "Rescheduled" }[kind];
-      return describe(verb, done, report.counts);
+      const done = { cancel: "cancelled", pause: "paused", resume: "resumed" }[kind] || "rescheduled";
+      const verb = { cancel: "Cancelled", run_now: "Made due now:", reschedule: "Rescheduled", pause: "Paused",
+        resume: "Resumed" }[kind];
+      return describe(verb, report.counts[done], report.counts);
     });
   }
 
@@ -390,7 +425,9 @@
         el("td", { class: "num" }, d.scheduled), el("td", { class: "num" }, d.due),
         el("td", { class: "num" }, d.in_flight),
         dead !== null && el("td", { class: "num" }, dead[name] || 0),
-        el("td", {}, el("span", { class: `badge ${d.paused ? "paused" : "active"}` }, d.paused ? "paused" : "active")),
+        el("td", {}, el("span", { class: `badge ${d.paused ? "paused" : "active"}` }, d.paused ? "paused" : "active"),
+          d.held ? el("span", { class: "held-count", title: "Messages paused by a selection or a filter" },
+            ` ${number(d.held)} held`) : ""),
         state.canEdit && el("td", {}, actions));
     });
     if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 7, class: "empty" }, "No destinations yet.")));
@@ -516,12 +553,15 @@
         el("td", { class: "hdrs" }, headers.length ? el("ul", { class: "headers" }, headers.map(([k, v]) => el("li", {}, `${k}=${v}`))) : ""),
         el("td", { class: "num" }, m.failures),
         el("td", {}, m.in_flight ? el("span", { class: "badge in-flight" }, "in flight")
-          : m.paused ? el("span", { class: "badge paused" }, "paused") : "scheduled"),
+          : m.held ? el("span", { class: "badge paused held", title: "Paused: not delivered until resumed" }, "held")
+            : m.paused ? el("span", { class: "badge paused" }, "paused") : "scheduled"),
         el("td", { class: "body-cell" }, edit && m.body !== undefined
           ? [el("pre", { class: "body" }, m.body + (m.body_truncated ? "…" : "")), size, " ",
             el("button", { type: "button", disabled: m.in_flight, onclick: () => editMessage(m) }, "Edit")] : size),
         edit && el("td", {}, el("div", { class: "actions" },
           el("button", { type: "button", disabled: m.in_flight, onclick: () => runNow([m.message_id]) }, "Run now"),
+          el("button", { type: "button", disabled: m.in_flight, onclick: () => hold([m.message_id], !m.held) },
+            m.held ? "Resume" : "Pause"),
           el("button", { type: "button", class: "danger", disabled: m.in_flight,
             onclick: () => cancel([m.message_id]) }, "Cancel"))),
       ].filter((c) => c !== false);
@@ -946,6 +986,10 @@
     $("next").addEventListener("click", () => page("next"));
     $("bulk-cancel").addEventListener("click", () => cancel([...state.selected]));
     $("bulk-run-now").addEventListener("click", () => runNow([...state.selected]));
+    $("bulk-pause").addEventListener("click", () => hold([...state.selected], true));
+    $("bulk-resume").addEventListener("click", () => hold([...state.selected], false));
+    $("match-pause").addEventListener("click", () => onFilter("pause"));
+    $("match-resume").addEventListener("click", () => onFilter("resume"));
     $("match-cancel").addEventListener("click", () => onFilter("cancel"));
     $("match-run-now").addEventListener("click", () => onFilter("run_now"));
     $("match-reschedule").addEventListener("click", () => onFilter("reschedule"));
