@@ -155,10 +155,10 @@ def test_a_debounce_re_sent_every_second_for_an_hour_delivers_once_at_the_end(cl
     each send due five minutes later; a pump drains every ten seconds (and the move runs, on PostgreSQL). Nothing is
     delivered during the hour; the message is delivered once, five minutes after the last send, with its body."""
     from airflow_delay_provider.core import pump as pump_module
-    from airflow_delay_provider.stores import backlog, sql, tiers
+    from airflow_delay_provider.stores import counts, sql, tiers
     from airflow_delay_provider.testing import InMemoryStore
 
-    clock.install(monkeypatch, pump_module, sql, tiers, backlog)
+    clock.install(monkeypatch, pump_module, sql, tiers, counts)
     if kind == "memory":
         store = InMemoryStore(clock=clock.clock, dedup_window_seconds=HOUR)
     else:

@@ -116,3 +116,21 @@ def test_a_pause_under_running_pumps_lets_nothing_through_after_it_and_a_resume_
         t.join(timeout=120)
     assert store.count_scheduled() == {}
     assert Counter(transport.sent) == Counter({f"orders-{i}": 1 for i in range(3000)})
+
+
+def test_a_paused_delayed_dag_run_is_not_handed_to_airflow_until_resumed(pg):
+    """Messages of a delayed DAG run's destination (taken by asset watchers' event leases, not by pumps) are paused
+    the same way: no lease takes them, the next event due time passes over them, and a resume lets them go."""
+    store = make_store(*pg)
+    destination = "airflow.asset.orders_due"
+    due = store.clock() - timedelta(seconds=3)
+    store.store([DelayedMessage(destination, b"{}", due, {"tenant": t}, f"ev-{t}") for t in ("a", "b")])
+    store.pause_messages(Selector.build(headers={"tenant": "a"}))
+    store.open_event_claim("claim-1", destination, 60)
+    leased, _ = store.lease_events("claim-1", destination, 10)
+    assert [m.message_id for m in leased] == ["ev-b"]
+    assert store.ack_events("claim-1", ["ev-b"]) == 1
+    assert store.next_event_due(destination) is None
+    store.resume_messages(Selector.build(headers={"tenant": "a"}))
+    assert store.next_event_due(destination) == due
+    assert [m.message_id for m in store.lease_events("claim-1", destination, 10)[0]] == ["ev-a"]

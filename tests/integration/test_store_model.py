@@ -43,8 +43,7 @@ from airflow_delay_provider.core.message import HEADER_FAILED_DESTINATION, Delay
 from airflow_delay_provider.core.ports import Transport
 from airflow_delay_provider.core.pump import Pump, PumpConfig
 from airflow_delay_provider.core.retry_policy import DeliveryPolicy
-from airflow_delay_provider.stores import backlog as backlog_module
-from airflow_delay_provider.stores import dedup, engine, sql, tiers, upkeep
+from airflow_delay_provider.stores import counts, dedup, engine, sql, tiers, upkeep
 from airflow_delay_provider.stores.sql import SqlDelayedMessageStore, from_us, to_us
 from airflow_delay_provider.stores.tables import HELD, HELD_VERSION, LATER, SOON, hour_tier, tier_of
 from airflow_delay_provider.testing.store import InMemoryStore
@@ -469,7 +468,7 @@ class UpgradingStoreMachine(StoreMachine):
         self.model.tiered = True  # claims read every partition until this process's first move
 
 
-_TIMED = (engine, sql, tiers, dedup, backlog_module, upkeep, pump_module, progress)
+_TIMED = (engine, sql, tiers, dedup, counts, upkeep, pump_module, progress)
 
 
 @pytest.fixture

@@ -552,16 +552,17 @@
           el("span", { class: "clock" }, at.slice(11)), el("span", { class: "rel" }, relative)),
         el("td", { class: "hdrs" }, headers.length ? el("ul", { class: "headers" }, headers.map(([k, v]) => el("li", {}, `${k}=${v}`))) : ""),
         el("td", { class: "num" }, m.failures),
-        el("td", {}, m.in_flight ? el("span", { class: "badge in-flight" }, "in flight")
+        // Pause / Resume sits under the state it changes, as Edit under the body: the actions column keeps its width.
+        el("td", { class: "state" }, m.in_flight ? el("span", { class: "badge in-flight" }, "in flight")
           : m.held ? el("span", { class: "badge paused held", title: "Paused: not delivered until resumed" }, "held")
-            : m.paused ? el("span", { class: "badge paused" }, "paused") : "scheduled"),
+            : m.paused ? el("span", { class: "badge paused" }, "paused") : "scheduled",
+        edit && !m.in_flight ? el("button", { type: "button", onclick: () => hold([m.message_id], !m.held) },
+          m.held ? "Resume" : "Pause") : ""),
         el("td", { class: "body-cell" }, edit && m.body !== undefined
           ? [el("pre", { class: "body" }, m.body + (m.body_truncated ? "…" : "")), size, " ",
             el("button", { type: "button", disabled: m.in_flight, onclick: () => editMessage(m) }, "Edit")] : size),
         edit && el("td", {}, el("div", { class: "actions" },
           el("button", { type: "button", disabled: m.in_flight, onclick: () => runNow([m.message_id]) }, "Run now"),
-          el("button", { type: "button", disabled: m.in_flight, onclick: () => hold([m.message_id], !m.held) },
-            m.held ? "Resume" : "Pause"),
           el("button", { type: "button", class: "danger", disabled: m.in_flight,
             onclick: () => cancel([m.message_id]) }, "Cancel"))),
       ].filter((c) => c !== false);
