@@ -75,6 +75,8 @@ def _stress_rows(store) -> None:
         store.set_paused([LONG_NAME], True)
     if store.get("far-1") is None:
         store.store([DelayedMessage("orders", b'{"far": true}', FAR, {"order-id": "far"}, message_id="far-1")])
+    # A paused one: its state cell holds the badge and a Resume button, the widest state a row has.
+    store.pause_messages(Selector(message_ids=("far-1",)))
     if not store.delivery_history(message_id=LONG_ID).entries:
         store.store([DelayedMessage(LONG_DEST, b"{}", datetime.now(timezone.utc), {}, message_id=LONG_ID)])
         transport = SqlTableTransport(store.url)

@@ -956,12 +956,14 @@ def test_editors_search_bodies_and_change_everything_a_filter_matches_after_seei
         expect(dialog).to_contain_text(f"Pause 5 scheduled messages matching body containing “{marker}”?")
         dialog.get_by_role("button", name="Pause 5").click()
         expect(frame.locator("#status")).to_have_text("Paused 5 messages.")
+        expect(frame.locator("body")).not_to_have_attribute("aria-busy", "true")  # the page reloaded: act again
         expect(frame.locator("#messages tbody .badge.held")).to_have_count(5)
         assert store.backlog("orders")["destinations"]["orders"]["held"] >= 5
         frame.get_by_role("button", name="Resume all matching…").click()
         expect(dialog).to_contain_text(f"Resume 5 paused messages matching body containing “{marker}”?")
         dialog.get_by_role("button", name="Resume 5").click()
         expect(frame.locator("#status")).to_have_text("Resumed 5 messages.")
+        expect(frame.locator("body")).not_to_have_attribute("aria-busy", "true")
         expect(frame.locator("#messages tbody .badge.held")).to_have_count(0)
         frame.get_by_role("button", name="Cancel all matching…").click()
         expect(dialog).to_contain_text(f"Cancel 5 scheduled messages matching body containing “{marker}”?")
