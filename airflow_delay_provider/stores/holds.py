@@ -56,7 +56,7 @@ class MessageHolds:
         paused), `in_flight` (a sweep holds them, or a claim had them again at every pass: not paused), by ids `gone`
         and `unknown` as a cancel reports them; a filter's report also counts `already_paused`."""
         now_us = self._ready(selector)
-        where = [*self.selected(selector), self.tables.unleased(now_us), self._not_held()]
+        where = [*self.selected(selector), self.tables.unleased(now_us), self.tables.not_held()]
         already_where = [*self.selected(selector), self.tables.held_rows()]
         with self.db.errors("pause messages"), self.db.engine.connect() as conn:  # those paused before this
             already_count = int(conn.execute(select(func.count()).where(*already_where)).scalar_one())
@@ -80,7 +80,7 @@ class MessageHolds:
         if selector.message_ids:  # by ids, one that is not paused is where a resume would put it
             with self.db.errors("resume messages"), self.db.engine.connect() as conn:
                 already = list(conn.execute(select(t.c.message_id).where(*self.selected(selector),
-                                                                         self._not_held())).scalars())
+                                                                         self.tables.not_held())).scalars())
         return self._report(selector, "resumed", change, already, len(already), list(change.left), len(change.left))
 
     def count(self, selector: Selector, action: str) -> dict[str, Any]:
@@ -88,7 +88,7 @@ class MessageHolds:
         now_us = self._ready(selector)
         selected = self.selected(selector)
         if action == "pause":
-            where = [*selected, self._not_held()]
+            where = [*selected, self.tables.not_held()]
             query = select(func.count(), func.sum(case((self.tables.leased(now_us), 1), else_=0))).where(*where)
         else:
             query = select(func.count(), literal_column("0")).where(*selected, self.tables.held_rows())
@@ -118,9 +118,6 @@ class MessageHolds:
                 f"{HELD_VERSION}: run `airflow delayed-messages db upgrade` (pumps keep running meanwhile)")
         selector.check_for_change(self.settings.check_known)
         return to_us(self.db.clock())
-
-    def _not_held(self) -> ColumnElement[bool]:
-        return self.tables.messages.c.tier != literal_column(str(HELD))
 
     def _change(self, action: str, where: Sequence[ColumnElement[bool]], values: dict[str, Any],
                 wake: bool) -> BatchedChange:

@@ -421,7 +421,11 @@ class StoreTables:
         live = self.messages.c.destination.not_in(select(d.c.destination).where(d.c.paused_at_us.is_not(None)))
         if not self.shape.has_tier:  # a store from before schema version 8 holds nothing
             return live
-        return and_(live, self.messages.c.tier != literal_column(str(HELD)))
+        return and_(live, self.not_held())
+
+    def not_held(self) -> ColumnElement[bool]:
+        """Rows not paused by a filter (a literal, so PostgreSQL leaves `_held` out of the plan)."""
+        return self.messages.c.tier != literal_column(str(HELD))
 
     def held_rows(self) -> ColumnElement[bool]:
         """Rows paused by a filter (schema version 14 on)."""
